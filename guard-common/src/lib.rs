@@ -1,0 +1,177 @@
+//! Types shared by the eBPF programs and the daemon. Every type is `#[repr(C)]`, with
+//! explicit padding, because both sides read the same map memory.
+//!
+//! Addresses are 16 bytes in network byte order; IPv4 is stored IPv4-mapped
+//! (`::ffff:a.b.c.d`), so an IPv4 destination reached through an AF_INET6 socket has
+//! the same key as through an AF_INET socket. Ports are stored in host byte order.
+#![no_std]
+
+/// Rule id of connections that matched no rule of their scope.
+pub const NO_RULE: u32 = u32::MAX;
+/// Most candidate rules an address prefix can carry (see [`Candidates`]).
+pub const MAX_CANDIDATES: usize = 8;
+/// Most port ranges one rule can list.
+pub const MAX_PORT_RANGES: usize = 8;
+
+pub const MODE_OBSERVE: u32 = 0;
+pub const MODE_ENFORCE: u32 = 1;
+
+/// Indices into the `STATS` per-CPU array of internal counters.
+pub const STAT_INTERNAL_ERRORS: u32 = 0;
+pub const STAT_COUNT: u32 = 1;
+
+/// Key of `SCOPES`: which scope governs sockets created in a cgroup, for one policy
+/// generation (`gen` is 0 or 1; the daemon fills the idle one, then flips `ACTIVE_GEN`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct CgroupKey {
+    pub gen_: u32,
+    pub _pad: u32,
+    /// cgroup v2 id (the inode number of the cgroup directory).
+    pub cgroup_id: u64,
+}
+
+/// Value of `SCOPES`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ScopeConf {
+    /// Stable id of the scope, kept across reloads so that counts survive.
+    pub scope_id: u32,
+    /// MODE_OBSERVE or MODE_ENFORCE.
+    pub mode: u32,
+    /// Positive errno returned by connect() when shed (ECONNREFUSED = 111).
+    pub errno: u32,
+    /// 1 when the scope has rules, so the rule lookup can be skipped otherwise.
+    pub has_rules: u32,
+    /// Budget of active connections for the whole scope; 0 = none.
+    pub max_connections: u64,
+}
+
+/// Data part of the `RULES` LPM-trie key: generation, scope, destination address.
+/// The prefix length counts bits from the start of this struct, so a rule CIDR of
+/// length L is stored with prefix length 64 + L (+ 96 for IPv4, which is IPv4-mapped).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RuleAddrKey {
+    pub gen_: u32,
+    pub scope_id: u32,
+    pub addr: [u8; 16],
+}
+
+/// Bit length of the fixed (generation, scope) part of [`RuleAddrKey`].
+pub const RULE_KEY_FIXED_BITS: u32 = 64;
+
+/// Inclusive port range, host byte order.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PortRange {
+    pub first: u16,
+    pub last: u16,
+}
+
+/// One rule as the kernel sees it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RuleRef {
+    /// Stable id of the rule (kept across reloads, like scope ids).
+    pub rule_id: u32,
+    /// 1: every ip:port has its own budget; 0: one budget shared by the rule.
+    pub per_endpoint: u32,
+    /// Budget of active connections; 0 = none (the rule only names traffic).
+    pub max_connections: u64,
+    /// Number of used entries in `ports`; 0 = every port.
+    pub n_ports: u32,
+    pub ports: [PortRange; MAX_PORT_RANGES],
+    pub _pad: u32,
+}
+
+/// Value of `RULES`: for the longest rule prefix containing a destination, every rule
+/// of the scope whose CIDR contains that prefix, in policy order. These are exactly the
+/// rules whose `dst` matches the destination, so the first whose ports match applies.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Candidates {
+    pub n: u32,
+    pub _pad: u32,
+    pub rules: [RuleRef; MAX_CANDIDATES],
+}
+
+pub const LEVEL_SCOPE: u32 = 0;
+pub const LEVEL_RULE: u32 = 1;
+pub const LEVEL_DST: u32 = 2;
+
+/// Key of `COUNTERS`. One connection is counted at three levels: the scope
+/// (`rule_id` NO_RULE, no address), the rule (no address; only when a rule matched)
+/// and the destination (scope, rule or NO_RULE, address and port).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct CounterKey {
+    pub scope_id: u32,
+    pub rule_id: u32,
+    pub level: u32,
+    /// Destination port, host byte order; 0 above LEVEL_DST.
+    pub port: u16,
+    pub _pad: u16,
+    /// Destination address (network order, IPv4-mapped); zero above LEVEL_DST.
+    pub addr: [u8; 16],
+}
+
+impl CounterKey {
+    /// The key one level up (destination -> rule -> scope).
+    pub const fn at_level(&self, level: u32) -> CounterKey {
+        let rule_id = if level == LEVEL_SCOPE {
+            NO_RULE
+        } else {
+            self.rule_id
+        };
+        let (port, addr) = if level == LEVEL_DST {
+            (self.port, self.addr)
+        } else {
+            (0, [0; 16])
+        };
+        CounterKey {
+            scope_id: self.scope_id,
+            rule_id,
+            level,
+            port,
+            _pad: 0,
+            addr,
+        }
+    }
+}
+
+/// Value of `COUNTERS`; every field is updated with atomic instructions.
+/// Units: connections.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Counter {
+    /// Admitted and not yet in TCP_CLOSE.
+    pub active: u64,
+    /// Highest `active` seen.
+    pub peak: u64,
+    /// Connections admitted (total).
+    pub admitted: u64,
+    /// Connections refused (enforce mode, total).
+    pub shed: u64,
+    /// Connections that would have been refused (observe mode, total).
+    pub would_shed: u64,
+}
+
+/// Value of `ADMITTED` (key: socket cookie): what to release when the socket closes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Admission {
+    pub dst: CounterKey,
+}
+
+#[cfg(feature = "user")]
+mod pod {
+    use super::*;
+    unsafe impl aya::Pod for CgroupKey {}
+    unsafe impl aya::Pod for ScopeConf {}
+    unsafe impl aya::Pod for RuleAddrKey {}
+    unsafe impl aya::Pod for Candidates {}
+    unsafe impl aya::Pod for CounterKey {}
+    unsafe impl aya::Pod for Counter {}
+    unsafe impl aya::Pod for Admission {}
+}

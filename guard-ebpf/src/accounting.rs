@@ -1,0 +1,74 @@
+//! Atomic counter updates and the release of an admission.
+use core::intrinsics::{AtomicOrdering::Relaxed, atomic_cxchg, atomic_xadd};
+
+use aya_ebpf::bindings::BPF_NOEXIST;
+use guard_common::{Counter, CounterKey, LEVEL_DST, LEVEL_RULE, LEVEL_SCOPE, NO_RULE};
+
+use crate::maps::{ADMITTED, COUNTERS, STATS};
+
+#[inline(always)]
+pub fn add(field: *mut u64, delta: u64) -> u64 {
+    unsafe { atomic_xadd::<u64, u64, { Relaxed }>(field, delta) }
+}
+
+/// Raises `peak` to `value` unless a concurrent update already went higher.
+#[inline(always)]
+pub fn raise_peak(peak: *mut u64, value: u64) {
+    let mut seen = unsafe { *peak };
+    for _ in 0..4 {
+        if seen >= value {
+            return;
+        }
+        let (now, ok) = unsafe { atomic_cxchg::<u64, { Relaxed }, { Relaxed }>(peak, seen, value) };
+        if ok {
+            return;
+        }
+        seen = now;
+    }
+}
+
+pub fn internal_error(index: u32) {
+    if let Some(p) = STATS.get_ptr_mut(index) {
+        unsafe { *p += 1 };
+    }
+}
+
+/// The counter for `key`, created at zero when missing. None when the map is full.
+#[inline(always)]
+pub fn counter(key: &CounterKey) -> Option<*mut Counter> {
+    if let Some(p) = COUNTERS.get_ptr_mut(key) {
+        return Some(p);
+    }
+    // A concurrent creator may win the insert; the lookup below finds its entry.
+    let _ = COUNTERS.insert(key, Counter::default(), BPF_NOEXIST as u64);
+    COUNTERS.get_ptr_mut(key)
+}
+
+/// The levels a destination key is counted at: destination, rule (when one matched),
+/// scope.
+#[inline(always)]
+pub fn levels(dst: &CounterKey) -> [Option<CounterKey>; 3] {
+    let rule = if dst.rule_id == NO_RULE {
+        None
+    } else {
+        Some(dst.at_level(LEVEL_RULE))
+    };
+    [Some(dst.at_level(LEVEL_DST)), rule, Some(dst.at_level(LEVEL_SCOPE))]
+}
+
+/// Releases the admission of the socket with this cookie, if it holds one. Removal
+/// from ADMITTED succeeds for exactly one caller, so concurrent paths release once.
+#[inline(always)]
+pub fn release(cookie: u64) {
+    let Some(a) = (unsafe { ADMITTED.get(&cookie) }).copied() else {
+        return;
+    };
+    if ADMITTED.remove(&cookie).is_err() {
+        return;
+    }
+    for key in levels(&a.dst).iter().flatten() {
+        if let Some(c) = COUNTERS.get_ptr_mut(key) {
+            add(unsafe { &raw mut (*c).active }, u64::MAX);
+        }
+    }
+}

@@ -1,0 +1,188 @@
+//! cgroup connect4/connect6: admit or shed a TCP connection attempt.
+//!
+//! The kernel runs these hooks from `__inet_stream_connect` only while the socket is
+//! unconnected and in TCP_CLOSE, so EINPROGRESS/EALREADY retries do not run them again
+//! (net/ipv4/af_inet.c); TCP Fast Open (sendmsg with MSG_FASTOPEN) runs them too.
+use aya_ebpf::{
+    EbpfContext,
+    helpers::generated::{bpf_get_current_cgroup_id, bpf_get_socket_cookie, bpf_set_retval},
+    macros::cgroup_sock_addr,
+    maps::lpm_trie::Key,
+    programs::SockAddrContext,
+};
+use guard_common::{
+    Admission, CgroupKey, CounterKey, LEVEL_DST, MAX_CANDIDATES, MODE_ENFORCE, NO_RULE,
+    RULE_KEY_FIXED_BITS, RuleAddrKey, RuleRef, STAT_INTERNAL_ERRORS,
+};
+
+use crate::{
+    accounting::{add, counter, internal_error, levels, raise_peak, release},
+    maps::{ACTIVE_GEN, ADMITTED, RULES, SCOPES, SOCK_CGROUP},
+};
+
+const ALLOW: i32 = 1;
+const DENY: i32 = 0;
+const SOCK_STREAM: u32 = 1;
+const IPPROTO_TCP: u32 = 6;
+
+#[cgroup_sock_addr(connect4)]
+pub fn connect4(ctx: SockAddrContext) -> i32 {
+    let sa = unsafe { &*ctx.sock_addr };
+    if sa.type_ != SOCK_STREAM || sa.protocol != IPPROTO_TCP {
+        return ALLOW;
+    }
+    let mut addr = [0u8; 16];
+    addr[10] = 0xff;
+    addr[11] = 0xff;
+    addr[12..].copy_from_slice(&sa.user_ip4.to_ne_bytes());
+    admit(&ctx, addr, u16::from_be(sa.user_port as u16))
+}
+
+#[cgroup_sock_addr(connect6)]
+pub fn connect6(ctx: SockAddrContext) -> i32 {
+    let sa = unsafe { &*ctx.sock_addr };
+    if sa.type_ != SOCK_STREAM || sa.protocol != IPPROTO_TCP {
+        return ALLOW;
+    }
+    // One 32-bit load per element: the verifier rejects wider context reads here.
+    let mut addr = [0u8; 16];
+    addr[0..4].copy_from_slice(&sa.user_ip6[0].to_ne_bytes());
+    addr[4..8].copy_from_slice(&sa.user_ip6[1].to_ne_bytes());
+    addr[8..12].copy_from_slice(&sa.user_ip6[2].to_ne_bytes());
+    addr[12..16].copy_from_slice(&sa.user_ip6[3].to_ne_bytes());
+    // `::ffff:a.b.c.d` is already the IPv4 key (IPv4 is stored IPv4-mapped).
+    admit(&ctx, addr, u16::from_be(sa.user_port as u16))
+}
+
+#[inline(always)]
+fn admit(ctx: &SockAddrContext, addr: [u8; 16], port: u16) -> i32 {
+    let gen_ = ACTIVE_GEN.get(0).copied().unwrap_or(0);
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    // The socket's scope comes from the cgroup it was created in; sockets created before
+    // the daemon started fall back to the caller's cgroup.
+    let cgroup_id = match unsafe { SOCK_CGROUP.get(&cookie) } {
+        Some(id) => *id,
+        None => unsafe { bpf_get_current_cgroup_id() },
+    };
+    let Some(scope) = (unsafe { SCOPES.get(&CgroupKey { gen_, _pad: 0, cgroup_id }) }) else {
+        return ALLOW;
+    };
+    let scope = *scope;
+    // A reconnect after a failure that no release path saw (another cgroup program
+    // refused the first attempt): the old admission must not be counted twice.
+    release(cookie);
+
+    let rule = if scope.has_rules != 0 {
+        match_rule(gen_, scope.scope_id, &addr, port)
+    } else {
+        None
+    };
+    let (rule_id, per_endpoint, rule_max) = match rule {
+        Some(r) => (r.rule_id, r.per_endpoint != 0, r.max_connections),
+        None => (NO_RULE, false, 0),
+    };
+    let dst = CounterKey {
+        scope_id: scope.scope_id,
+        rule_id,
+        level: LEVEL_DST,
+        port,
+        _pad: 0,
+        addr,
+    };
+    // Budgets by level, in the order of `levels`: destination, rule, scope.
+    let maxes = [
+        if per_endpoint { rule_max } else { 0 },
+        if per_endpoint { 0 } else { rule_max },
+        scope.max_connections,
+    ];
+    let keys = levels(&dst);
+    let mut counters = [None; 3];
+    for i in 0..3 {
+        if let Some(key) = &keys[i] {
+            match counter(key) {
+                Some(c) => counters[i] = Some(c),
+                None => {
+                    internal_error(STAT_INTERNAL_ERRORS);
+                    return ALLOW;
+                }
+            }
+        }
+    }
+
+    // Reserve at every level first, then look: concurrent connects each see a distinct
+    // previous value, so a budget of N admits at most N.
+    let mut olds = [0u64; 3];
+    let mut over = false;
+    for i in 0..3 {
+        if let Some(c) = counters[i] {
+            olds[i] = add(unsafe { &raw mut (*c).active }, 1);
+            if maxes[i] != 0 && olds[i] >= maxes[i] {
+                over = true;
+            }
+        }
+    }
+    if over && scope.mode == MODE_ENFORCE {
+        for &c in counters.iter().flatten() {
+            add(unsafe { &raw mut (*c).active }, u64::MAX);
+            add(unsafe { &raw mut (*c).shed }, 1);
+        }
+        unsafe { bpf_set_retval(-(scope.errno as i32)) };
+        return DENY;
+    }
+    if ADMITTED.insert(&cookie, Admission { dst }, 0).is_err() {
+        for &c in counters.iter().flatten() {
+            add(unsafe { &raw mut (*c).active }, u64::MAX);
+        }
+        internal_error(STAT_INTERNAL_ERRORS);
+        return ALLOW;
+    }
+    for i in 0..3 {
+        if let Some(c) = counters[i] {
+            add(unsafe { &raw mut (*c).admitted }, 1);
+            if over {
+                add(unsafe { &raw mut (*c).would_shed }, 1);
+            }
+            raise_peak(unsafe { &raw mut (*c).peak }, olds[i] + 1);
+        }
+    }
+    ALLOW
+}
+
+/// First rule of the scope whose destination and ports match, if any.
+#[inline(always)]
+fn match_rule(gen_: u32, scope_id: u32, addr: &[u8; 16], port: u16) -> Option<RuleRef> {
+    let key = Key::new(
+        RULE_KEY_FIXED_BITS + 128,
+        RuleAddrKey { gen_, scope_id, addr: *addr },
+    );
+    let cands = RULES.get(&key)?;
+    for i in 0..MAX_CANDIDATES {
+        if i as u32 >= cands.n {
+            break;
+        }
+        let r = cands.rules.get(i)?;
+        if ports_match(r, port) {
+            return Some(*r);
+        }
+    }
+    None
+}
+
+#[inline(always)]
+fn ports_match(r: &RuleRef, port: u16) -> bool {
+    if r.n_ports == 0 {
+        return true;
+    }
+    for j in 0..r.ports.len() {
+        if j as u32 >= r.n_ports {
+            break;
+        }
+        if let Some(p) = r.ports.get(j)
+            && p.first <= port
+            && port <= p.last
+        {
+            return true;
+        }
+    }
+    false
+}

@@ -1,0 +1,25 @@
+//! connguard's kernel side: one module per hook, the maps and the accounting they share.
+//!
+//! A socket's admission is taken in the cgroup connect4/connect6 hooks (`connect`) and
+//! released exactly once when the socket reaches TCP_CLOSE (`release`), whichever path
+//! gets there first: the state tracepoint, or the socket's release while still closed. Every internal problem lets the connection through and
+//! is counted (fail-open).
+#![no_std]
+#![no_main]
+#![feature(core_intrinsics)]
+#![allow(internal_features)]
+
+mod accounting;
+mod connect;
+mod maps;
+mod release;
+mod sock_create;
+
+#[panic_handler]
+fn panic(_info: &core::panic::PanicInfo) -> ! {
+    loop {}
+}
+
+#[unsafe(link_section = "license")]
+#[unsafe(no_mangle)]
+static LICENSE: [u8; 4] = *b"GPL\0";

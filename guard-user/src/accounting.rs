@@ -1,0 +1,267 @@
+//! Writes the policy into the kernel maps and reads the counters back.
+//!
+//! Atomic reload: every policy entry is keyed by a generation (0 or 1). A new policy is
+//! written into the idle generation, then `ACTIVE_GEN` flips in one map update, then
+//! the old generation is deleted. Counters are keyed by scope and rule ids that stay
+//! the same across reloads (by name), so active counts survive a reload.
+use std::{
+    collections::{BTreeMap, HashMap},
+    net::{IpAddr, Ipv6Addr},
+    path::PathBuf,
+    thread,
+    time::Duration,
+};
+
+use anyhow::Context;
+use aya::maps::{Array, HashMap as BpfHashMap, LpmTrie, MapData, PerCpuArray, lpm_trie::Key};
+use guard_common::{
+    Candidates, CgroupKey, Counter, CounterKey, RULE_KEY_FIXED_BITS, RuleAddrKey, RuleRef,
+    STAT_INTERNAL_ERRORS, ScopeConf,
+};
+use ipnet::{IpNet, Ipv6Net};
+
+use crate::{
+    cgroup,
+    policy::{Policy, Rule},
+};
+
+/// Stable numeric ids for scope and rule names.
+#[derive(Default)]
+pub struct Ids {
+    scopes: HashMap<String, u32>,
+    rules: HashMap<(String, String), u32>,
+}
+
+impl Ids {
+    pub fn scope(&mut self, name: &str) -> u32 {
+        let next = self.scopes.len() as u32;
+        *self.scopes.entry(name.to_string()).or_insert(next)
+    }
+
+    pub fn rule(&mut self, scope: &str, rule: &str) -> u32 {
+        let next = self.rules.len() as u32;
+        *self.rules.entry((scope.to_string(), rule.to_string())).or_insert(next)
+    }
+
+    pub fn rule_name(&self, id: u32) -> Option<&str> {
+        self.rules.iter().find(|(_, v)| **v == id).map(|((_, r), _)| r.as_str())
+    }
+}
+
+pub struct Accounting {
+    scopes: BpfHashMap<MapData, CgroupKey, ScopeConf>,
+    rules: LpmTrie<MapData, RuleAddrKey, Candidates>,
+    active_gen: Array<MapData, u32>,
+    counters: BpfHashMap<MapData, CounterKey, Counter>,
+    stats: PerCpuArray<MapData, u64>,
+    cgroup_root: PathBuf,
+    gen_: u32,
+    pub ids: Ids,
+    pub policy: Option<Policy>,
+    /// What the active generation holds, to diff against on rescan and to delete.
+    written_scopes: BTreeMap<u64, ScopeConf>,
+    written_rules: Vec<Key<RuleAddrKey>>,
+}
+
+impl Accounting {
+    pub fn new(ebpf: &mut aya::Ebpf, cgroup_root: PathBuf) -> anyhow::Result<Self> {
+        let mut take = |name: &str| ebpf.take_map(name).with_context(|| format!("map {name} missing from the eBPF object"));
+        Ok(Accounting {
+            scopes: BpfHashMap::try_from(take("SCOPES")?)?,
+            rules: LpmTrie::try_from(take("RULES")?)?,
+            active_gen: Array::try_from(take("ACTIVE_GEN")?)?,
+            counters: BpfHashMap::try_from(take("COUNTERS")?)?,
+            stats: PerCpuArray::try_from(take("STATS")?)?,
+            cgroup_root,
+            gen_: 0,
+            ids: Ids::default(),
+            policy: None,
+            written_scopes: BTreeMap::new(),
+            written_rules: Vec::new(),
+        })
+    }
+
+    /// Makes `policy` the one in force, atomically for the programs.
+    pub fn apply(&mut self, policy: Policy) -> anyhow::Result<()> {
+        let next = self.gen_ ^ 1;
+        let governed = cgroup::resolve(&self.cgroup_root, &policy)?;
+        let confs = self.scope_confs(&policy);
+        let mut scopes = BTreeMap::new();
+        for (cgroup_id, index) in governed {
+            scopes.insert(cgroup_id, confs[index]);
+        }
+        let mut rule_keys = Vec::new();
+        let result = (|| -> anyhow::Result<()> {
+            for (id, conf) in &scopes {
+                self.scopes.insert(CgroupKey { gen_: next, _pad: 0, cgroup_id: *id }, conf, 0)?;
+            }
+            for (scope, conf) in policy.scopes.iter().zip(&confs) {
+                for (key, cands) in self.rule_entries(next, conf.scope_id, &scope.name, &scope.rules) {
+                    self.rules.insert(&key, cands, 0)?;
+                    rule_keys.push(key);
+                }
+            }
+            Ok(())
+        })();
+        if let Err(e) = result {
+            // Leave nothing half-written in the idle generation.
+            for id in scopes.keys() {
+                let _ = self.scopes.remove(&CgroupKey { gen_: next, _pad: 0, cgroup_id: *id });
+            }
+            for key in &rule_keys {
+                let _ = self.rules.remove(key);
+            }
+            return Err(e.context("writing the policy into the kernel maps"));
+        }
+        self.active_gen.set(0, next, 0)?;
+        let old_gen = self.gen_;
+        let old_scopes = std::mem::replace(&mut self.written_scopes, scopes);
+        let old_rules = std::mem::replace(&mut self.written_rules, rule_keys);
+        self.gen_ = next;
+        self.policy = Some(policy);
+        // Programs that read the old generation just before the flip finish within an
+        // RCU grace period; give them that before their entries go.
+        thread::sleep(Duration::from_millis(20));
+        for id in old_scopes.keys() {
+            let _ = self.scopes.remove(&CgroupKey { gen_: old_gen, _pad: 0, cgroup_id: *id });
+        }
+        for key in &old_rules {
+            let _ = self.rules.remove(key);
+        }
+        Ok(())
+    }
+
+    /// Brings the active generation up to date with cgroups created or removed since
+    /// the policy was applied.
+    pub fn rescan(&mut self) -> anyhow::Result<()> {
+        let Some(policy) = self.policy.clone() else { return Ok(()) };
+        let confs = self.scope_confs(&policy);
+        let governed = cgroup::resolve(&self.cgroup_root, &policy)?;
+        let gen_ = self.gen_;
+        for (id, index) in &governed {
+            if self.written_scopes.get(id) != Some(&confs[*index]) {
+                self.scopes.insert(CgroupKey { gen_, _pad: 0, cgroup_id: *id }, confs[*index], 0)?;
+                self.written_scopes.insert(*id, confs[*index]);
+            }
+        }
+        let gone: Vec<u64> = self.written_scopes.keys().filter(|id| !governed.contains_key(id)).copied().collect();
+        for id in gone {
+            let _ = self.scopes.remove(&CgroupKey { gen_, _pad: 0, cgroup_id: id });
+            self.written_scopes.remove(&id);
+        }
+        Ok(())
+    }
+
+    /// Number of cgroups the policy governs now.
+    pub fn governed_cgroups(&self) -> usize {
+        self.written_scopes.len()
+    }
+
+    fn scope_confs(&mut self, policy: &Policy) -> Vec<ScopeConf> {
+        policy
+            .scopes
+            .iter()
+            .map(|s| ScopeConf {
+                scope_id: self.ids.scope(&s.name),
+                mode: s.mode,
+                errno: s.errno as u32,
+                has_rules: !s.rules.is_empty() as u32,
+                max_connections: s.max_connections.unwrap_or(0),
+            })
+            .collect()
+    }
+
+    fn rule_entries(
+        &mut self,
+        gen_: u32,
+        scope_id: u32,
+        scope_name: &str,
+        rules: &[Rule],
+    ) -> Vec<(Key<RuleAddrKey>, Candidates)> {
+        let refs: Vec<RuleRef> = rules
+            .iter()
+            .map(|r| {
+                let mut rr = RuleRef {
+                    rule_id: self.ids.rule(scope_name, &r.name),
+                    per_endpoint: r.per_endpoint as u32,
+                    max_connections: r.max_connections.unwrap_or(0),
+                    n_ports: r.ports.len() as u32,
+                    ..Default::default()
+                };
+                rr.ports[..r.ports.len()].copy_from_slice(&r.ports);
+                rr
+            })
+            .collect();
+        rule_prefixes(rules)
+            .into_iter()
+            .map(|prefix| {
+                let mut cands = Candidates::default();
+                let matching = candidates_of(rules, &prefix);
+                cands.n = matching.len() as u32;
+                for (slot, i) in cands.rules.iter_mut().zip(matching) {
+                    *slot = refs[i];
+                }
+                let key = Key::new(
+                    RULE_KEY_FIXED_BITS + prefix.prefix_len() as u32,
+                    RuleAddrKey { gen_, scope_id, addr: prefix.addr().octets() },
+                );
+                (key, cands)
+            })
+            .collect()
+    }
+
+    /// Every counter in the kernel.
+    pub fn counters(&self) -> Vec<(CounterKey, Counter)> {
+        self.counters.iter().filter_map(Result::ok).collect()
+    }
+
+    /// Internal errors summed over CPUs (fail-open events).
+    pub fn internal_errors(&self) -> u64 {
+        self.stats
+            .get(&STAT_INTERNAL_ERRORS, 0)
+            .map(|v| v.iter().sum())
+            .unwrap_or(0)
+    }
+}
+
+/// A network as the kernel keys it: IPv6, with IPv4 IPv4-mapped.
+pub fn mapped(net: &IpNet) -> Ipv6Net {
+    match net {
+        IpNet::V4(n) => Ipv6Net::new(n.addr().to_ipv6_mapped(), 96 + n.prefix_len()).expect("valid prefix"),
+        IpNet::V6(n) => *n,
+    }
+}
+
+fn rule_nets(rule: &Rule) -> Vec<Ipv6Net> {
+    if rule.dst.is_empty() {
+        vec![Ipv6Net::new(Ipv6Addr::UNSPECIFIED, 0).expect("valid prefix")]
+    } else {
+        rule.dst.iter().map(mapped).collect()
+    }
+}
+
+/// The distinct destination prefixes of a scope's rules, as the kernel keys them.
+pub fn rule_prefixes(rules: &[Rule]) -> Vec<Ipv6Net> {
+    let mut out: Vec<Ipv6Net> = rules.iter().flat_map(rule_nets).collect();
+    out.sort();
+    out.dedup();
+    out
+}
+
+/// Indices of the rules that match every address in `prefix`, in policy order. For the
+/// longest rule prefix containing an address, these are exactly the rules whose `dst`
+/// contains the address.
+pub fn candidates_of(rules: &[Rule], prefix: &Ipv6Net) -> Vec<usize> {
+    (0..rules.len())
+        .filter(|&i| rule_nets(&rules[i]).iter().any(|n| n.contains(prefix)))
+        .collect()
+}
+
+/// An address in the kernel's form, back as the address a user wrote.
+pub fn unmapped(addr: [u8; 16]) -> IpAddr {
+    let v6 = Ipv6Addr::from(addr);
+    match v6.to_ipv4_mapped() {
+        Some(v4) => IpAddr::V4(v4),
+        None => IpAddr::V6(v6),
+    }
+}

@@ -1,0 +1,66 @@
+//! Command-line interface.
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+
+pub const DEFAULT_SOCKET: &str = "/run/connguard/connguard.sock";
+
+/// connguard guards TCP connections in the kernel: it counts every outbound connection
+/// per cgroup v2 scope and per destination, and makes connect() fail at once
+/// (ECONNREFUSED by default, no SYN sent) when a budget is spent.
+#[derive(Parser)]
+#[command(version, about, long_about = None, after_help = "\
+Examples:
+  connguard run                               observe the whole host (embedded default policy)
+  connguard run --policy /etc/connguard.toml  enforce budgets from a policy file
+  connguard check /etc/connguard.toml         validate a policy file before a reload
+  connguard stats                             show counters of the running daemon
+  connguard reload                            re-read the policy file (same as SIGHUP)")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand)]
+pub enum Command {
+    /// Run the daemon in the foreground: attach the eBPF programs to the cgroup v2 root,
+    /// apply the policy, serve stats. Logs a line containing "ready" once enforcing.
+    /// SIGHUP re-reads the policy; SIGTERM/SIGINT detach everything and exit (traffic is
+    /// then unguarded: connguard fails open).
+    Run {
+        /// Policy file (TOML, see policies/example.toml); default: the embedded policy
+        /// that observes the whole host and sheds nothing.
+        #[arg(long, value_name = "FILE")]
+        policy: Option<PathBuf>,
+        /// Address for Prometheus metrics at /metrics, or "off".
+        #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:9877")]
+        metrics: String,
+        /// Control socket used by `stats` and `reload`.
+        #[arg(long, value_name = "PATH", default_value = DEFAULT_SOCKET)]
+        socket: PathBuf,
+        /// Enable the kernel's bpf_stats (run_time_ns / run_cnt per program) while the
+        /// daemon runs, so `stats` shows each program's average cost. Costs a few ns per
+        /// program run, for every eBPF program on the host.
+        #[arg(long)]
+        bpf_stats: bool,
+    },
+    /// Validate a policy file: exit 0, or 1 with each error as FILE:LINE:COLUMN: REASON.
+    Check {
+        #[arg(value_name = "FILE")]
+        file: PathBuf,
+    },
+    /// Show the running daemon's counters: per scope, rule and destination.
+    Stats {
+        /// Print JSON (the shape documented in README.md) instead of a table.
+        #[arg(long)]
+        json: bool,
+        #[arg(long, value_name = "PATH", default_value = DEFAULT_SOCKET)]
+        socket: PathBuf,
+    },
+    /// Ask the running daemon to re-read its policy file. A bad file is rejected (exit 1)
+    /// and the policy in force stays, with its counts.
+    Reload {
+        #[arg(long, value_name = "PATH", default_value = DEFAULT_SOCKET)]
+        socket: PathBuf,
+    },
+}

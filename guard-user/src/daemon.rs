@@ -1,0 +1,225 @@
+//! `connguard run`: attach, apply the policy, then serve stats and reloads until
+//! SIGTERM/SIGINT. The control socket speaks one request line per connection
+//! (`stats` or `reload`) and answers with one JSON document.
+use std::{
+    io::{BufRead, BufReader, Write},
+    os::unix::{fs::PermissionsExt, net::UnixListener},
+    path::{Path, PathBuf},
+    sync::{Arc, Mutex, mpsc},
+    thread,
+    time::Duration,
+};
+
+use anyhow::{Context, bail};
+use serde::{Deserialize, Serialize};
+use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+
+use crate::{
+    accounting::Accounting,
+    cgroup, loader,
+    policy::{self, Policy},
+    stats::{self, PolicyStatus, Snapshot},
+};
+
+/// How often cgroups created or removed since the last look are picked up.
+const RESCAN: Duration = Duration::from_millis(500);
+
+pub struct Options {
+    pub policy: Option<PathBuf>,
+    pub metrics: Option<String>,
+    pub socket: PathBuf,
+    pub bpf_stats: bool,
+}
+
+/// Answer of the `reload` request.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct ReloadReply {
+    pub ok: bool,
+    pub generation: u64,
+    pub error: Option<String>,
+}
+
+struct Daemon {
+    // Field order matters on drop: the maps go before the object that attached them.
+    acct: Accounting,
+    ebpf: aya::Ebpf,
+    status: PolicyStatus,
+    policy_path: Option<PathBuf>,
+}
+
+impl Daemon {
+    fn read_policy(path: Option<&Path>) -> Result<Policy, policy::PolicyError> {
+        match path {
+            Some(p) => policy::load_file(p),
+            None => policy::parse(policy::DEFAULT_POLICY, policy::DEFAULT_SOURCE),
+        }
+    }
+
+    /// Re-reads the policy file; on any error the policy in force stays, and the error
+    /// is logged and kept for `stats`.
+    fn reload(&mut self) -> ReloadReply {
+        let result = Self::read_policy(self.policy_path.as_deref())
+            .map_err(|e| e.to_string())
+            .and_then(|p| {
+                let what = policy::describe(&p);
+                self.acct.apply(p).map_err(|e| format!("{e:#}")).map(|()| what)
+            });
+        match result {
+            Ok(what) => {
+                self.status.generation += 1;
+                self.status.last_error = None;
+                log::info!("policy reloaded: generation {}, {what}", self.status.generation);
+            }
+            Err(e) => {
+                log::error!("policy reload rejected, the previous policy stays in force: {e}");
+                self.status.last_error = Some(e);
+            }
+        }
+        ReloadReply {
+            ok: self.status.last_error.is_none(),
+            generation: self.status.generation,
+            error: self.status.last_error.clone(),
+        }
+    }
+
+    fn snapshot(&mut self) -> Snapshot {
+        Snapshot {
+            policy: self.status.clone(),
+            scopes: stats::scopes(&mut self.acct),
+            internal_errors: self.acct.internal_errors(),
+            programs: loader::program_costs(&self.ebpf),
+        }
+    }
+}
+
+pub fn run(opts: Options) -> anyhow::Result<()> {
+    loader::require_root()?;
+    // A bad policy stops the start before anything is attached.
+    let policy = Daemon::read_policy(opts.policy.as_deref())?;
+    loader::ensure_mounts()?;
+    let root = cgroup::cgroup2_mount()?;
+    let listener = bind_control(&opts.socket)?;
+    let _stats_fd = if opts.bpf_stats {
+        Some(aya::sys::enable_stats(aya::sys::Stats::RunTime).context("enabling kernel bpf_stats")?)
+    } else {
+        None
+    };
+    let mut ebpf = loader::load_and_attach(&root)?;
+    let mut acct = Accounting::new(&mut ebpf, root.clone())?;
+    let what = policy::describe(&policy);
+    let source = policy.source.clone();
+    acct.apply(policy)?;
+    let governed = acct.governed_cgroups();
+    let daemon = Arc::new(Mutex::new(Daemon {
+        acct,
+        ebpf,
+        status: PolicyStatus { source: source.clone(), generation: 1, last_error: None },
+        policy_path: opts.policy.clone(),
+    }));
+
+    let (tx, rx) = mpsc::channel::<i32>();
+    let mut signals = signal_hook::iterator::Signals::new([SIGHUP, SIGTERM, SIGINT])?;
+    thread::spawn(move || {
+        for sig in signals.forever() {
+            if tx.send(sig).is_err() {
+                break;
+            }
+        }
+    });
+    {
+        let daemon = daemon.clone();
+        thread::spawn(move || serve_control(listener, daemon));
+    }
+    if let Some(addr) = &opts.metrics {
+        let server = tiny_http::Server::http(addr.as_str())
+            .map_err(|e| anyhow::anyhow!("serving metrics on {addr}: {e}"))?;
+        log::info!("metrics on http://{}/metrics", server.server_addr());
+        let daemon = daemon.clone();
+        thread::spawn(move || serve_metrics(server, daemon));
+    }
+    log::info!(
+        "ready: programs attached to {}, policy {source} ({what}) governs {governed} cgroup(s), control socket {}",
+        root.display(),
+        opts.socket.display()
+    );
+
+    loop {
+        match rx.recv_timeout(RESCAN) {
+            Ok(SIGHUP) => {
+                daemon.lock().expect("daemon lock").reload();
+            }
+            Ok(sig) => {
+                log::info!("signal {sig}: detaching and exiting");
+                break;
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                if let Err(e) = daemon.lock().expect("daemon lock").acct.rescan() {
+                    log::warn!("cgroup rescan failed: {e:#}");
+                }
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+        }
+    }
+    let _ = std::fs::remove_file(&opts.socket);
+    Ok(())
+}
+
+fn bind_control(path: &Path) -> anyhow::Result<UnixListener> {
+    if std::os::unix::net::UnixStream::connect(path).is_ok() {
+        bail!("another connguard daemon is serving {}; stop it or pass --socket", path.display());
+    }
+    let _ = std::fs::remove_file(path);
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    let listener = UnixListener::bind(path).with_context(|| format!("binding {}", path.display()))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    Ok(listener)
+}
+
+fn serve_control(listener: UnixListener, daemon: Arc<Mutex<Daemon>>) {
+    for stream in listener.incoming().flatten() {
+        let mut line = String::new();
+        if BufReader::new(&stream).read_line(&mut line).is_err() {
+            continue;
+        }
+        let reply = {
+            let mut d = daemon.lock().expect("daemon lock");
+            match line.trim() {
+                "stats" => serde_json::to_string(&d.snapshot()),
+                "reload" => serde_json::to_string(&d.reload()),
+                other => Ok(serde_json::json!({ "error": format!("unknown request {other:?}") }).to_string()),
+            }
+        };
+        if let Ok(text) = reply {
+            let _ = (&stream).write_all(text.as_bytes());
+        }
+    }
+}
+
+fn serve_metrics(server: tiny_http::Server, daemon: Arc<Mutex<Daemon>>) {
+    for req in server.incoming_requests() {
+        let response = if req.url() == "/metrics" {
+            let text = stats::prometheus(&daemon.lock().expect("daemon lock").snapshot());
+            let header = "Content-Type: text/plain; version=0.0.4; charset=utf-8"
+                .parse::<tiny_http::Header>()
+                .expect("valid header");
+            tiny_http::Response::from_string(text).with_header(header)
+        } else {
+            tiny_http::Response::from_string("see /metrics\n").with_status_code(404)
+        };
+        let _ = req.respond(response);
+    }
+}
+
+/// Sends one request to a running daemon and returns its JSON answer.
+pub fn request(socket: &Path, what: &str) -> anyhow::Result<String> {
+    let mut stream = std::os::unix::net::UnixStream::connect(socket).with_context(|| {
+        format!("no connguard daemon answers on {} (is `connguard run` running? pass --socket if it uses another path)", socket.display())
+    })?;
+    stream.write_all(format!("{what}\n").as_bytes())?;
+    stream.shutdown(std::net::Shutdown::Write)?;
+    let mut out = String::new();
+    std::io::Read::read_to_string(&mut stream, &mut out)?;
+    Ok(out)
+}

@@ -1,0 +1,60 @@
+//! connguard: the daemon and its command-line tools.
+mod accounting;
+mod cgroup;
+mod cli;
+mod daemon;
+mod loader;
+mod policy;
+mod stats;
+
+use std::process::ExitCode;
+
+use clap::Parser;
+
+use crate::cli::{Cli, Command};
+
+fn main() -> ExitCode {
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
+    match run(Cli::parse().command) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("connguard: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(command: Command) -> anyhow::Result<ExitCode> {
+    match command {
+        Command::Run { policy, metrics, socket, bpf_stats } => {
+            let metrics = (metrics != "off").then_some(metrics);
+            daemon::run(daemon::Options { policy, metrics, socket, bpf_stats })?;
+        }
+        Command::Check { file } => match policy::load_file(&file) {
+            Ok(p) => println!("{}: ok, {}", file.display(), policy::describe(&p)),
+            Err(e) => {
+                eprintln!("{e}");
+                return Ok(ExitCode::FAILURE);
+            }
+        },
+        Command::Stats { json, socket } => {
+            let text = daemon::request(&socket, "stats")?;
+            if json {
+                println!("{text}");
+            } else {
+                print!("{}", stats::table(&serde_json::from_str(&text)?));
+            }
+        }
+        Command::Reload { socket } => {
+            let reply: daemon::ReloadReply = serde_json::from_str(&daemon::request(&socket, "reload")?)?;
+            match reply.error {
+                None => println!("reloaded: policy generation {}", reply.generation),
+                Some(e) => {
+                    eprintln!("reload rejected, the previous policy stays in force: {e}");
+                    return Ok(ExitCode::FAILURE);
+                }
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}

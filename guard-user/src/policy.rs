@@ -1,0 +1,312 @@
+//! Policy files: TOML in the vocabulary of DESIGN.md, parsed and validated into
+//! [`Policy`]. Every error names file, line, column and reason.
+use std::{collections::HashSet, fmt, net::IpAddr, ops::Range, path::Path};
+
+use globset::{Glob, GlobBuilder, GlobMatcher};
+use guard_common::{MAX_CANDIDATES, MAX_PORT_RANGES, MODE_ENFORCE, MODE_OBSERVE, PortRange};
+use ipnet::IpNet;
+use serde::Deserialize;
+use toml::Spanned;
+
+/// The policy used when `connguard run` is given none: observe the whole host.
+pub const DEFAULT_POLICY: &str = include_str!("../../policies/default.toml");
+pub const DEFAULT_SOURCE: &str = "<embedded default>";
+
+#[derive(Debug, Clone)]
+pub struct Policy {
+    /// File name, or DEFAULT_SOURCE.
+    pub source: String,
+    pub scopes: Vec<Scope>,
+}
+
+#[derive(Debug, Clone)]
+pub struct Scope {
+    pub name: String,
+    /// Pattern below the cgroup2 mount, without leading or trailing '/'; "" = root.
+    pub cgroup: String,
+    pub matcher: GlobMatcher,
+    pub mode: u32,
+    pub errno: i32,
+    /// Budget of active connections; None = no budget.
+    pub max_connections: Option<u64>,
+    pub rules: Vec<Rule>,
+}
+
+#[derive(Debug, Clone)]
+pub struct Rule {
+    pub name: String,
+    /// Destination networks; IPv4 networks are kept as IPv4 (the loader maps them).
+    /// Empty = every address.
+    pub dst: Vec<IpNet>,
+    /// Empty = every port.
+    pub ports: Vec<PortRange>,
+    pub max_connections: Option<u64>,
+    pub per_endpoint: bool,
+}
+
+/// A policy error at a place in a file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PolicyError {
+    pub file: String,
+    pub line: usize,
+    pub column: usize,
+    pub reason: String,
+}
+
+impl fmt::Display for PolicyError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}:{}: {}", self.file, self.line, self.column, self.reason)
+    }
+}
+
+impl std::error::Error for PolicyError {}
+
+/// Errnos a scope may return from a shed connect(): the ones a TCP client is written
+/// to handle.
+pub const ERRNOS: &[(&str, i32)] = &[
+    ("ECONNREFUSED", libc::ECONNREFUSED),
+    ("EPERM", libc::EPERM),
+    ("EACCES", libc::EACCES),
+    ("ECONNRESET", libc::ECONNRESET),
+    ("ETIMEDOUT", libc::ETIMEDOUT),
+    ("ENETUNREACH", libc::ENETUNREACH),
+    ("EHOSTUNREACH", libc::EHOSTUNREACH),
+    ("EADDRNOTAVAIL", libc::EADDRNOTAVAIL),
+    ("EAGAIN", libc::EAGAIN),
+];
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawPolicy {
+    #[serde(default)]
+    scope: Vec<Spanned<RawScope>>,
+    listener: Option<Spanned<toml::Value>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawScope {
+    name: Spanned<String>,
+    cgroup: Spanned<String>,
+    mode: Option<Spanned<String>>,
+    errno: Option<Spanned<String>>,
+    max_connections: Option<Spanned<i64>>,
+    port_watermark: Option<Spanned<toml::Value>>,
+    #[serde(default)]
+    rule: Vec<Spanned<RawRule>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRule {
+    name: Option<Spanned<String>>,
+    dst: Option<Vec<Spanned<String>>>,
+    ports: Option<Vec<Spanned<PortSpec>>>,
+    max_connections: Option<Spanned<i64>>,
+    per: Option<Spanned<String>>,
+    port_watermark: Option<Spanned<toml::Value>>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum PortSpec {
+    Number(i64),
+    Text(String),
+}
+
+/// Reads and validates a policy file.
+pub fn load_file(path: &Path) -> Result<Policy, PolicyError> {
+    let file = path.display().to_string();
+    let text = std::fs::read_to_string(path).map_err(|e| PolicyError {
+        file: file.clone(),
+        line: 0,
+        column: 0,
+        reason: format!("cannot read: {e}"),
+    })?;
+    parse(&text, &file)
+}
+
+/// Parses and validates policy text; `file` names it in errors and in `source`.
+pub fn parse(text: &str, file: &str) -> Result<Policy, PolicyError> {
+    let at = |span: Range<usize>, reason: String| {
+        let (line, column) = line_col(text, span.start);
+        PolicyError { file: file.to_string(), line, column, reason }
+    };
+    let raw: RawPolicy = toml::from_str(text).map_err(|e| {
+        at(e.span().unwrap_or(0..0), e.message().trim().to_string())
+    })?;
+    if let Some(l) = raw.listener {
+        return Err(at(l.span(), "listener guards are not supported by this version".into()));
+    }
+    let mut names = HashSet::new();
+    let mut scopes = Vec::new();
+    for s in raw.scope {
+        let span = s.span();
+        let s = s.into_inner();
+        if let Some(w) = s.port_watermark {
+            return Err(at(w.span(), "port_watermark is not supported by this version".into()));
+        }
+        let name = s.name.get_ref().trim().to_string();
+        if name.is_empty() {
+            return Err(at(s.name.span(), "scope name must not be empty".into()));
+        }
+        if !names.insert(name.clone()) {
+            return Err(at(s.name.span(), format!("duplicate scope name {name:?}")));
+        }
+        let cgroup = s.cgroup.get_ref().trim().trim_matches('/').to_string();
+        let matcher = GlobBuilder::new(&cgroup)
+            .literal_separator(true)
+            .build()
+            .map(|g: Glob| g.compile_matcher())
+            .map_err(|e| at(s.cgroup.span(), format!("bad cgroup pattern: {}", e.kind())))?;
+        let mode = match s.mode.as_ref().map(|m| m.get_ref().as_str()) {
+            None | Some("enforce") => MODE_ENFORCE,
+            Some("observe") => MODE_OBSERVE,
+            Some(other) => {
+                let span = s.mode.as_ref().map(|m| m.span()).unwrap_or(span.clone());
+                return Err(at(span, format!("mode must be \"enforce\" or \"observe\", not {other:?}")));
+            }
+        };
+        let errno = match &s.errno {
+            None => libc::ECONNREFUSED,
+            Some(e) => ERRNOS
+                .iter()
+                .find(|(n, _)| *n == e.get_ref().as_str())
+                .map(|(_, v)| *v)
+                .ok_or_else(|| {
+                    let known: Vec<_> = ERRNOS.iter().map(|(n, _)| *n).collect();
+                    at(e.span(), format!("unknown errno {:?}; use one of {}", e.get_ref(), known.join(", ")))
+                })?,
+        };
+        let max_connections = budget(&s.max_connections, &at)?;
+        let mut rule_names = HashSet::new();
+        let mut rules = Vec::new();
+        for (i, r) in s.rule.into_iter().enumerate() {
+            let rule = parse_rule(r.into_inner(), i, &at)?;
+            if !rule_names.insert(rule.name.clone()) {
+                return Err(at(span.clone(), format!("duplicate rule name {:?} in scope {name:?}", rule.name)));
+            }
+            rules.push(rule);
+        }
+        check_overlap(&rules).map_err(|reason| at(span.clone(), reason))?;
+        scopes.push(Scope { name, cgroup, matcher, mode, errno, max_connections, rules });
+    }
+    Ok(Policy { source: file.to_string(), scopes })
+}
+
+fn parse_rule(
+    r: RawRule,
+    index: usize,
+    at: &impl Fn(Range<usize>, String) -> PolicyError,
+) -> Result<Rule, PolicyError> {
+    if let Some(w) = r.port_watermark {
+        return Err(at(w.span(), "port_watermark is not supported by this version".into()));
+    }
+    let name = match &r.name {
+        Some(n) if n.get_ref().trim().is_empty() => {
+            return Err(at(n.span(), "rule name must not be empty".into()));
+        }
+        Some(n) => n.get_ref().trim().to_string(),
+        None => format!("rule{}", index + 1),
+    };
+    let mut dst = Vec::new();
+    for d in r.dst.unwrap_or_default() {
+        dst.push(parse_net(d.get_ref()).map_err(|reason| at(d.span(), reason))?);
+    }
+    let mut ports = Vec::new();
+    for p in r.ports.unwrap_or_default() {
+        ports.push(parse_ports(p.get_ref()).map_err(|reason| at(p.span(), reason))?);
+    }
+    if ports.len() > MAX_PORT_RANGES {
+        return Err(at(0..0, format!("rule {name:?} lists {} port ranges; at most {MAX_PORT_RANGES}", ports.len())));
+    }
+    let per_endpoint = match r.per.as_ref().map(|p| p.get_ref().as_str()) {
+        None | Some("endpoint") => true,
+        Some("rule") => false,
+        Some(other) => {
+            let span = r.per.as_ref().map(|p| p.span()).unwrap_or(0..0);
+            return Err(at(span, format!("per must be \"endpoint\" or \"rule\", not {other:?}")));
+        }
+    };
+    let max_connections = budget(&r.max_connections, at)?;
+    Ok(Rule { name, dst, ports, max_connections, per_endpoint })
+}
+
+fn budget(
+    v: &Option<Spanned<i64>>,
+    at: &impl Fn(Range<usize>, String) -> PolicyError,
+) -> Result<Option<u64>, PolicyError> {
+    match v {
+        None => Ok(None),
+        Some(n) if *n.get_ref() >= 1 => Ok(Some(*n.get_ref() as u64)),
+        Some(n) => Err(at(
+            n.span(),
+            format!("max_connections must be at least 1 (got {}); leave it out for no budget", n.get_ref()),
+        )),
+    }
+}
+
+/// An address or CIDR; host bits must be zero.
+fn parse_net(s: &str) -> Result<IpNet, String> {
+    let s = s.trim();
+    if let Ok(ip) = s.parse::<IpAddr>() {
+        return Ok(IpNet::from(ip));
+    }
+    let net: IpNet = s.parse().map_err(|_| format!("{s:?} is not an IP address or CIDR"))?;
+    if net.trunc() != net {
+        return Err(format!("{s:?} has host bits set; did you mean {}?", net.trunc()));
+    }
+    Ok(net)
+}
+
+fn parse_ports(p: &PortSpec) -> Result<PortRange, String> {
+    let port = |n: i64| -> Result<u16, String> {
+        if (1..=65535).contains(&n) {
+            Ok(n as u16)
+        } else {
+            Err(format!("port {n} is out of range 1-65535"))
+        }
+    };
+    let number = |s: &str| -> Result<u16, String> {
+        port(s.trim().parse::<i64>().map_err(|_| format!("{s:?} is not a port number"))?)
+    };
+    match p {
+        PortSpec::Number(n) => port(*n).map(|p| PortRange { first: p, last: p }),
+        PortSpec::Text(s) => {
+            let (first, last) = match s.split_once('-') {
+                Some((a, b)) => (number(a)?, number(b)?),
+                None => (number(s)?, number(s)?),
+            };
+            if first > last {
+                return Err(format!("port range {s:?} is reversed"));
+            }
+            Ok(PortRange { first, last })
+        }
+    }
+}
+
+/// The kernel keeps at most MAX_CANDIDATES rules per destination prefix.
+fn check_overlap(rules: &[Rule]) -> Result<(), String> {
+    for prefix in crate::accounting::rule_prefixes(rules) {
+        let n = crate::accounting::candidates_of(rules, &prefix).len();
+        if n > MAX_CANDIDATES {
+            return Err(format!(
+                "{n} rules can match destinations in {prefix}; at most {MAX_CANDIDATES} may overlap"
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn line_col(text: &str, offset: usize) -> (usize, usize) {
+    let before = &text[..offset.min(text.len())];
+    let line = before.matches('\n').count() + 1;
+    let column = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
+    (line, column)
+}
+
+/// The TOML body of a policy, as `connguard check` and reload see it.
+pub fn describe(p: &Policy) -> String {
+    let rules: usize = p.scopes.iter().map(|s| s.rules.len()).sum();
+    format!("{} scope(s), {} rule(s)", p.scopes.len(), rules)
+}

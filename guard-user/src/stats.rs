@@ -1,0 +1,268 @@
+//! What the daemon reports: the JSON snapshot (DESIGN.md), the table of
+//! `connguard stats`, and Prometheus text.
+use std::{fmt::Write, sync::atomic::AtomicU64};
+
+use guard_common::{Counter, LEVEL_DST, LEVEL_RULE, LEVEL_SCOPE, MODE_ENFORCE, NO_RULE};
+use prometheus_client::{
+    encoding::text::encode,
+    metrics::{counter::Counter as PromCounter, family::Family, gauge::Gauge},
+    registry::Registry,
+};
+use serde::{Deserialize, Serialize};
+
+use crate::{
+    accounting::{Accounting, unmapped},
+    loader::ProgramCost,
+};
+
+/// Destinations per scope that get their own Prometheus series; the rest are summed
+/// under dst="other" to bound cardinality.
+pub const METRIC_TOP_DESTINATIONS: usize = 20;
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Snapshot {
+    pub policy: PolicyStatus,
+    pub scopes: Vec<ScopeStats>,
+    /// Fail-open events: a full map or another internal problem let a connection
+    /// through uncounted.
+    pub internal_errors: u64,
+    /// Per-program cost from the kernel's bpf_stats (`connguard run --bpf-stats`).
+    pub programs: Vec<ProgramCost>,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct PolicyStatus {
+    pub source: String,
+    /// 1 for the first policy applied, +1 per successful reload.
+    pub generation: u64,
+    /// The last rejected policy's error (file:line:column: reason), until a reload succeeds.
+    pub last_error: Option<String>,
+}
+
+/// Counts in connections; counters are totals since the daemon started.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Counts {
+    pub active: u64,
+    pub peak: u64,
+    pub admitted: u64,
+    pub shed: u64,
+    pub would_shed: u64,
+}
+
+impl From<&Counter> for Counts {
+    fn from(c: &Counter) -> Self {
+        Counts { active: c.active, peak: c.peak, admitted: c.admitted, shed: c.shed, would_shed: c.would_shed }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ScopeStats {
+    pub name: String,
+    pub cgroup: String,
+    pub mode: String,
+    pub max_connections: Option<u64>,
+    #[serde(flatten)]
+    pub counts: Counts,
+    pub rules: Vec<RuleStats>,
+    pub destinations: Vec<DestStats>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RuleStats {
+    pub name: String,
+    pub max_connections: Option<u64>,
+    /// "endpoint" or "rule".
+    pub per: String,
+    #[serde(flatten)]
+    pub counts: Counts,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct DestStats {
+    /// The rule that matched, or null when none did.
+    pub rule: Option<String>,
+    /// `a.b.c.d:port` or `[v6]:port`.
+    pub dst: String,
+    #[serde(flatten)]
+    pub counts: Counts,
+}
+
+/// The scopes of the policy in force with their counters, destinations busiest first.
+pub fn scopes(acct: &mut Accounting) -> Vec<ScopeStats> {
+    let Some(policy) = acct.policy.clone() else { return Vec::new() };
+    let counters = acct.counters();
+    policy
+        .scopes
+        .iter()
+        .map(|s| {
+            let scope_id = acct.ids.scope(&s.name);
+            let mine = || counters.iter().filter(move |(k, _)| k.scope_id == scope_id);
+            let counts = mine().find(|(k, _)| k.level == LEVEL_SCOPE).map(|(_, c)| c.into()).unwrap_or_default();
+            let rules = s
+                .rules
+                .iter()
+                .map(|r| {
+                    let id = acct.ids.rule(&s.name, &r.name);
+                    RuleStats {
+                        name: r.name.clone(),
+                        max_connections: r.max_connections,
+                        per: if r.per_endpoint { "endpoint" } else { "rule" }.into(),
+                        counts: mine()
+                            .find(|(k, _)| k.level == LEVEL_RULE && k.rule_id == id)
+                            .map(|(_, c)| c.into())
+                            .unwrap_or_default(),
+                    }
+                })
+                .collect();
+            let mut destinations: Vec<DestStats> = mine()
+                .filter(|(k, _)| k.level == LEVEL_DST)
+                .map(|(k, c)| DestStats {
+                    rule: (k.rule_id != NO_RULE).then(|| acct.ids.rule_name(k.rule_id).unwrap_or("?").to_string()),
+                    dst: match unmapped(k.addr) {
+                        std::net::IpAddr::V4(a) => format!("{a}:{}", k.port),
+                        std::net::IpAddr::V6(a) => format!("[{a}]:{}", k.port),
+                    },
+                    counts: c.into(),
+                })
+                .collect();
+            destinations.sort_by(|a, b| {
+                (b.counts.active, b.counts.admitted, &a.dst).cmp(&(a.counts.active, a.counts.admitted, &b.dst))
+            });
+            ScopeStats {
+                name: s.name.clone(),
+                cgroup: if s.cgroup.is_empty() { "/".into() } else { s.cgroup.clone() },
+                mode: if s.mode == MODE_ENFORCE { "enforce" } else { "observe" }.into(),
+                max_connections: s.max_connections,
+                counts,
+                rules,
+                destinations,
+            }
+        })
+        .collect()
+}
+
+/// Prometheus text exposition of a snapshot.
+pub fn prometheus(snap: &Snapshot) -> String {
+    let mut reg = Registry::with_prefix("connguard");
+    type Labels = Vec<(&'static str, String)>;
+    let gauge = |reg: &mut Registry, name: &str, help: &str| {
+        let f = Family::<Labels, Gauge>::default();
+        reg.register(name, help, f.clone());
+        f
+    };
+    let counter = |reg: &mut Registry, name: &str, help: &str| {
+        let f = Family::<Labels, PromCounter>::default();
+        reg.register(name, help, f.clone());
+        f
+    };
+    let s_active = gauge(&mut reg, "scope_active_connections", "Active connections of the scope (admitted, not yet in TCP_CLOSE)");
+    let s_peak = gauge(&mut reg, "scope_peak_connections", "Highest active connections seen for the scope");
+    let s_adm = counter(&mut reg, "scope_admitted_connections", "Connections admitted for the scope");
+    let s_shed = counter(&mut reg, "scope_shed_connections", "Connections refused at connect() for the scope");
+    let s_would = counter(&mut reg, "scope_would_shed_connections", "Connections observe mode would have refused");
+    let d_active = gauge(&mut reg, "destination_active_connections", "Active connections per destination (top destinations; the rest summed as dst=\"other\")");
+    let d_adm = counter(&mut reg, "destination_admitted_connections", "Connections admitted per destination");
+    let d_shed = counter(&mut reg, "destination_shed_connections", "Connections refused per destination");
+    let d_would = counter(&mut reg, "destination_would_shed_connections", "Connections observe mode would have refused per destination");
+    let internal = counter(&mut reg, "internal_errors", "Fail-open events: connections let through uncounted because of an internal problem");
+    let generation = gauge(&mut reg, "policy_generation", "Generation of the policy in force (1 = first)");
+    let policy_error = gauge(&mut reg, "policy_last_reload_failed", "1 when the last reload was rejected and the previous policy stays in force");
+    let runs = counter(&mut reg, "program_runs", "eBPF program runs (kernel bpf_stats)");
+    let run_time = Family::<Labels, PromCounter<f64, AtomicU64>>::default();
+    reg.register("program_run_time_seconds", "eBPF program run time (kernel bpf_stats)", run_time.clone());
+
+    for s in &snap.scopes {
+        let l = || vec![("scope", s.name.clone())];
+        s_active.get_or_create(&l()).set(s.counts.active as i64);
+        s_peak.get_or_create(&l()).set(s.counts.peak as i64);
+        s_adm.get_or_create(&l()).inc_by(s.counts.admitted);
+        s_shed.get_or_create(&l()).inc_by(s.counts.shed);
+        s_would.get_or_create(&l()).inc_by(s.counts.would_shed);
+        let mut rest = Counts::default();
+        for (i, d) in s.destinations.iter().enumerate() {
+            let (rule, dst, c) = if i < METRIC_TOP_DESTINATIONS {
+                (d.rule.clone().unwrap_or_default(), d.dst.clone(), d.counts.clone())
+            } else {
+                rest.active += d.counts.active;
+                rest.admitted += d.counts.admitted;
+                rest.shed += d.counts.shed;
+                rest.would_shed += d.counts.would_shed;
+                continue;
+            };
+            let l = vec![("scope", s.name.clone()), ("rule", rule), ("dst", dst)];
+            d_active.get_or_create(&l).set(c.active as i64);
+            d_adm.get_or_create(&l).inc_by(c.admitted);
+            d_shed.get_or_create(&l).inc_by(c.shed);
+            d_would.get_or_create(&l).inc_by(c.would_shed);
+        }
+        if s.destinations.len() > METRIC_TOP_DESTINATIONS {
+            let l = vec![("scope", s.name.clone()), ("rule", String::new()), ("dst", "other".into())];
+            d_active.get_or_create(&l).set(rest.active as i64);
+            d_adm.get_or_create(&l).inc_by(rest.admitted);
+            d_shed.get_or_create(&l).inc_by(rest.shed);
+            d_would.get_or_create(&l).inc_by(rest.would_shed);
+        }
+    }
+    internal.get_or_create(&vec![]).inc_by(snap.internal_errors);
+    generation.get_or_create(&vec![]).set(snap.policy.generation as i64);
+    policy_error.get_or_create(&vec![]).set(snap.policy.last_error.is_some() as i64);
+    for p in &snap.programs {
+        let l = vec![("program", p.name.clone())];
+        runs.get_or_create(&l).inc_by(p.run_count);
+        run_time.get_or_create(&l).inc_by(p.run_time_ns as f64 / 1e9);
+    }
+    let mut out = String::new();
+    encode(&mut out, &reg).expect("writing to a String cannot fail");
+    out
+}
+
+/// The readable form of `connguard stats`.
+pub fn table(snap: &Snapshot) -> String {
+    let mut out = String::new();
+    let p = &snap.policy;
+    let _ = writeln!(out, "policy: {} (generation {})", p.source, p.generation);
+    if let Some(e) = &p.last_error {
+        let _ = writeln!(out, "last reload REJECTED, previous policy still in force: {e}");
+    }
+    let _ = writeln!(out, "internal errors (fail-open): {}", snap.internal_errors);
+    for s in &snap.scopes {
+        let budget = s.max_connections.map_or("none".to_string(), |m| m.to_string());
+        let _ = writeln!(out, "\nscope {} [{}] cgroup {}  budget {}", s.name, s.mode, s.cgroup, budget);
+        let c = &s.counts;
+        let _ = writeln!(
+            out,
+            "  active {}  peak {}  admitted {}  shed {}  would_shed {}",
+            c.active, c.peak, c.admitted, c.shed, c.would_shed
+        );
+        if s.destinations.is_empty() {
+            continue;
+        }
+        let _ = writeln!(
+            out,
+            "  {:<16} {:<46} {:>8} {:>8} {:>10} {:>8} {:>10}",
+            "RULE", "DESTINATION", "ACTIVE", "PEAK", "ADMITTED", "SHED", "WOULD_SHED"
+        );
+        for d in &s.destinations {
+            let c = &d.counts;
+            let _ = writeln!(
+                out,
+                "  {:<16} {:<46} {:>8} {:>8} {:>10} {:>8} {:>10}",
+                d.rule.as_deref().unwrap_or("-"),
+                d.dst,
+                c.active,
+                c.peak,
+                c.admitted,
+                c.shed,
+                c.would_shed
+            );
+        }
+    }
+    if snap.programs.iter().any(|p| p.run_count > 0) {
+        let _ = writeln!(out, "\nprogram costs (kernel bpf_stats):");
+        for p in &snap.programs {
+            let avg = p.avg_ns.map_or("-".into(), |a| format!("{a:.0} ns"));
+            let _ = writeln!(out, "  {:<22} runs {:>10}  avg {}", p.name, p.run_count, avg);
+        }
+    }
+    out
+}
