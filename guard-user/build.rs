@@ -10,8 +10,14 @@ fn main() -> anyhow::Result<()> {
     let ebpf_dir = manifest.join("../guard-ebpf");
     let common_dir = manifest.join("../guard-common");
     println!("cargo:rerun-if-changed={}", ebpf_dir.join("src").display());
-    println!("cargo:rerun-if-changed={}", ebpf_dir.join("Cargo.toml").display());
-    println!("cargo:rerun-if-changed={}", common_dir.join("src").display());
+    println!(
+        "cargo:rerun-if-changed={}",
+        ebpf_dir.join("Cargo.toml").display()
+    );
+    println!(
+        "cargo:rerun-if-changed={}",
+        common_dir.join("src").display()
+    );
 
     if !PathBuf::from(BPF_RUSTC).exists() || which("bpf-linker").is_none() {
         anyhow::bail!(
@@ -31,8 +37,17 @@ fn main() -> anyhow::Result<()> {
     cmd.current_dir(&ebpf_dir)
         .env("RUSTC", BPF_RUSTC)
         // aya-ebpf needs asm_experimental_arch, guard-ebpf core_intrinsics (atomics).
-        .env("RUSTC_BOOTSTRAP", "aya_ebpf,guard_ebpf,aya_ebpf_bindings,aya_ebpf_cty")
-        .args(["build", "--release", "--target", "bpfel-unknown-none", "--target-dir"])
+        .env(
+            "RUSTC_BOOTSTRAP",
+            "aya_ebpf,guard_ebpf,aya_ebpf_bindings,aya_ebpf_cty",
+        )
+        .args([
+            "build",
+            "--release",
+            "--target",
+            "bpfel-unknown-none",
+            "--target-dir",
+        ])
         .arg(&target_dir);
     let status = cmd.status()?;
     anyhow::ensure!(status.success(), "building guard-ebpf failed: {status}");

@@ -1,14 +1,22 @@
 //! Atomic counter updates and the release of an admission.
-use core::intrinsics::{AtomicOrdering::Relaxed, atomic_cxchg, atomic_xadd};
+use core::intrinsics::{
+    AtomicOrdering::{Relaxed, SeqCst},
+    atomic_cxchg, atomic_xadd,
+};
 
 use aya_ebpf::bindings::BPF_NOEXIST;
 use guard_common::{Counter, CounterKey, LEVEL_DST, LEVEL_RULE, LEVEL_SCOPE, NO_RULE};
 
 use crate::maps::{ADMITTED, COUNTERS, STATS};
 
+/// Atomic fetch-and-add; returns the previous value.
+///
+/// SeqCst, not Relaxed: LLVM 22's BPF backend lowers a Relaxed fetch-add to the
+/// non-fetching `lock +=` (BPF_ADD without BPF_FETCH) even when the old value is used,
+/// and then reads the increment back as if it were the old value.
 #[inline(always)]
 pub fn add(field: *mut u64, delta: u64) -> u64 {
-    unsafe { atomic_xadd::<u64, u64, { Relaxed }>(field, delta) }
+    unsafe { atomic_xadd::<u64, u64, { SeqCst }>(field, delta) }
 }
 
 /// Raises `peak` to `value` unless a concurrent update already went higher.

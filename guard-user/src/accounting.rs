@@ -40,11 +40,17 @@ impl Ids {
 
     pub fn rule(&mut self, scope: &str, rule: &str) -> u32 {
         let next = self.rules.len() as u32;
-        *self.rules.entry((scope.to_string(), rule.to_string())).or_insert(next)
+        *self
+            .rules
+            .entry((scope.to_string(), rule.to_string()))
+            .or_insert(next)
     }
 
     pub fn rule_name(&self, id: u32) -> Option<&str> {
-        self.rules.iter().find(|(_, v)| **v == id).map(|((_, r), _)| r.as_str())
+        self.rules
+            .iter()
+            .find(|(_, v)| **v == id)
+            .map(|((_, r), _)| r.as_str())
     }
 }
 
@@ -65,7 +71,10 @@ pub struct Accounting {
 
 impl Accounting {
     pub fn new(ebpf: &mut aya::Ebpf, cgroup_root: PathBuf) -> anyhow::Result<Self> {
-        let mut take = |name: &str| ebpf.take_map(name).with_context(|| format!("map {name} missing from the eBPF object"));
+        let mut take = |name: &str| {
+            ebpf.take_map(name)
+                .with_context(|| format!("map {name} missing from the eBPF object"))
+        };
         Ok(Accounting {
             scopes: BpfHashMap::try_from(take("SCOPES")?)?,
             rules: LpmTrie::try_from(take("RULES")?)?,
@@ -93,10 +102,20 @@ impl Accounting {
         let mut rule_keys = Vec::new();
         let result = (|| -> anyhow::Result<()> {
             for (id, conf) in &scopes {
-                self.scopes.insert(CgroupKey { gen_: next, _pad: 0, cgroup_id: *id }, conf, 0)?;
+                self.scopes.insert(
+                    CgroupKey {
+                        gen_: next,
+                        _pad: 0,
+                        cgroup_id: *id,
+                    },
+                    conf,
+                    0,
+                )?;
             }
             for (scope, conf) in policy.scopes.iter().zip(&confs) {
-                for (key, cands) in self.rule_entries(next, conf.scope_id, &scope.name, &scope.rules) {
+                for (key, cands) in
+                    self.rule_entries(next, conf.scope_id, &scope.name, &scope.rules)
+                {
                     self.rules.insert(&key, cands, 0)?;
                     rule_keys.push(key);
                 }
@@ -106,7 +125,11 @@ impl Accounting {
         if let Err(e) = result {
             // Leave nothing half-written in the idle generation.
             for id in scopes.keys() {
-                let _ = self.scopes.remove(&CgroupKey { gen_: next, _pad: 0, cgroup_id: *id });
+                let _ = self.scopes.remove(&CgroupKey {
+                    gen_: next,
+                    _pad: 0,
+                    cgroup_id: *id,
+                });
             }
             for key in &rule_keys {
                 let _ = self.rules.remove(key);
@@ -123,7 +146,11 @@ impl Accounting {
         // RCU grace period; give them that before their entries go.
         thread::sleep(Duration::from_millis(20));
         for id in old_scopes.keys() {
-            let _ = self.scopes.remove(&CgroupKey { gen_: old_gen, _pad: 0, cgroup_id: *id });
+            let _ = self.scopes.remove(&CgroupKey {
+                gen_: old_gen,
+                _pad: 0,
+                cgroup_id: *id,
+            });
         }
         for key in &old_rules {
             let _ = self.rules.remove(key);
@@ -134,19 +161,38 @@ impl Accounting {
     /// Brings the active generation up to date with cgroups created or removed since
     /// the policy was applied.
     pub fn rescan(&mut self) -> anyhow::Result<()> {
-        let Some(policy) = self.policy.clone() else { return Ok(()) };
+        let Some(policy) = self.policy.clone() else {
+            return Ok(());
+        };
         let confs = self.scope_confs(&policy);
         let governed = cgroup::resolve(&self.cgroup_root, &policy)?;
         let gen_ = self.gen_;
         for (id, index) in &governed {
             if self.written_scopes.get(id) != Some(&confs[*index]) {
-                self.scopes.insert(CgroupKey { gen_, _pad: 0, cgroup_id: *id }, confs[*index], 0)?;
+                self.scopes.insert(
+                    CgroupKey {
+                        gen_,
+                        _pad: 0,
+                        cgroup_id: *id,
+                    },
+                    confs[*index],
+                    0,
+                )?;
                 self.written_scopes.insert(*id, confs[*index]);
             }
         }
-        let gone: Vec<u64> = self.written_scopes.keys().filter(|id| !governed.contains_key(id)).copied().collect();
+        let gone: Vec<u64> = self
+            .written_scopes
+            .keys()
+            .filter(|id| !governed.contains_key(id))
+            .copied()
+            .collect();
         for id in gone {
-            let _ = self.scopes.remove(&CgroupKey { gen_, _pad: 0, cgroup_id: id });
+            let _ = self.scopes.remove(&CgroupKey {
+                gen_,
+                _pad: 0,
+                cgroup_id: id,
+            });
             self.written_scopes.remove(&id);
         }
         Ok(())
@@ -203,7 +249,11 @@ impl Accounting {
                 }
                 let key = Key::new(
                     RULE_KEY_FIXED_BITS + prefix.prefix_len() as u32,
-                    RuleAddrKey { gen_, scope_id, addr: prefix.addr().octets() },
+                    RuleAddrKey {
+                        gen_,
+                        scope_id,
+                        addr: prefix.addr().octets(),
+                    },
                 );
                 (key, cands)
             })
@@ -227,7 +277,9 @@ impl Accounting {
 /// A network as the kernel keys it: IPv6, with IPv4 IPv4-mapped.
 pub fn mapped(net: &IpNet) -> Ipv6Net {
     match net {
-        IpNet::V4(n) => Ipv6Net::new(n.addr().to_ipv6_mapped(), 96 + n.prefix_len()).expect("valid prefix"),
+        IpNet::V4(n) => {
+            Ipv6Net::new(n.addr().to_ipv6_mapped(), 96 + n.prefix_len()).expect("valid prefix")
+        }
         IpNet::V6(n) => *n,
     }
 }

@@ -12,9 +12,11 @@ use crate::policy::Policy;
 /// The cgroup2 mount point, from /proc/self/mountinfo (/sys/fs/cgroup on most hosts,
 /// /sys/fs/cgroup/unified on hybrid ones).
 pub fn cgroup2_mount() -> anyhow::Result<PathBuf> {
-    let info = std::fs::read_to_string("/proc/self/mountinfo").context("reading /proc/self/mountinfo")?;
-    mount_of(&info, "cgroup2")
-        .context("no cgroup v2 file system is mounted; connguard needs cgroup v2 (the unified hierarchy)")
+    let info =
+        std::fs::read_to_string("/proc/self/mountinfo").context("reading /proc/self/mountinfo")?;
+    mount_of(&info, "cgroup2").context(
+        "no cgroup v2 file system is mounted; connguard needs cgroup v2 (the unified hierarchy)",
+    )
 }
 
 /// The mount point of the first mount of file-system type `fstype` in a mountinfo text.
@@ -30,7 +32,9 @@ pub fn mount_of(mountinfo: &str, fstype: &str) -> Option<PathBuf> {
 /// The cgroup id that bpf_get_current_cgroup_id() returns for a cgroup directory: its
 /// kernfs node id, which is the directory's inode number.
 pub fn cgroup_id(dir: &Path) -> anyhow::Result<u64> {
-    Ok(std::fs::metadata(dir).with_context(|| format!("stat {}", dir.display()))?.ino())
+    Ok(std::fs::metadata(dir)
+        .with_context(|| format!("stat {}", dir.display()))?
+        .ino())
 }
 
 /// Every cgroup below `root` (itself included) governed by a scope: cgroup id -> index
@@ -45,11 +49,20 @@ pub fn resolve(root: &Path, policy: &Policy) -> anyhow::Result<BTreeMap<u64, usi
     Ok(out)
 }
 
-fn walk(dir: &Path, rel: &str, inherited: Option<usize>, policy: &Policy, out: &mut BTreeMap<u64, usize>) {
-    let selected = policy
-        .scopes
-        .iter()
-        .position(|s| if s.cgroup.is_empty() { rel.is_empty() } else { s.matcher.is_match(rel) });
+fn walk(
+    dir: &Path,
+    rel: &str,
+    inherited: Option<usize>,
+    policy: &Policy,
+    out: &mut BTreeMap<u64, usize>,
+) {
+    let selected = policy.scopes.iter().position(|s| {
+        if s.cgroup.is_empty() {
+            rel.is_empty()
+        } else {
+            s.matcher.is_match(rel)
+        }
+    });
     let scope = selected.or(inherited);
     // A cgroup removed while we walk is simply skipped.
     if let Some(index) = scope
@@ -57,11 +70,17 @@ fn walk(dir: &Path, rel: &str, inherited: Option<usize>, policy: &Policy, out: &
     {
         out.insert(id, index);
     }
-    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
     for entry in entries.flatten() {
         if entry.file_type().is_ok_and(|t| t.is_dir()) {
             let name = entry.file_name().to_string_lossy().into_owned();
-            let child_rel = if rel.is_empty() { name } else { format!("{rel}/{name}") };
+            let child_rel = if rel.is_empty() {
+                name
+            } else {
+                format!("{rel}/{name}")
+            };
             walk(&entry.path(), &child_rel, scope, policy, out);
         }
     }

@@ -62,13 +62,19 @@ impl Daemon {
             .map_err(|e| e.to_string())
             .and_then(|p| {
                 let what = policy::describe(&p);
-                self.acct.apply(p).map_err(|e| format!("{e:#}")).map(|()| what)
+                self.acct
+                    .apply(p)
+                    .map_err(|e| format!("{e:#}"))
+                    .map(|()| what)
             });
         match result {
             Ok(what) => {
                 self.status.generation += 1;
                 self.status.last_error = None;
-                log::info!("policy reloaded: generation {}, {what}", self.status.generation);
+                log::info!(
+                    "policy reloaded: generation {}, {what}",
+                    self.status.generation
+                );
             }
             Err(e) => {
                 log::error!("policy reload rejected, the previous policy stays in force: {e}");
@@ -100,7 +106,10 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
     let root = cgroup::cgroup2_mount()?;
     let listener = bind_control(&opts.socket)?;
     let _stats_fd = if opts.bpf_stats {
-        Some(aya::sys::enable_stats(aya::sys::Stats::RunTime).context("enabling kernel bpf_stats")?)
+        Some(
+            aya::sys::enable_stats(aya::sys::Stats::RunTime)
+                .context("enabling kernel bpf_stats")?,
+        )
     } else {
         None
     };
@@ -113,7 +122,11 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
     let daemon = Arc::new(Mutex::new(Daemon {
         acct,
         ebpf,
-        status: PolicyStatus { source: source.clone(), generation: 1, last_error: None },
+        status: PolicyStatus {
+            source: source.clone(),
+            generation: 1,
+            last_error: None,
+        },
         policy_path: opts.policy.clone(),
     }));
 
@@ -166,13 +179,17 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
 
 fn bind_control(path: &Path) -> anyhow::Result<UnixListener> {
     if std::os::unix::net::UnixStream::connect(path).is_ok() {
-        bail!("another connguard daemon is serving {}; stop it or pass --socket", path.display());
+        bail!(
+            "another connguard daemon is serving {}; stop it or pass --socket",
+            path.display()
+        );
     }
     let _ = std::fs::remove_file(path);
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
-    let listener = UnixListener::bind(path).with_context(|| format!("binding {}", path.display()))?;
+    let listener =
+        UnixListener::bind(path).with_context(|| format!("binding {}", path.display()))?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
     Ok(listener)
 }
@@ -188,7 +205,10 @@ fn serve_control(listener: UnixListener, daemon: Arc<Mutex<Daemon>>) {
             match line.trim() {
                 "stats" => serde_json::to_string(&d.snapshot()),
                 "reload" => serde_json::to_string(&d.reload()),
-                other => Ok(serde_json::json!({ "error": format!("unknown request {other:?}") }).to_string()),
+                other => Ok(
+                    serde_json::json!({ "error": format!("unknown request {other:?}") })
+                        .to_string(),
+                ),
             }
         };
         if let Ok(text) = reply {

@@ -44,10 +44,19 @@ pub fn ensure_mounts() -> anyhow::Result<()> {
         std::fs::create_dir_all(target).ok();
         let c = |s: &str| CString::new(s).expect("no NUL");
         let rc = unsafe {
-            libc::mount(c(fstype).as_ptr(), c(target).as_ptr(), c(fstype).as_ptr(), 0, std::ptr::null())
+            libc::mount(
+                c(fstype).as_ptr(),
+                c(target).as_ptr(),
+                c(fstype).as_ptr(),
+                0,
+                std::ptr::null(),
+            )
         };
         if rc != 0 {
-            bail!("mounting {fstype} at {target}: {}", std::io::Error::last_os_error());
+            bail!(
+                "mounting {fstype} at {target}: {}",
+                std::io::Error::last_os_error()
+            );
         }
         log::info!("mounted {fstype} at {target}");
     }
@@ -57,8 +66,11 @@ pub fn ensure_mounts() -> anyhow::Result<()> {
 /// Loads and attaches everything. Dropping the returned object detaches it all, which
 /// is what makes a stopped or killed daemon fail open.
 pub fn load_and_attach(cgroup_root: &Path) -> anyhow::Result<Ebpf> {
-    let mut ebpf = EbpfLoader::new().load(OBJECT).context("loading the eBPF object")?;
-    let cgroup = File::open(cgroup_root).with_context(|| format!("opening {}", cgroup_root.display()))?;
+    let mut ebpf = EbpfLoader::new()
+        .load(OBJECT)
+        .context("loading the eBPF object")?;
+    let cgroup =
+        File::open(cgroup_root).with_context(|| format!("opening {}", cgroup_root.display()))?;
     for name in CGROUP_SOCK_ADDR {
         let prog: &mut CgroupSockAddr = program(&mut ebpf, name)?.try_into()?;
         prog.load().with_context(|| format!("loading {name}"))?;
@@ -74,14 +86,17 @@ pub fn load_and_attach(cgroup_root: &Path) -> anyhow::Result<Ebpf> {
     let btf = Btf::from_sys_fs().context("reading kernel BTF from /sys/kernel/btf/vmlinux")?;
     for (name, tracepoint) in TP_BTF {
         let prog: &mut BtfTracePoint = program(&mut ebpf, name)?.try_into()?;
-        prog.load(tracepoint, &btf).with_context(|| format!("loading {name}"))?;
-        prog.attach().with_context(|| format!("attaching {name} to {tracepoint}"))?;
+        prog.load(tracepoint, &btf)
+            .with_context(|| format!("loading {name}"))?;
+        prog.attach()
+            .with_context(|| format!("attaching {name} to {tracepoint}"))?;
     }
     Ok(ebpf)
 }
 
 fn program<'a>(ebpf: &'a mut Ebpf, name: &str) -> anyhow::Result<&'a mut aya::programs::Program> {
-    ebpf.program_mut(name).with_context(|| format!("program {name} missing from the eBPF object"))
+    ebpf.program_mut(name)
+        .with_context(|| format!("program {name} missing from the eBPF object"))
 }
 
 /// One program's cost from the kernel's bpf_stats (zero unless stats are enabled).

@@ -26,9 +26,19 @@ fn main() -> ExitCode {
 
 fn run(command: Command) -> anyhow::Result<ExitCode> {
     match command {
-        Command::Run { policy, metrics, socket, bpf_stats } => {
+        Command::Run {
+            policy,
+            metrics,
+            socket,
+            bpf_stats,
+        } => {
             let metrics = (metrics != "off").then_some(metrics);
-            daemon::run(daemon::Options { policy, metrics, socket, bpf_stats })?;
+            daemon::run(daemon::Options {
+                policy,
+                metrics,
+                socket,
+                bpf_stats,
+            })?;
         }
         Command::Check { file } => match policy::load_file(&file) {
             Ok(p) => println!("{}: ok, {}", file.display(), policy::describe(&p)),
@@ -46,7 +56,8 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             }
         }
         Command::Reload { socket } => {
-            let reply: daemon::ReloadReply = serde_json::from_str(&daemon::request(&socket, "reload")?)?;
+            let reply: daemon::ReloadReply =
+                serde_json::from_str(&daemon::request(&socket, "reload")?)?;
             match reply.error {
                 None => println!("reloaded: policy generation {}", reply.generation),
                 Some(e) => {

@@ -55,7 +55,11 @@ pub struct PolicyError {
 
 impl fmt::Display for PolicyError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}:{}:{}: {}", self.file, self.line, self.column, self.reason)
+        write!(
+            f,
+            "{}:{}:{}: {}",
+            self.file, self.line, self.column, self.reason
+        )
     }
 }
 
@@ -130,13 +134,20 @@ pub fn load_file(path: &Path) -> Result<Policy, PolicyError> {
 pub fn parse(text: &str, file: &str) -> Result<Policy, PolicyError> {
     let at = |span: Range<usize>, reason: String| {
         let (line, column) = line_col(text, span.start);
-        PolicyError { file: file.to_string(), line, column, reason }
+        PolicyError {
+            file: file.to_string(),
+            line,
+            column,
+            reason,
+        }
     };
-    let raw: RawPolicy = toml::from_str(text).map_err(|e| {
-        at(e.span().unwrap_or(0..0), e.message().trim().to_string())
-    })?;
+    let raw: RawPolicy = toml::from_str(text)
+        .map_err(|e| at(e.span().unwrap_or(0..0), e.message().trim().to_string()))?;
     if let Some(l) = raw.listener {
-        return Err(at(l.span(), "listener guards are not supported by this version".into()));
+        return Err(at(
+            l.span(),
+            "listener guards are not supported by this version".into(),
+        ));
     }
     let mut names = HashSet::new();
     let mut scopes = Vec::new();
@@ -144,7 +155,10 @@ pub fn parse(text: &str, file: &str) -> Result<Policy, PolicyError> {
         let span = s.span();
         let s = s.into_inner();
         if let Some(w) = s.port_watermark {
-            return Err(at(w.span(), "port_watermark is not supported by this version".into()));
+            return Err(at(
+                w.span(),
+                "port_watermark is not supported by this version".into(),
+            ));
         }
         let name = s.name.get_ref().trim().to_string();
         if name.is_empty() {
@@ -164,7 +178,10 @@ pub fn parse(text: &str, file: &str) -> Result<Policy, PolicyError> {
             Some("observe") => MODE_OBSERVE,
             Some(other) => {
                 let span = s.mode.as_ref().map(|m| m.span()).unwrap_or(span.clone());
-                return Err(at(span, format!("mode must be \"enforce\" or \"observe\", not {other:?}")));
+                return Err(at(
+                    span,
+                    format!("mode must be \"enforce\" or \"observe\", not {other:?}"),
+                ));
             }
         };
         let errno = match &s.errno {
@@ -175,7 +192,14 @@ pub fn parse(text: &str, file: &str) -> Result<Policy, PolicyError> {
                 .map(|(_, v)| *v)
                 .ok_or_else(|| {
                     let known: Vec<_> = ERRNOS.iter().map(|(n, _)| *n).collect();
-                    at(e.span(), format!("unknown errno {:?}; use one of {}", e.get_ref(), known.join(", ")))
+                    at(
+                        e.span(),
+                        format!(
+                            "unknown errno {:?}; use one of {}",
+                            e.get_ref(),
+                            known.join(", ")
+                        ),
+                    )
                 })?,
         };
         let max_connections = budget(&s.max_connections, &at)?;
@@ -184,14 +208,28 @@ pub fn parse(text: &str, file: &str) -> Result<Policy, PolicyError> {
         for (i, r) in s.rule.into_iter().enumerate() {
             let rule = parse_rule(r.into_inner(), i, &at)?;
             if !rule_names.insert(rule.name.clone()) {
-                return Err(at(span.clone(), format!("duplicate rule name {:?} in scope {name:?}", rule.name)));
+                return Err(at(
+                    span.clone(),
+                    format!("duplicate rule name {:?} in scope {name:?}", rule.name),
+                ));
             }
             rules.push(rule);
         }
         check_overlap(&rules).map_err(|reason| at(span.clone(), reason))?;
-        scopes.push(Scope { name, cgroup, matcher, mode, errno, max_connections, rules });
+        scopes.push(Scope {
+            name,
+            cgroup,
+            matcher,
+            mode,
+            errno,
+            max_connections,
+            rules,
+        });
     }
-    Ok(Policy { source: file.to_string(), scopes })
+    Ok(Policy {
+        source: file.to_string(),
+        scopes,
+    })
 }
 
 fn parse_rule(
@@ -200,7 +238,10 @@ fn parse_rule(
     at: &impl Fn(Range<usize>, String) -> PolicyError,
 ) -> Result<Rule, PolicyError> {
     if let Some(w) = r.port_watermark {
-        return Err(at(w.span(), "port_watermark is not supported by this version".into()));
+        return Err(at(
+            w.span(),
+            "port_watermark is not supported by this version".into(),
+        ));
     }
     let name = match &r.name {
         Some(n) if n.get_ref().trim().is_empty() => {
@@ -218,18 +259,33 @@ fn parse_rule(
         ports.push(parse_ports(p.get_ref()).map_err(|reason| at(p.span(), reason))?);
     }
     if ports.len() > MAX_PORT_RANGES {
-        return Err(at(0..0, format!("rule {name:?} lists {} port ranges; at most {MAX_PORT_RANGES}", ports.len())));
+        return Err(at(
+            0..0,
+            format!(
+                "rule {name:?} lists {} port ranges; at most {MAX_PORT_RANGES}",
+                ports.len()
+            ),
+        ));
     }
     let per_endpoint = match r.per.as_ref().map(|p| p.get_ref().as_str()) {
         None | Some("endpoint") => true,
         Some("rule") => false,
         Some(other) => {
             let span = r.per.as_ref().map(|p| p.span()).unwrap_or(0..0);
-            return Err(at(span, format!("per must be \"endpoint\" or \"rule\", not {other:?}")));
+            return Err(at(
+                span,
+                format!("per must be \"endpoint\" or \"rule\", not {other:?}"),
+            ));
         }
     };
     let max_connections = budget(&r.max_connections, at)?;
-    Ok(Rule { name, dst, ports, max_connections, per_endpoint })
+    Ok(Rule {
+        name,
+        dst,
+        ports,
+        max_connections,
+        per_endpoint,
+    })
 }
 
 fn budget(
@@ -241,7 +297,10 @@ fn budget(
         Some(n) if *n.get_ref() >= 1 => Ok(Some(*n.get_ref() as u64)),
         Some(n) => Err(at(
             n.span(),
-            format!("max_connections must be at least 1 (got {}); leave it out for no budget", n.get_ref()),
+            format!(
+                "max_connections must be at least 1 (got {}); leave it out for no budget",
+                n.get_ref()
+            ),
         )),
     }
 }
@@ -252,9 +311,14 @@ fn parse_net(s: &str) -> Result<IpNet, String> {
     if let Ok(ip) = s.parse::<IpAddr>() {
         return Ok(IpNet::from(ip));
     }
-    let net: IpNet = s.parse().map_err(|_| format!("{s:?} is not an IP address or CIDR"))?;
+    let net: IpNet = s
+        .parse()
+        .map_err(|_| format!("{s:?} is not an IP address or CIDR"))?;
     if net.trunc() != net {
-        return Err(format!("{s:?} has host bits set; did you mean {}?", net.trunc()));
+        return Err(format!(
+            "{s:?} has host bits set; did you mean {}?",
+            net.trunc()
+        ));
     }
     Ok(net)
 }
@@ -268,7 +332,11 @@ fn parse_ports(p: &PortSpec) -> Result<PortRange, String> {
         }
     };
     let number = |s: &str| -> Result<u16, String> {
-        port(s.trim().parse::<i64>().map_err(|_| format!("{s:?} is not a port number"))?)
+        port(
+            s.trim()
+                .parse::<i64>()
+                .map_err(|_| format!("{s:?} is not a port number"))?,
+        )
     };
     match p {
         PortSpec::Number(n) => port(*n).map(|p| PortRange { first: p, last: p }),

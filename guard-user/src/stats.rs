@@ -51,7 +51,13 @@ pub struct Counts {
 
 impl From<&Counter> for Counts {
     fn from(c: &Counter) -> Self {
-        Counts { active: c.active, peak: c.peak, admitted: c.admitted, shed: c.shed, would_shed: c.would_shed }
+        Counts {
+            active: c.active,
+            peak: c.peak,
+            admitted: c.admitted,
+            shed: c.shed,
+            would_shed: c.would_shed,
+        }
     }
 }
 
@@ -89,7 +95,9 @@ pub struct DestStats {
 
 /// The scopes of the policy in force with their counters, destinations busiest first.
 pub fn scopes(acct: &mut Accounting) -> Vec<ScopeStats> {
-    let Some(policy) = acct.policy.clone() else { return Vec::new() };
+    let Some(policy) = acct.policy.clone() else {
+        return Vec::new();
+    };
     let counters = acct.counters();
     policy
         .scopes
@@ -97,7 +105,10 @@ pub fn scopes(acct: &mut Accounting) -> Vec<ScopeStats> {
         .map(|s| {
             let scope_id = acct.ids.scope(&s.name);
             let mine = || counters.iter().filter(move |(k, _)| k.scope_id == scope_id);
-            let counts = mine().find(|(k, _)| k.level == LEVEL_SCOPE).map(|(_, c)| c.into()).unwrap_or_default();
+            let counts = mine()
+                .find(|(k, _)| k.level == LEVEL_SCOPE)
+                .map(|(_, c)| c.into())
+                .unwrap_or_default();
             let rules = s
                 .rules
                 .iter()
@@ -117,7 +128,8 @@ pub fn scopes(acct: &mut Accounting) -> Vec<ScopeStats> {
             let mut destinations: Vec<DestStats> = mine()
                 .filter(|(k, _)| k.level == LEVEL_DST)
                 .map(|(k, c)| DestStats {
-                    rule: (k.rule_id != NO_RULE).then(|| acct.ids.rule_name(k.rule_id).unwrap_or("?").to_string()),
+                    rule: (k.rule_id != NO_RULE)
+                        .then(|| acct.ids.rule_name(k.rule_id).unwrap_or("?").to_string()),
                     dst: match unmapped(k.addr) {
                         std::net::IpAddr::V4(a) => format!("{a}:{}", k.port),
                         std::net::IpAddr::V6(a) => format!("[{a}]:{}", k.port),
@@ -126,12 +138,25 @@ pub fn scopes(acct: &mut Accounting) -> Vec<ScopeStats> {
                 })
                 .collect();
             destinations.sort_by(|a, b| {
-                (b.counts.active, b.counts.admitted, &a.dst).cmp(&(a.counts.active, a.counts.admitted, &b.dst))
+                (b.counts.active, b.counts.admitted, &a.dst).cmp(&(
+                    a.counts.active,
+                    a.counts.admitted,
+                    &b.dst,
+                ))
             });
             ScopeStats {
                 name: s.name.clone(),
-                cgroup: if s.cgroup.is_empty() { "/".into() } else { s.cgroup.clone() },
-                mode: if s.mode == MODE_ENFORCE { "enforce" } else { "observe" }.into(),
+                cgroup: if s.cgroup.is_empty() {
+                    "/".into()
+                } else {
+                    s.cgroup.clone()
+                },
+                mode: if s.mode == MODE_ENFORCE {
+                    "enforce"
+                } else {
+                    "observe"
+                }
+                .into(),
                 max_connections: s.max_connections,
                 counts,
                 rules,
@@ -155,21 +180,77 @@ pub fn prometheus(snap: &Snapshot) -> String {
         reg.register(name, help, f.clone());
         f
     };
-    let s_active = gauge(&mut reg, "scope_active_connections", "Active connections of the scope (admitted, not yet in TCP_CLOSE)");
-    let s_peak = gauge(&mut reg, "scope_peak_connections", "Highest active connections seen for the scope");
-    let s_adm = counter(&mut reg, "scope_admitted_connections", "Connections admitted for the scope");
-    let s_shed = counter(&mut reg, "scope_shed_connections", "Connections refused at connect() for the scope");
-    let s_would = counter(&mut reg, "scope_would_shed_connections", "Connections observe mode would have refused");
-    let d_active = gauge(&mut reg, "destination_active_connections", "Active connections per destination (top destinations; the rest summed as dst=\"other\")");
-    let d_adm = counter(&mut reg, "destination_admitted_connections", "Connections admitted per destination");
-    let d_shed = counter(&mut reg, "destination_shed_connections", "Connections refused per destination");
-    let d_would = counter(&mut reg, "destination_would_shed_connections", "Connections observe mode would have refused per destination");
-    let internal = counter(&mut reg, "internal_errors", "Fail-open events: connections let through uncounted because of an internal problem");
-    let generation = gauge(&mut reg, "policy_generation", "Generation of the policy in force (1 = first)");
-    let policy_error = gauge(&mut reg, "policy_last_reload_failed", "1 when the last reload was rejected and the previous policy stays in force");
-    let runs = counter(&mut reg, "program_runs", "eBPF program runs (kernel bpf_stats)");
+    let s_active = gauge(
+        &mut reg,
+        "scope_active_connections",
+        "Active connections of the scope (admitted, not yet in TCP_CLOSE)",
+    );
+    let s_peak = gauge(
+        &mut reg,
+        "scope_peak_connections",
+        "Highest active connections seen for the scope",
+    );
+    let s_adm = counter(
+        &mut reg,
+        "scope_admitted_connections",
+        "Connections admitted for the scope",
+    );
+    let s_shed = counter(
+        &mut reg,
+        "scope_shed_connections",
+        "Connections refused at connect() for the scope",
+    );
+    let s_would = counter(
+        &mut reg,
+        "scope_would_shed_connections",
+        "Connections observe mode would have refused",
+    );
+    let d_active = gauge(
+        &mut reg,
+        "destination_active_connections",
+        "Active connections per destination (top destinations; the rest summed as dst=\"other\")",
+    );
+    let d_adm = counter(
+        &mut reg,
+        "destination_admitted_connections",
+        "Connections admitted per destination",
+    );
+    let d_shed = counter(
+        &mut reg,
+        "destination_shed_connections",
+        "Connections refused per destination",
+    );
+    let d_would = counter(
+        &mut reg,
+        "destination_would_shed_connections",
+        "Connections observe mode would have refused per destination",
+    );
+    let internal = counter(
+        &mut reg,
+        "internal_errors",
+        "Fail-open events: connections let through uncounted because of an internal problem",
+    );
+    let generation = gauge(
+        &mut reg,
+        "policy_generation",
+        "Generation of the policy in force (1 = first)",
+    );
+    let policy_error = gauge(
+        &mut reg,
+        "policy_last_reload_failed",
+        "1 when the last reload was rejected and the previous policy stays in force",
+    );
+    let runs = counter(
+        &mut reg,
+        "program_runs",
+        "eBPF program runs (kernel bpf_stats)",
+    );
     let run_time = Family::<Labels, PromCounter<f64, AtomicU64>>::default();
-    reg.register("program_run_time_seconds", "eBPF program run time (kernel bpf_stats)", run_time.clone());
+    reg.register(
+        "program_run_time_seconds",
+        "eBPF program run time (kernel bpf_stats)",
+        run_time.clone(),
+    );
 
     for s in &snap.scopes {
         let l = || vec![("scope", s.name.clone())];
@@ -181,7 +262,11 @@ pub fn prometheus(snap: &Snapshot) -> String {
         let mut rest = Counts::default();
         for (i, d) in s.destinations.iter().enumerate() {
             let (rule, dst, c) = if i < METRIC_TOP_DESTINATIONS {
-                (d.rule.clone().unwrap_or_default(), d.dst.clone(), d.counts.clone())
+                (
+                    d.rule.clone().unwrap_or_default(),
+                    d.dst.clone(),
+                    d.counts.clone(),
+                )
             } else {
                 rest.active += d.counts.active;
                 rest.admitted += d.counts.admitted;
@@ -196,7 +281,11 @@ pub fn prometheus(snap: &Snapshot) -> String {
             d_would.get_or_create(&l).inc_by(c.would_shed);
         }
         if s.destinations.len() > METRIC_TOP_DESTINATIONS {
-            let l = vec![("scope", s.name.clone()), ("rule", String::new()), ("dst", "other".into())];
+            let l = vec![
+                ("scope", s.name.clone()),
+                ("rule", String::new()),
+                ("dst", "other".into()),
+            ];
             d_active.get_or_create(&l).set(rest.active as i64);
             d_adm.get_or_create(&l).inc_by(rest.admitted);
             d_shed.get_or_create(&l).inc_by(rest.shed);
@@ -204,12 +293,18 @@ pub fn prometheus(snap: &Snapshot) -> String {
         }
     }
     internal.get_or_create(&vec![]).inc_by(snap.internal_errors);
-    generation.get_or_create(&vec![]).set(snap.policy.generation as i64);
-    policy_error.get_or_create(&vec![]).set(snap.policy.last_error.is_some() as i64);
+    generation
+        .get_or_create(&vec![])
+        .set(snap.policy.generation as i64);
+    policy_error
+        .get_or_create(&vec![])
+        .set(snap.policy.last_error.is_some() as i64);
     for p in &snap.programs {
         let l = vec![("program", p.name.clone())];
         runs.get_or_create(&l).inc_by(p.run_count);
-        run_time.get_or_create(&l).inc_by(p.run_time_ns as f64 / 1e9);
+        run_time
+            .get_or_create(&l)
+            .inc_by(p.run_time_ns as f64 / 1e9);
     }
     let mut out = String::new();
     encode(&mut out, &reg).expect("writing to a String cannot fail");
@@ -222,12 +317,21 @@ pub fn table(snap: &Snapshot) -> String {
     let p = &snap.policy;
     let _ = writeln!(out, "policy: {} (generation {})", p.source, p.generation);
     if let Some(e) = &p.last_error {
-        let _ = writeln!(out, "last reload REJECTED, previous policy still in force: {e}");
+        let _ = writeln!(
+            out,
+            "last reload REJECTED, previous policy still in force: {e}"
+        );
     }
     let _ = writeln!(out, "internal errors (fail-open): {}", snap.internal_errors);
     for s in &snap.scopes {
-        let budget = s.max_connections.map_or("none".to_string(), |m| m.to_string());
-        let _ = writeln!(out, "\nscope {} [{}] cgroup {}  budget {}", s.name, s.mode, s.cgroup, budget);
+        let budget = s
+            .max_connections
+            .map_or("none".to_string(), |m| m.to_string());
+        let _ = writeln!(
+            out,
+            "\nscope {} [{}] cgroup {}  budget {}",
+            s.name, s.mode, s.cgroup, budget
+        );
         let c = &s.counts;
         let _ = writeln!(
             out,
@@ -261,7 +365,11 @@ pub fn table(snap: &Snapshot) -> String {
         let _ = writeln!(out, "\nprogram costs (kernel bpf_stats):");
         for p in &snap.programs {
             let avg = p.avg_ns.map_or("-".into(), |a| format!("{a:.0} ns"));
-            let _ = writeln!(out, "  {:<22} runs {:>10}  avg {}", p.name, p.run_count, avg);
+            let _ = writeln!(
+                out,
+                "  {:<22} runs {:>10}  avg {}",
+                p.name, p.run_count, avg
+            );
         }
     }
     out

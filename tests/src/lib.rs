@@ -1,1 +1,487 @@
+//! Test harness for connguard on the real kernel: test cgroups and network namespaces
+//! that clean up after themselves, a daemon per test, a counting TCP server, and the
+//! guard-probe client started inside a cgroup.
+//!
+//! Everything here needs root and cgroup v2; a missing prerequisite panics with the
+//! reason (a test never skips silently).
+use std::{
+    collections::BTreeMap,
+    io::{BufRead, BufReader, Read},
+    net::{SocketAddr, TcpListener},
+    os::unix::process::CommandExt,
+    path::{Path, PathBuf},
+    process::{Child, Command, Output, Stdio},
+    sync::{
+        Arc,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+    },
+    thread,
+    time::{Duration, Instant},
+};
 
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// What guard-probe prints: attempts, successes, failures by errno name.
+#[derive(Debug, Default, Clone, Serialize, Deserialize)]
+pub struct Outcome {
+    pub attempts: u64,
+    pub ok: u64,
+    pub errors: BTreeMap<String, u64>,
+    /// Longest time a failed connect() took, in µs.
+    pub max_error_us: u64,
+    /// Attempts per kind of scenario (mixed mode).
+    pub categories: BTreeMap<String, u64>,
+}
+
+impl Outcome {
+    pub fn errors(&self, name: &str) -> u64 {
+        self.errors.get(name).copied().unwrap_or(0)
+    }
+}
+
+/// Panics unless we are root on a host with cgroup v2.
+pub fn require_prerequisites() {
+    assert_eq!(
+        unsafe { libc::geteuid() },
+        0,
+        "connguard's integration tests need root: they load eBPF programs and create cgroups"
+    );
+    cgroup2_mount();
+}
+
+pub fn cgroup2_mount() -> PathBuf {
+    let info = std::fs::read_to_string("/proc/self/mountinfo").expect("read mountinfo");
+    info.lines()
+        .find_map(|l| {
+            let (left, right) = l.split_once(" - ")?;
+            (right.split_whitespace().next()? == "cgroup2")
+                .then(|| PathBuf::from(left.split_whitespace().nth(4).unwrap()))
+        })
+        .expect("cgroup v2 is not mounted: connguard needs the unified hierarchy")
+}
+
+fn unique(prefix: &str) -> String {
+    static N: AtomicU64 = AtomicU64::new(0);
+    format!(
+        "{prefix}-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// The workspace's target/release directory (built by `cargo xtask test`).
+pub fn release_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/release")
+}
+
+pub fn connguard_bin() -> PathBuf {
+    let bin = std::env::var_os("CONNGUARD_BIN")
+        .map_or_else(|| release_dir().join("connguard"), PathBuf::from);
+    assert!(
+        bin.exists(),
+        "{} is missing: run `cargo xtask test` (it builds it first)",
+        bin.display()
+    );
+    bin
+}
+
+/// A cgroup v2 directory under `<mount>/connguard-test/`, removed (with whatever runs
+/// in it killed) on drop.
+pub struct Cgroup {
+    pub path: PathBuf,
+    /// Path below the cgroup2 mount, as a policy names it.
+    pub rel: String,
+}
+
+impl Cgroup {
+    pub fn new(prefix: &str) -> Cgroup {
+        require_prerequisites();
+        let rel = format!("connguard-test/{}", unique(prefix));
+        let path = cgroup2_mount().join(&rel);
+        std::fs::create_dir_all(&path).unwrap_or_else(|e| panic!("mkdir {}: {e}", path.display()));
+        Cgroup { path, rel }
+    }
+
+    /// A command that starts inside this cgroup.
+    pub fn command(&self, program: impl AsRef<std::ffi::OsStr>) -> Command {
+        let procs = self.path.join("cgroup.procs");
+        let mut cmd = Command::new(program);
+        unsafe {
+            cmd.pre_exec(move || std::fs::write(&procs, std::process::id().to_string()));
+        }
+        cmd
+    }
+
+    /// guard-probe with `args`, inside this cgroup; its outcome.
+    pub fn probe(&self, args: &[&str]) -> Outcome {
+        let out = self
+            .command(probe_bin())
+            .args(args)
+            .output()
+            .expect("run guard-probe");
+        parse_probe(&out, args)
+    }
+
+    /// `guard-probe hold ADDR COUNT CONCURRENCY` inside this cgroup: connections stay
+    /// open until the returned Holder is dropped (which SIGKILLs the probe).
+    pub fn hold(&self, addr: &SocketAddr, count: u64, concurrency: u64) -> Holder {
+        let mut child = self
+            .command(probe_bin())
+            .args([
+                "hold",
+                &addr.to_string(),
+                &count.to_string(),
+                &concurrency.to_string(),
+            ])
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("run guard-probe");
+        let mut line = String::new();
+        BufReader::new(child.stdout.as_mut().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let outcome = serde_json::from_str(&line)
+            .unwrap_or_else(|e| panic!("guard-probe hold printed {line:?}: {e}"));
+        Holder { child, outcome }
+    }
+}
+
+impl Drop for Cgroup {
+    fn drop(&mut self) {
+        let _ = std::fs::write(self.path.join("cgroup.kill"), "1");
+        for _ in 0..50 {
+            if std::fs::remove_dir(&self.path).is_ok() || !self.path.exists() {
+                return;
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+/// guard-probe, built by cargo beside the test binaries (target/*/guard-probe).
+pub fn probe_bin() -> PathBuf {
+    let exe = std::env::current_exe().expect("current_exe");
+    let bin = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target dir")
+        .join("guard-probe");
+    assert!(
+        bin.exists(),
+        "{} is missing: run the tests with cargo",
+        bin.display()
+    );
+    bin
+}
+
+fn parse_probe(out: &Output, args: &[&str]) -> Outcome {
+    assert!(
+        out.status.success(),
+        "guard-probe {args:?} failed: {}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "guard-probe output {:?}: {e}",
+            String::from_utf8_lossy(&out.stdout)
+        )
+    })
+}
+
+/// A guard-probe holding connections; killed on drop.
+pub struct Holder {
+    pub child: Child,
+    pub outcome: Outcome,
+}
+
+impl Holder {
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Holder {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A running `connguard run` with its own policy file and control socket; stopped with
+/// SIGTERM on drop.
+pub struct Daemon {
+    child: Child,
+    pub policy: PathBuf,
+    pub socket: PathBuf,
+    dir: PathBuf,
+    pub log: Arc<std::sync::Mutex<String>>,
+}
+
+impl Daemon {
+    pub fn start(policy: &str) -> Daemon {
+        Self::start_with(policy, &[])
+    }
+
+    pub fn start_with(policy: &str, extra: &[&str]) -> Daemon {
+        require_prerequisites();
+        let dir = std::env::temp_dir().join(unique("connguard-test"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let policy_path = dir.join("policy.toml");
+        std::fs::write(&policy_path, policy).unwrap();
+        let socket = dir.join("connguard.sock");
+        let mut child = Command::new(connguard_bin())
+            .arg("run")
+            .arg("--policy")
+            .arg(&policy_path)
+            .arg("--socket")
+            .arg(&socket)
+            .args(["--metrics", "off"])
+            .args(extra)
+            .stderr(Stdio::piped())
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("start connguard");
+        let log = Arc::new(std::sync::Mutex::new(String::new()));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let stderr = child.stderr.take().unwrap();
+        let log2 = log.clone();
+        thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if line.contains("ready") {
+                    let _ = tx.send(());
+                }
+                log2.lock().unwrap().push_str(&(line + "\n"));
+            }
+        });
+        let mut d = Daemon {
+            child,
+            policy: policy_path,
+            socket,
+            dir,
+            log,
+        };
+        if rx.recv_timeout(Duration::from_secs(30)).is_err() {
+            let status = d.child.try_wait();
+            panic!(
+                "connguard did not get ready ({status:?}):\n{}",
+                d.log.lock().unwrap()
+            );
+        }
+        d
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    /// `connguard stats --json`.
+    pub fn stats(&self) -> Value {
+        let out = self.cli(&["stats", "--json"]);
+        assert!(
+            out.status.success(),
+            "connguard stats: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).expect("stats JSON")
+    }
+
+    /// The scope named `name` from `stats --json`.
+    pub fn scope(&self, name: &str) -> Value {
+        let stats = self.stats();
+        stats["scopes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["name"] == name)
+            .cloned()
+            .unwrap_or_else(|| panic!("no scope {name} in {stats}"))
+    }
+
+    /// Runs a connguard subcommand against this daemon's socket.
+    pub fn cli(&self, args: &[&str]) -> Output {
+        Command::new(connguard_bin())
+            .args(args)
+            .arg("--socket")
+            .arg(&self.socket)
+            .output()
+            .expect("run connguard")
+    }
+
+    /// Polls the scope until `pred` holds or `timeout` passes; returns the last value.
+    pub fn wait_scope(
+        &self,
+        name: &str,
+        timeout: Duration,
+        pred: impl Fn(&Value) -> bool,
+    ) -> Value {
+        let until = Instant::now() + timeout;
+        loop {
+            let s = self.scope(name);
+            if pred(&s) || Instant::now() > until {
+                return s;
+            }
+            thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        unsafe { libc::kill(self.pid(), libc::SIGTERM) };
+        let until = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < until {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                break;
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A TCP server in the test process (outside every test cgroup) that accepts, holds each
+/// connection until the peer closes, and tracks current and highest concurrency.
+pub struct Server {
+    pub addr: SocketAddr,
+    pub current: Arc<AtomicU64>,
+    pub peak: Arc<AtomicU64>,
+    pub accepted: Arc<AtomicU64>,
+    stop: Arc<AtomicBool>,
+}
+
+impl Server {
+    pub fn start(bind: &str) -> Server {
+        let listener = TcpListener::bind(bind).unwrap_or_else(|e| panic!("bind {bind}: {e}"));
+        let addr = listener.local_addr().unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let (current, peak, accepted) = (
+            Arc::new(AtomicU64::new(0)),
+            Arc::new(AtomicU64::new(0)),
+            Arc::new(AtomicU64::new(0)),
+        );
+        let stop = Arc::new(AtomicBool::new(false));
+        let (c, p, a, s) = (
+            current.clone(),
+            peak.clone(),
+            accepted.clone(),
+            stop.clone(),
+        );
+        thread::spawn(move || {
+            while !s.load(Ordering::Relaxed) {
+                match listener.accept() {
+                    Ok((mut conn, _)) => {
+                        conn.set_nonblocking(false).unwrap();
+                        a.fetch_add(1, Ordering::SeqCst);
+                        let now = c.fetch_add(1, Ordering::SeqCst) + 1;
+                        p.fetch_max(now, Ordering::SeqCst);
+                        let c = c.clone();
+                        thread::spawn(move || {
+                            let _ = conn.read(&mut [0u8; 64]);
+                            // Count the close before our FIN can release the client.
+                            c.fetch_sub(1, Ordering::SeqCst);
+                            drop(conn);
+                        });
+                    }
+                    Err(_) => thread::sleep(Duration::from_millis(1)),
+                }
+            }
+        });
+        Server {
+            addr,
+            current,
+            peak,
+            accepted,
+            stop,
+        }
+    }
+
+    pub fn peak(&self) -> u64 {
+        self.peak.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+/// A network namespace made for one test (`ip netns add`), deleted on drop.
+pub struct Netns {
+    pub name: String,
+}
+
+impl Netns {
+    pub fn new(prefix: &str) -> Netns {
+        let name = unique(prefix);
+        run("ip", &["netns", "add", &name]);
+        Netns { name }
+    }
+
+    pub fn path(&self) -> String {
+        format!("/run/netns/{}", self.name)
+    }
+
+    /// Runs `cmd args` inside the namespace; panics on failure.
+    pub fn exec(&self, cmd: &str, args: &[&str]) {
+        let mut all = vec!["netns", "exec", &self.name, cmd];
+        all.extend_from_slice(args);
+        run("ip", &all);
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip")
+            .args(["netns", "delete", &self.name])
+            .status();
+    }
+}
+
+pub fn run(cmd: &str, args: &[&str]) {
+    let out = Command::new(cmd)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("{cmd}: {e}"));
+    assert!(
+        out.status.success(),
+        "{cmd} {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Numeric field of a JSON object.
+pub fn n(v: &Value, field: &str) -> u64 {
+    v[field]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no number {field} in {v}"))
+}
+
+/// The destination entry `dst` of a scope from `stats --json`.
+pub fn destination<'a>(scope: &'a Value, dst: &str) -> &'a Value {
+    scope["destinations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["dst"] == dst)
+        .unwrap_or_else(|| panic!("no destination {dst} in {scope}"))
+}
+
+/// A policy with one enforcing scope on `cgroup` and one rule toward `dst` with an
+/// endpoint budget.
+pub fn budget_policy(scope: &str, cgroup: &str, mode: &str, dst: &SocketAddr, max: u64) -> String {
+    format!(
+        "[[scope]]\nname = \"{scope}\"\ncgroup = \"{cgroup}\"\nmode = \"{mode}\"\n\n\
+         [[scope.rule]]\nname = \"server\"\ndst = [\"{}\"]\nports = [\"{}\"]\nmax_connections = {max}\n",
+        dst.ip(),
+        dst.port()
+    )
+}

@@ -1,0 +1,321 @@
+//! guard-probe: the client side of connguard's integration tests. The tests start it
+//! inside a test cgroup (and sometimes a test netns); it drives real sockets and prints
+//! one JSON object with what the kernel answered.
+use std::{
+    io::{Read, Write},
+    net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream},
+    sync::{Arc, Barrier, Mutex},
+    thread,
+    time::{Duration, Instant},
+};
+
+use anyhow::Context;
+use connguard_tests::Outcome;
+use socket2::{Domain, Protocol, SockAddr, Socket, Type};
+
+const USAGE: &str = "usage: guard-probe connect ADDR COUNT CONCURRENCY
+       guard-probe hold ADDR COUNT CONCURRENCY
+       guard-probe storm ADDR THREADS SECONDS
+       guard-probe udp ADDR CYCLES
+       guard-probe mixed NETNS_PATH COUNT";
+
+fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let arg = |i: usize| args.get(i).with_context(|| USAGE.to_string());
+    let num = |i: usize| -> anyhow::Result<u64> { Ok(arg(i)?.parse()?) };
+    let out = match arg(0)?.as_str() {
+        "connect" => connect(arg(1)?.parse()?, num(2)?, num(3)?).0,
+        "hold" => {
+            let (out, held) = connect(arg(1)?.parse()?, num(2)?, num(3)?);
+            hold(&out, held)
+        }
+        "storm" => storm(arg(1)?.parse()?, num(2)?, num(3)?),
+        "udp" => udp(arg(1)?.parse()?, num(2)?)?,
+        "mixed" => mixed(arg(1)?, num(2)?)?,
+        _ => anyhow::bail!(USAGE),
+    };
+    println!("{}", serde_json::to_string(&out)?);
+    Ok(())
+}
+
+fn errno_name(e: &std::io::Error) -> String {
+    let names = [
+        (libc::ECONNREFUSED, "ECONNREFUSED"),
+        (libc::EPERM, "EPERM"),
+        (libc::ETIMEDOUT, "ETIMEDOUT"),
+        (libc::ENETUNREACH, "ENETUNREACH"),
+        (libc::EHOSTUNREACH, "EHOSTUNREACH"),
+        (libc::EADDRNOTAVAIL, "EADDRNOTAVAIL"),
+        (libc::EINPROGRESS, "EINPROGRESS"),
+        (libc::ECONNRESET, "ECONNRESET"),
+    ];
+    let code = e.raw_os_error().unwrap_or(0);
+    names
+        .iter()
+        .find(|(c, _)| *c == code)
+        .map_or(format!("errno{code}"), |(_, n)| n.to_string())
+}
+
+fn record(out: &Mutex<Outcome>, result: &std::io::Result<()>, started: Instant) {
+    let mut o = out.lock().unwrap();
+    o.attempts += 1;
+    match result {
+        Ok(()) => o.ok += 1,
+        Err(e) => {
+            *o.errors.entry(errno_name(e)).or_default() += 1;
+            o.max_error_us = o.max_error_us.max(started.elapsed().as_micros() as u64);
+        }
+    }
+}
+
+fn set_syncnt(s: &Socket, n: libc::c_int) {
+    let fd = std::os::fd::AsRawFd::as_raw_fd(s);
+    let size = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    let rc = unsafe {
+        libc::setsockopt(
+            fd,
+            libc::IPPROTO_TCP,
+            libc::TCP_SYNCNT,
+            (&raw const n).cast(),
+            size,
+        )
+    };
+    assert_eq!(rc, 0, "TCP_SYNCNT: {}", std::io::Error::last_os_error());
+}
+
+fn tcp_socket(addr: &SocketAddr) -> Socket {
+    Socket::new(
+        Domain::for_address(*addr),
+        Type::STREAM,
+        Some(Protocol::TCP),
+    )
+    .expect("socket()")
+}
+
+/// COUNT blocking connects from CONCURRENCY threads started together; returns the
+/// outcome and the connected sockets.
+fn connect(addr: SocketAddr, count: u64, concurrency: u64) -> (Outcome, Vec<Socket>) {
+    let out = Arc::new(Mutex::new(Outcome::default()));
+    let held = Arc::new(Mutex::new(Vec::new()));
+    let barrier = Arc::new(Barrier::new(concurrency as usize));
+    let threads: Vec<_> = (0..concurrency)
+        .map(|t| {
+            let (out, held, barrier) = (out.clone(), held.clone(), barrier.clone());
+            thread::spawn(move || {
+                barrier.wait();
+                for _ in (t..count).step_by(concurrency as usize) {
+                    let s = tcp_socket(&addr);
+                    let started = Instant::now();
+                    let r = s.connect(&addr.into());
+                    record(&out, &r, started);
+                    if r.is_ok() {
+                        held.lock().unwrap().push(s);
+                    }
+                }
+            })
+        })
+        .collect();
+    threads.into_iter().for_each(|t| t.join().unwrap());
+    let held = std::mem::take(&mut *held.lock().unwrap());
+    (Arc::try_unwrap(out).unwrap().into_inner().unwrap(), held)
+}
+
+/// THREADS threads connect, hold each connection 2 ms, close, for SECONDS.
+fn storm(addr: SocketAddr, threads: u64, seconds: u64) -> Outcome {
+    let out = Arc::new(Mutex::new(Outcome::default()));
+    let until = Instant::now() + Duration::from_secs(seconds);
+    let handles: Vec<_> = (0..threads)
+        .map(|_| {
+            let out = out.clone();
+            thread::spawn(move || {
+                while Instant::now() < until {
+                    let s = tcp_socket(&addr);
+                    let started = Instant::now();
+                    let r = s.connect(&addr.into());
+                    record(&out, &r, started);
+                    if r.is_ok() {
+                        thread::sleep(Duration::from_millis(2));
+                        // Close gracefully: FIN, then wait for the server's FIN, so that
+                        // both ends agree when the connection is over. (A plain close()
+                        // orphans the socket, which the kernel moves to TCP_CLOSE as soon
+                        // as its FIN is acked, while the server may still hold its half.)
+                        let _ = s.shutdown(std::net::Shutdown::Write);
+                        let _ = std::io::Read::read(&mut &s, &mut [0u8; 1]);
+                    }
+                }
+            })
+        })
+        .collect();
+    handles.into_iter().for_each(|t| t.join().unwrap());
+    Arc::try_unwrap(out).unwrap().into_inner().unwrap()
+}
+
+/// Prints the outcome, then keeps the connections open until killed.
+fn hold(out: &Outcome, held: Vec<Socket>) -> ! {
+    println!("{}", serde_json::to_string(out).unwrap());
+    std::io::stdout().flush().unwrap();
+    let _held = held;
+    loop {
+        thread::sleep(Duration::from_secs(3600));
+    }
+}
+
+/// UDP sockets connected to ADDR (which runs the connect hooks), sending one datagram
+/// each, plus as many unconnected sendto()s.
+fn udp(addr: SocketAddr, cycles: u64) -> anyhow::Result<Outcome> {
+    let mut out = Outcome::default();
+    for _ in 0..cycles {
+        let s = Socket::new(Domain::for_address(addr), Type::DGRAM, Some(Protocol::UDP))?;
+        let r = s
+            .connect(&addr.into())
+            .and_then(|()| s.send(b"x").map(|_| ()));
+        out.attempts += 1;
+        match r {
+            Ok(()) => out.ok += 1,
+            Err(e) => *out.errors.entry(errno_name(&e)).or_default() += 1,
+        }
+        s.send_to(b"y", &addr.into())?;
+    }
+    Ok(out)
+}
+
+/// COUNT connection attempts with every outcome a connection can have, inside the
+/// network namespace at NETNS_PATH (which has lo, and a dummy0 with 192.0.2.1/24 that
+/// swallows whatever is sent to 192.0.2.2). Category counts are reported under `errors`
+/// (errnos) and `categories`.
+fn mixed(netns: &str, count: u64) -> anyhow::Result<Outcome> {
+    let ns = std::fs::File::open(netns).with_context(|| format!("open {netns}"))?;
+    if unsafe { libc::setns(std::os::fd::AsRawFd::as_raw_fd(&ns), libc::CLONE_NEWNET) } != 0 {
+        anyhow::bail!("setns {netns}: {}", std::io::Error::last_os_error());
+    }
+    // Server A closes first; server B waits for the client to close.
+    let server_close = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?;
+    let client_close = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?;
+    let a = server_close.local_addr()?;
+    let b = client_close.local_addr()?;
+    thread::spawn(move || {
+        for c in server_close.incoming().flatten() {
+            drop(c);
+        }
+    });
+    thread::spawn(move || {
+        for mut c in client_close.incoming().flatten() {
+            thread::spawn(move || {
+                let _ = c.read(&mut [0u8; 1]);
+            });
+        }
+    });
+    let closed_port: SocketAddr = {
+        let l = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?;
+        l.local_addr()?
+    };
+    let black_hole: SocketAddr = "192.0.2.2:80".parse()?;
+    let no_route: SocketAddr = "198.51.100.1:80".parse()?;
+
+    let out = Arc::new(Mutex::new(Outcome::default()));
+    let cat = |out: &Mutex<Outcome>, name: &str| {
+        *out.lock()
+            .unwrap()
+            .categories
+            .entry(name.into())
+            .or_default() += 1
+    };
+
+    // Four attempts that time out in the kernel: one SYN retransmit (TCP_SYNCNT 1), ~3 s.
+    let timeouts: Vec<_> = (0..4)
+        .map(|_| {
+            let out = out.clone();
+            thread::spawn(move || {
+                let s = tcp_socket(&black_hole);
+                set_syncnt(&s, 1);
+                let started = Instant::now();
+                let r = s.connect(&black_hole.into());
+                record(&out, &r, started);
+                cat(&out, "timed_out");
+            })
+        })
+        .collect();
+
+    let workers = 8u64;
+    let handles: Vec<_> = (0..workers)
+        .map(|w| {
+            let out = out.clone();
+            thread::spawn(move || {
+                let mut reuse_port = None;
+                for i in (w..count - 4).step_by(workers as usize) {
+                    let started = Instant::now();
+                    match i % 50 {
+                        // Accepted, then closed by the server.
+                        0..=29 => {
+                            let r = TcpStream::connect(a).map(|mut s| {
+                                let _ = s.read(&mut [0u8; 1]);
+                            });
+                            record(&out, &r, started);
+                            cat(&out, "server_closed");
+                        }
+                        // Accepted, then closed by the client.
+                        30..=39 => {
+                            let r = TcpStream::connect(b).map(drop);
+                            record(&out, &r, started);
+                            cat(&out, "client_closed");
+                        }
+                        // Refused by RST from a closed port.
+                        40..=44 => {
+                            record(&out, &TcpStream::connect(closed_port).map(drop), started);
+                            cat(&out, "refused");
+                        }
+                        // Non-blocking connect abandoned in SYN_SENT.
+                        45..=46 => {
+                            let s = tcp_socket(&black_hole);
+                            s.set_nonblocking(true).unwrap();
+                            let r = s.connect(&black_hole.into());
+                            let r = match r {
+                                Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => Ok(()),
+                                other => other,
+                            };
+                            record(&out, &r, started);
+                            cat(&out, "abandoned");
+                        }
+                        // Failed before the SYN: no route (the socket stays in TCP_CLOSE)...
+                        47 => {
+                            let s = tcp_socket(&no_route);
+                            record(&out, &s.connect(&no_route.into()), started);
+                            // ...and a reconnect on the same socket after the failure.
+                            record(&out, &s.connect(&no_route.into()), started);
+                            cat(&out, "no_route_twice");
+                        }
+                        // Failed after SYN_SENT: 4-tuple taken (EADDRNOTAVAIL), using two
+                        // sockets bound to the same local port.
+                        _ => {
+                            let bind = |port: u16| {
+                                let s = tcp_socket(&b);
+                                s.set_reuse_address(true).unwrap();
+                                s.bind(&SockAddr::from(SocketAddr::from((
+                                    Ipv4Addr::LOCALHOST,
+                                    port,
+                                ))))
+                                .map(|()| s)
+                            };
+                            let first = bind(reuse_port.unwrap_or(0)).unwrap();
+                            reuse_port = first
+                                .local_addr()
+                                .ok()
+                                .and_then(|a| a.as_socket())
+                                .map(|a| a.port());
+                            record(&out, &first.connect(&b.into()), started);
+                            let second = bind(reuse_port.unwrap()).unwrap();
+                            record(&out, &second.connect(&b.into()), started);
+                            reuse_port = None;
+                            cat(&out, "addr_taken");
+                        }
+                    }
+                }
+            })
+        })
+        .collect();
+    handles
+        .into_iter()
+        .chain(timeouts)
+        .for_each(|t| t.join().unwrap());
+    Ok(Arc::try_unwrap(out).unwrap().into_inner().unwrap())
+}

@@ -1,0 +1,224 @@
+//! Budgets enforced on real sockets: DESIGN.md invariants 1, 3, 4 and 5.
+use std::{net::SocketAddr, time::Duration};
+
+use connguard_tests::{Cgroup, Daemon, Server, budget_policy, destination, n};
+
+/// (a) Budget 5, 20 concurrent clients: exactly 5 connect, 15 get ECONNREFUSED at once.
+#[test]
+fn budget_of_five_sheds_fifteen_of_twenty_at_once() {
+    let server = Server::start("127.0.0.1:0");
+    let cg = Cgroup::new("a");
+    let d = Daemon::start(&budget_policy("a", &cg.rel, "enforce", &server.addr, 5));
+    let mut held = cg.hold(&server.addr, 20, 20);
+    let out = &held.outcome;
+    assert_eq!(
+        (out.attempts, out.ok, out.errors("ECONNREFUSED")),
+        (20, 5, 15),
+        "{out:?}"
+    );
+    // A SYN retransmit would take 1 s; a shed connect() returns in microseconds.
+    assert!(
+        out.max_error_us < 100_000,
+        "slowest refusal took {} µs",
+        out.max_error_us
+    );
+    let s = d.scope("a");
+    let dst = destination(&s, &server.addr.to_string());
+    assert_eq!(
+        (
+            n(dst, "active"),
+            n(dst, "shed"),
+            n(dst, "admitted"),
+            n(dst, "peak")
+        ),
+        (5, 15, 5, 5),
+        "{s}"
+    );
+    assert_eq!((n(&s, "active"), n(&s, "shed")), (5, 15));
+    assert_eq!(server.peak(), 5);
+    // Ending the client returns every count to 0.
+    held.kill();
+    let s = d.wait_scope("a", Duration::from_secs(5), |s| n(s, "active") == 0);
+    assert_eq!(n(&s, "active"), 0, "{s}");
+}
+
+/// (c) 64 threads storm a budget of 10: the server never sees more than 10 at once.
+#[test]
+fn storm_of_64_threads_never_exceeds_budget_of_10() {
+    let server = Server::start("127.0.0.1:0");
+    let cg = Cgroup::new("c");
+    let d = Daemon::start(&budget_policy("c", &cg.rel, "enforce", &server.addr, 10));
+    let out = cg.probe(&["storm", &server.addr.to_string(), "64", "4"]);
+    assert!(
+        out.ok > 100,
+        "too few connections to mean anything: {out:?}"
+    );
+    assert_eq!(
+        out.attempts,
+        out.ok + out.errors("ECONNREFUSED"),
+        "only sheds may fail: {out:?}"
+    );
+    assert!(
+        server.peak() <= 10,
+        "server saw {} concurrent connections",
+        server.peak()
+    );
+    let s = d.wait_scope("c", Duration::from_secs(5), |s| n(s, "active") == 0);
+    let dst = destination(&s, &server.addr.to_string());
+    assert_eq!(
+        n(dst, "peak"),
+        10,
+        "the storm should reach the budget, never pass it: {s}"
+    );
+    assert_eq!(
+        (n(dst, "admitted"), n(dst, "shed"), n(&s, "active")),
+        (out.ok, out.errors("ECONNREFUSED"), 0),
+        "{s}"
+    );
+}
+
+/// (d) Observe mode sheds nothing and counts as would_shed what enforce sheds.
+#[test]
+fn observe_mode_counts_would_shed_equal_to_enforce_shed() {
+    let server = Server::start("127.0.0.1:0");
+    let mut seen = Vec::new();
+    for mode in ["enforce", "observe"] {
+        let cg = Cgroup::new("d");
+        let d = Daemon::start(&budget_policy("d", &cg.rel, mode, &server.addr, 5));
+        let held = cg.hold(&server.addr, 20, 20);
+        let s = d.scope("d");
+        seen.push((
+            mode,
+            held.outcome.ok,
+            n(&s, "active"),
+            n(&s, "shed"),
+            n(&s, "would_shed"),
+            n(&s, "admitted"),
+        ));
+    }
+    assert_eq!(
+        seen,
+        [("enforce", 5, 5, 15, 0, 5), ("observe", 20, 20, 0, 15, 20)]
+    );
+}
+
+/// (e) and CASES 7: UDP connect/send toward a budgeted destination is untouched.
+#[test]
+fn udp_is_untouched_and_uncounted() {
+    let udp = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    let addr = udp.local_addr().unwrap();
+    let cg = Cgroup::new("e");
+    let d = Daemon::start(&budget_policy("e", &cg.rel, "enforce", &addr, 1));
+    let out = cg.probe(&["udp", &addr.to_string(), "10000"]);
+    assert_eq!((out.attempts, out.ok), (10000, 10000), "{out:?}");
+    let s = d.scope("e");
+    assert_eq!(
+        (n(&s, "admitted"), n(&s, "shed"), n(&s, "active")),
+        (0, 0, 0),
+        "{s}"
+    );
+    assert_eq!(s["destinations"].as_array().unwrap().len(), 0, "{s}");
+}
+
+/// (f) IPv6 destinations have their own keys, written [addr]:port.
+#[test]
+fn ipv6_destination_budget() {
+    let server = Server::start("[::1]:0");
+    let cg = Cgroup::new("f6");
+    let d = Daemon::start(&budget_policy("f6", &cg.rel, "enforce", &server.addr, 3));
+    let held = cg.hold(&server.addr, 5, 1);
+    assert_eq!(
+        (held.outcome.ok, held.outcome.errors("ECONNREFUSED")),
+        (3, 2),
+        "{:?}",
+        held.outcome
+    );
+    let s = d.scope("f6");
+    let dst = destination(&s, &format!("[::1]:{}", server.addr.port()));
+    assert_eq!((n(dst, "active"), n(dst, "shed")), (3, 2), "{s}");
+}
+
+/// (f) and CASES 6: `::ffff:127.0.0.1` through an AF_INET6 socket shares the IPv4 key.
+#[test]
+fn ipv4_mapped_ipv6_shares_the_ipv4_budget() {
+    let server = Server::start("127.0.0.1:0");
+    let cg = Cgroup::new("f4");
+    let d = Daemon::start(&budget_policy("f4", &cg.rel, "enforce", &server.addr, 3));
+    let v4 = cg.hold(&server.addr, 3, 1);
+    assert_eq!(v4.outcome.ok, 3, "{:?}", v4.outcome);
+    let mapped: SocketAddr = format!("[::ffff:127.0.0.1]:{}", server.addr.port())
+        .parse()
+        .unwrap();
+    let out = cg.probe(&["connect", &mapped.to_string(), "3", "1"]);
+    assert_eq!((out.ok, out.errors("ECONNREFUSED")), (0, 3), "{out:?}");
+    let s = d.scope("f4");
+    assert_eq!(
+        s["destinations"].as_array().unwrap().len(),
+        1,
+        "one key for both families: {s}"
+    );
+    let dst = destination(&s, &server.addr.to_string());
+    assert_eq!((n(dst, "active"), n(dst, "shed")), (3, 3), "{s}");
+}
+
+/// (g) A process in a cgroup outside every scope is unaffected and uncounted.
+#[test]
+fn cgroup_outside_every_scope_is_unaffected() {
+    let server = Server::start("127.0.0.1:0");
+    let guarded = Cgroup::new("g-guarded");
+    let outside = Cgroup::new("g-outside");
+    let d = Daemon::start(&budget_policy(
+        "g",
+        &guarded.rel,
+        "enforce",
+        &server.addr,
+        1,
+    ));
+    let out = outside.probe(&["connect", &server.addr.to_string(), "20", "20"]);
+    assert_eq!((out.ok, out.attempts), (20, 20), "{out:?}");
+    let s = d.scope("g");
+    assert_eq!((n(&s, "admitted"), n(&s, "shed")), (0, 0), "{s}");
+}
+
+/// (i) The daemon SIGKILLed while enforcing: connections are allowed again at once.
+#[test]
+fn killed_daemon_fails_open() {
+    let server = Server::start("127.0.0.1:0");
+    let cg = Cgroup::new("i");
+    let mut d = Daemon::start(&budget_policy("i", &cg.rel, "enforce", &server.addr, 2));
+    let _held = cg.hold(&server.addr, 2, 1);
+    let before = cg.probe(&["connect", &server.addr.to_string(), "3", "1"]);
+    assert_eq!(
+        before.errors("ECONNREFUSED"),
+        3,
+        "budget spent while the daemon runs: {before:?}"
+    );
+    d.kill();
+    let after = cg.probe(&["connect", &server.addr.to_string(), "3", "1"]);
+    assert_eq!(
+        (after.ok, after.attempts),
+        (3, 3),
+        "after SIGKILL: {after:?}"
+    );
+}
+
+/// (j) A cgroup created after the daemon started is governed within 1 s.
+#[test]
+fn cgroup_created_after_start_is_governed_within_a_second() {
+    let server = Server::start("127.0.0.1:0");
+    let tag = format!("j{}", std::process::id());
+    let policy = budget_policy(
+        "j",
+        &format!("connguard-test/{tag}-*"),
+        "enforce",
+        &server.addr,
+        1,
+    );
+    let d = Daemon::start(&policy);
+    let cg = Cgroup::new(&tag);
+    std::thread::sleep(Duration::from_millis(1000));
+    let out = cg.probe(&["connect", &server.addr.to_string(), "3", "1"]);
+    // Sequential connects, each closed only at the end: 1 admitted, 2 shed.
+    assert_eq!((out.ok, out.errors("ECONNREFUSED")), (1, 2), "{out:?}");
+    assert_eq!(n(&d.scope("j"), "shed"), 2);
+}
