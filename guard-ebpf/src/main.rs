@@ -2,7 +2,8 @@
 //!
 //! A socket's admission is taken in the cgroup connect4/connect6 hooks (`connect`) and
 //! released exactly once when the socket reaches TCP_CLOSE (`release`), whichever path
-//! gets there first: the state tracepoint, or the socket's release while still closed. Every internal problem lets the connection through and
+//! gets there first: the sock_ops state callback, or the socket's release while still
+//! closed. Every internal problem lets the connection through and
 //! is counted (fail-open).
 #![no_std]
 #![no_main]

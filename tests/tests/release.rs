@@ -1,0 +1,126 @@
+//! Every admission is released exactly once, on every path (DESIGN.md invariant 2).
+use std::time::Duration;
+
+use connguard_tests::{Cgroup, Daemon, Netns, Server, n};
+
+/// (b) 10,000 connection attempts with every outcome, inside a test netns, then a
+/// client SIGKILLed while holding connections: afterwards every count is exactly 0.
+#[test]
+fn ten_thousand_mixed_outcomes_leave_every_count_at_zero() {
+    let ns = Netns::new("cgmix");
+    ns.exec("ip", &["link", "set", "lo", "up"]);
+    // A veth pair swallows whatever is sent to 192.0.2.2: bh0 has the address and a
+    // static neighbour entry, its peer bh1 has no address and forwarding is off, so
+    // SYNs there are dropped and never answered.
+    ns.exec(
+        "ip",
+        &["link", "add", "bh0", "type", "veth", "peer", "name", "bh1"],
+    );
+    ns.exec("ip", &["addr", "add", "192.0.2.1/24", "dev", "bh0"]);
+    ns.exec("ip", &["link", "set", "bh0", "up"]);
+    ns.exec("ip", &["link", "set", "bh1", "up"]);
+    ns.exec(
+        "ip",
+        &[
+            "neigh",
+            "add",
+            "192.0.2.2",
+            "lladdr",
+            "02:00:00:00:00:02",
+            "dev",
+            "bh0",
+            "nud",
+            "permanent",
+        ],
+    );
+    let cg = Cgroup::new("b");
+    let d = Daemon::start(&format!(
+        "[[scope]]\nname = \"b\"\ncgroup = \"{}\"\nmax_connections = 100000\n",
+        cg.rel
+    ));
+
+    let out = cg.probe(&["mixed", &ns.path(), "10000"]);
+    let cats = &out.categories;
+    for c in [
+        "server_closed",
+        "client_closed",
+        "refused",
+        "abandoned",
+        "no_route_twice",
+        "addr_taken",
+        "timed_out",
+    ] {
+        assert!(
+            cats.get(c).copied().unwrap_or(0) > 0,
+            "no {c} attempts: {out:?}"
+        );
+    }
+    assert!(out.attempts >= 10_000, "{out:?}");
+    assert_eq!(out.errors("ECONNREFUSED"), cats["refused"], "{out:?}");
+    assert_eq!(out.errors("ETIMEDOUT"), 4, "{out:?}");
+    assert_eq!(
+        out.errors("ENETUNREACH"),
+        2 * cats["no_route_twice"],
+        "{out:?}"
+    );
+    assert_eq!(out.errors("EADDRNOTAVAIL"), cats["addr_taken"], "{out:?}");
+
+    // A client killed while holding connections (to a server in the host netns).
+    let server = Server::start("127.0.0.1:0");
+    let mut killed = cg.hold(&server.addr, 50, 5);
+    assert_eq!(killed.outcome.ok, 50);
+    // The mixed run's last connections finish closing within moments of its exit.
+    let s = d.wait_scope("b", Duration::from_secs(10), |s| n(s, "active") == 50);
+    assert_eq!(n(&s, "active"), 50, "{s}");
+    killed.kill();
+
+    let s = d.wait_scope("b", Duration::from_secs(10), |s| n(s, "active") == 0);
+    assert_eq!(
+        n(&s, "admitted"),
+        out.attempts + 50,
+        "every attempt admitted exactly once: {s}"
+    );
+    assert_eq!(n(&s, "shed"), 0, "{s}");
+    let busy: Vec<_> = s["destinations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|d| n(d, "active") != 0)
+        .collect();
+    assert!(
+        busy.is_empty() && n(&s, "active") == 0,
+        "keys still active: {busy:?}"
+    );
+    assert_eq!(n(&d.stats(), "internal_errors"), 0);
+}
+
+/// CASES 5: limit 2; connect twice, close both (one after the server reset it);
+/// the third is admitted.
+#[test]
+fn slot_is_freed_after_a_reset() {
+    use std::{io::Read, net::TcpListener};
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let cg = Cgroup::new("case5");
+    let d = Daemon::start(&connguard_tests::budget_policy(
+        "c5", &cg.rel, "enforce", &addr, 2,
+    ));
+    let held = cg.hold(&addr, 2, 1);
+    assert_eq!(held.outcome.ok, 2);
+    // The server resets the first connection (SO_LINGER 0), keeps the second.
+    let (first, _) = listener.accept().unwrap();
+    let (mut second, _) = listener.accept().unwrap();
+    socket2::SockRef::from(&first)
+        .set_linger(Some(Duration::ZERO))
+        .unwrap();
+    drop(first);
+    let s = d.wait_scope("c5", Duration::from_secs(5), |s| n(s, "active") == 1);
+    assert_eq!(n(&s, "active"), 1, "the reset connection is released: {s}");
+    drop(held);
+    let _ = second.read(&mut [0u8; 1]);
+    drop(second);
+    let s = d.wait_scope("c5", Duration::from_secs(5), |s| n(s, "active") == 0);
+    assert_eq!(n(&s, "active"), 0, "{s}");
+    let third = cg.hold(&addr, 1, 1);
+    assert_eq!(third.outcome.ok, 1, "{:?}", third.outcome);
+}
