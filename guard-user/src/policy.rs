@@ -206,10 +206,11 @@ pub fn parse(text: &str, file: &str) -> Result<Policy, PolicyError> {
         let mut rule_names = HashSet::new();
         let mut rules = Vec::new();
         for (i, r) in s.rule.into_iter().enumerate() {
-            let rule = parse_rule(r.into_inner(), i, &at)?;
+            let rule_span = r.span();
+            let rule = parse_rule(r.into_inner(), i, rule_span.clone(), &at)?;
             if !rule_names.insert(rule.name.clone()) {
                 return Err(at(
-                    span.clone(),
+                    rule_span,
                     format!("duplicate rule name {:?} in scope {name:?}", rule.name),
                 ));
             }
@@ -235,6 +236,7 @@ pub fn parse(text: &str, file: &str) -> Result<Policy, PolicyError> {
 fn parse_rule(
     r: RawRule,
     index: usize,
+    span: Range<usize>,
     at: &impl Fn(Range<usize>, String) -> PolicyError,
 ) -> Result<Rule, PolicyError> {
     if let Some(w) = r.port_watermark {
@@ -260,7 +262,7 @@ fn parse_rule(
     }
     if ports.len() > MAX_PORT_RANGES {
         return Err(at(
-            0..0,
+            span,
             format!(
                 "rule {name:?} lists {} port ranges; at most {MAX_PORT_RANGES}",
                 ports.len()
@@ -271,7 +273,7 @@ fn parse_rule(
         None | Some("endpoint") => true,
         Some("rule") => false,
         Some(other) => {
-            let span = r.per.as_ref().map(|p| p.span()).unwrap_or(0..0);
+            let span = r.per.as_ref().map_or(span, |p| p.span());
             return Err(at(
                 span,
                 format!("per must be \"endpoint\" or \"rule\", not {other:?}"),
@@ -373,8 +375,91 @@ fn line_col(text: &str, offset: usize) -> (usize, usize) {
     (line, column)
 }
 
-/// The TOML body of a policy, as `connguard check` and reload see it.
+/// A one-line summary of a policy, for logs and `connguard check`.
 pub fn describe(p: &Policy) -> String {
     let rules: usize = p.scopes.iter().map(|s| s.rules.len()).sum();
     format!("{} scope(s), {} rule(s)", p.scopes.len(), rules)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn err(text: &str) -> String {
+        parse(text, "p.toml").unwrap_err().to_string()
+    }
+
+    const GOOD: &str = r#"
+[[scope]]
+name = "orders"
+cgroup = "/system.slice/orders.service/"
+max_connections = 500
+
+[[scope.rule]]
+name = "risk"
+dst = ["10.20.0.0/16", "fd00::/64", "192.0.2.7"]
+ports = ["8080", "9000-9100", 443]
+max_connections = 20
+per = "rule"
+"#;
+
+    #[test]
+    fn parses_the_design_vocabulary() {
+        let p = parse(GOOD, "p.toml").unwrap();
+        let s = &p.scopes[0];
+        assert_eq!((s.name.as_str(), s.cgroup.as_str(), s.mode, s.errno), ("orders", "system.slice/orders.service", MODE_ENFORCE, libc::ECONNREFUSED));
+        assert_eq!(s.max_connections, Some(500));
+        let r = &s.rules[0];
+        assert_eq!(r.dst.len(), 3);
+        assert_eq!(r.ports, [PortRange { first: 8080, last: 8080 }, PortRange { first: 9000, last: 9100 }, PortRange { first: 443, last: 443 }]);
+        assert_eq!((r.max_connections, r.per_endpoint), (Some(20), false));
+    }
+
+    #[test]
+    fn the_embedded_default_observes_the_whole_host() {
+        let p = parse(DEFAULT_POLICY, DEFAULT_SOURCE).unwrap();
+        assert_eq!(p.scopes.len(), 1);
+        assert_eq!((p.scopes[0].cgroup.as_str(), p.scopes[0].mode, p.scopes[0].max_connections), ("", MODE_OBSERVE, None));
+    }
+
+    #[test]
+    fn errors_name_file_line_column_and_reason() {
+        assert_eq!(err("[[scope]\nname = 1"), "p.toml:1:8: invalid table header\nexpected `.`, `]]`");
+        assert!(err("[[scope]]\nname = \"a\"\ncgroup = \"x\"\nbudget = 3\n").starts_with("p.toml:4:1: unknown field `budget`"));
+        assert_eq!(
+            err("[[scope]]\nname = \"a\"\ncgroup = \"x\"\n[[scope.rule]]\ndst = [\"10.0.0.300/8\"]\n"),
+            "p.toml:5:8: \"10.0.0.300/8\" is not an IP address or CIDR"
+        );
+        assert_eq!(
+            err("[[scope]]\nname = \"a\"\ncgroup = \"x\"\n[[scope.rule]]\ndst = [\"10.1.0.0/8\"]\n"),
+            "p.toml:5:8: \"10.1.0.0/8\" has host bits set; did you mean 10.0.0.0/8?"
+        );
+        assert_eq!(
+            err("[[scope]]\nname = \"a\"\ncgroup = \"x\"\n[[scope.rule]]\nports = [\"70000\"]\n"),
+            "p.toml:5:10: port 70000 is out of range 1-65535"
+        );
+        assert_eq!(
+            err("[[scope]]\nname = \"a\"\ncgroup = \"x\"\n[[scope]]\nname = \"a\"\ncgroup = \"y\"\n"),
+            "p.toml:5:8: duplicate scope name \"a\""
+        );
+        assert_eq!(
+            err("[[scope]]\nname = \"a\"\ncgroup = \"x\"\nmax_connections = 0\n"),
+            "p.toml:4:19: max_connections must be at least 1 (got 0); leave it out for no budget"
+        );
+        assert_eq!(
+            err("[[scope]]\nname = \"a\"\ncgroup = \"x\"\nerrno = \"ENOPE\"\n"),
+            "p.toml:4:9: unknown errno \"ENOPE\"; use one of ECONNREFUSED, EPERM, EACCES, ECONNRESET, ETIMEDOUT, ENETUNREACH, EHOSTUNREACH, EADDRNOTAVAIL, EAGAIN"
+        );
+        assert_eq!(err("[[scope]]\nname = \"a\"\ncgroup = \"x\"\nmode = \"shed\"\n"), "p.toml:4:8: mode must be \"enforce\" or \"observe\", not \"shed\"");
+        assert_eq!(err("[[scope]]\nname = \"a\"\ncgroup = \"x[\"\n"), "p.toml:3:10: bad cgroup pattern: unclosed character class; missing ']'");
+    }
+
+    #[test]
+    fn too_many_overlapping_rules_are_refused() {
+        let mut text = String::from("[[scope]]\nname = \"a\"\ncgroup = \"x\"\n");
+        for i in 0..=MAX_CANDIDATES {
+            text += &format!("[[scope.rule]]\nname = \"r{i}\"\nports = [\"{}\"]\n", 1000 + i);
+        }
+        assert_eq!(err(&text), "p.toml:1:1: 9 rules can match destinations in ::/0; at most 8 may overlap");
+    }
 }
