@@ -485,3 +485,114 @@ pub fn budget_policy(scope: &str, cgroup: &str, mode: &str, dst: &SocketAddr, ma
         dst.port()
     )
 }
+
+/// A free TCP port on 127.0.0.1 (bound, then released for a server to take).
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// nginx (Debian's nginx-light) serving "ok" on 127.0.0.1, in the foreground, with its
+/// files in a temporary directory; stopped on drop.
+pub struct Nginx {
+    child: Child,
+    pub addr: SocketAddr,
+    dir: PathBuf,
+}
+
+impl Nginx {
+    pub fn start() -> Nginx {
+        let dir = std::env::temp_dir().join(unique("connguard-nginx"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let port = free_port();
+        let d = dir.display();
+        let conf = format!(
+            "worker_processes 1; daemon off; master_process off; pid {d}/nginx.pid; error_log {d}/error.log;\n\
+             events {{ worker_connections 4096; }}\n\
+             http {{ access_log off; keepalive_requests 1000000; keepalive_timeout 60s;\n\
+               client_body_temp_path {d}/body; proxy_temp_path {d}/proxy; fastcgi_temp_path {d}/fastcgi;\n\
+               uwsgi_temp_path {d}/uwsgi; scgi_temp_path {d}/scgi;\n\
+               server {{ listen 127.0.0.1:{port} backlog=4096; location / {{ return 200 \"ok\\n\"; }} }} }}\n"
+        );
+        std::fs::write(dir.join("nginx.conf"), conf).unwrap();
+        let child = Command::new("nginx")
+            .arg("-c")
+            .arg(dir.join("nginx.conf"))
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("nginx is missing: run `cargo xtask setup` (installs nginx-light)");
+        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        let until = Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(addr).is_err() {
+            assert!(Instant::now() < until, "nginx did not start; see {d}/error.log");
+            thread::sleep(Duration::from_millis(20));
+        }
+        Nginx { child, addr, dir }
+    }
+
+    /// Samples, until `stop`, how many established connections the server side of
+    /// `addr` has (from `ss`), and returns the highest count seen.
+    pub fn watch_connections(&self, stop: Arc<AtomicBool>) -> thread::JoinHandle<u64> {
+        let filter = format!("( sport = :{} )", self.addr.port());
+        thread::spawn(move || {
+            let mut peak = 0;
+            while !stop.load(Ordering::Relaxed) {
+                let out = Command::new("ss").args(["-Htn", "state", "established", &filter]).output().unwrap();
+                peak = peak.max(String::from_utf8_lossy(&out.stdout).lines().count() as u64);
+                thread::sleep(Duration::from_millis(10));
+            }
+            peak
+        })
+    }
+}
+
+impl Drop for Nginx {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// What wrk reported.
+#[derive(Debug, Default)]
+pub struct WrkResult {
+    pub requests: u64,
+    pub requests_per_s: f64,
+    pub connect_errors: u64,
+    /// Highest count of established connections nginx had during the run.
+    pub server_peak: u64,
+    pub elapsed: Duration,
+}
+
+/// Runs `wrk -t2 -cCONNECTIONS -dSECONDSs` against nginx from inside `cgroup`.
+pub fn wrk(cgroup: &Cgroup, nginx: &Nginx, connections: u64, seconds: u64) -> WrkResult {
+    let stop = Arc::new(AtomicBool::new(false));
+    let watcher = nginx.watch_connections(stop.clone());
+    let started = Instant::now();
+    let out = cgroup
+        .command("wrk")
+        .args(["-t2", &format!("-c{connections}"), &format!("-d{seconds}s"), &format!("http://{}/", nginx.addr)])
+        .output()
+        .expect("wrk is missing: run `cargo xtask setup` (installs wrk)");
+    let elapsed = started.elapsed();
+    stop.store(true, Ordering::Relaxed);
+    let server_peak = watcher.join().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "wrk failed: {text}{}", String::from_utf8_lossy(&out.stderr));
+    let field = |line_start: &str, word: usize| -> Option<String> {
+        text.lines().find(|l| l.trim_start().starts_with(line_start)).and_then(|l| l.split_whitespace().nth(word).map(str::to_string))
+    };
+    WrkResult {
+        requests: text
+            .lines()
+            .find(|l| l.contains("requests in"))
+            .and_then(|l| l.split_whitespace().next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("no request count in wrk output:\n{text}")),
+        requests_per_s: field("Requests/sec:", 1).and_then(|v| v.parse().ok()).unwrap_or(0.0),
+        // "Socket errors: connect 250, read 0, write 0, timeout 0" (absent when none).
+        connect_errors: field("Socket errors:", 3).map_or(0, |v| v.trim_end_matches(',').parse().unwrap()),
+        server_peak,
+        elapsed,
+    }
+}

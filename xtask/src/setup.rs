@@ -1,0 +1,85 @@
+//! Installs the toolchain of ../shared/TOOLCHAIN.md and the test tools, skipping what is
+//! already there.
+use std::process::Command;
+
+use anyhow::{Context, bail};
+
+/// Debian packages: the BPF-capable rustc and its precompiled `core`, LLVM 22 for
+/// bpf-linker, and the tools the tests and the demo drive.
+const PACKAGES: &[&str] = &[
+    "rustc-web",
+    "libstd-rust-web-dev-bpf",
+    "llvm-22-dev",
+    "libpolly-22-dev",
+    "libzstd-dev",
+    "zlib1g-dev",
+    "bpftool",
+    "iproute2",
+    "nginx-light",
+    "wrk",
+];
+const BPF_LINKER_VERSION: &str = "0.13.0";
+
+pub fn run() -> anyhow::Result<()> {
+    let missing: Vec<&str> = PACKAGES.iter().copied().filter(|p| !installed(p)).collect();
+    if !missing.is_empty() {
+        require_root(&format!("install {}", missing.join(" ")))?;
+        eprintln!("setup: installing {}", missing.join(" "));
+        sh("apt-get", &["update", "-q"])?;
+        let mut args = vec!["install", "-y", "-q", "--no-install-recommends"];
+        args.extend(&missing);
+        let status = Command::new("apt-get").args(&args).env("DEBIAN_FRONTEND", "noninteractive").status()?;
+        if !status.success() {
+            bail!("apt-get install {} failed", missing.join(" "));
+        }
+    }
+    if !bpf_linker_ok() {
+        eprintln!("setup: installing bpf-linker {BPF_LINKER_VERSION} (about a minute)");
+        // bpf-linker's build script must find LLVM 22, not an older llvm-config.
+        let path = format!("/usr/lib/llvm-22/bin:{}", std::env::var("PATH").unwrap_or_default());
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let status = Command::new(cargo)
+            .args(["install", "bpf-linker", "--version", BPF_LINKER_VERSION])
+            .args(["--no-default-features", "--features", "llvm-22"])
+            .env("PATH", path)
+            .status()?;
+        if !status.success() {
+            bail!("cargo install bpf-linker failed");
+        }
+    }
+    Ok(())
+}
+
+fn installed(package: &str) -> bool {
+    Command::new("dpkg-query")
+        .args(["-W", "-f=${Status}", package])
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout) == "install ok installed")
+}
+
+fn bpf_linker_ok() -> bool {
+    Command::new("bpf-linker")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains(BPF_LINKER_VERSION))
+}
+
+fn require_root(what: &str) -> anyhow::Result<()> {
+    if euid() != 0 {
+        bail!("setup needs root to {what}; run it as root (sudo -E cargo xtask setup)");
+    }
+    Ok(())
+}
+
+fn euid() -> u32 {
+    // `id -u` keeps xtask free of libc.
+    Command::new("id").arg("-u").output().ok().and_then(|o| String::from_utf8_lossy(&o.stdout).trim().parse().ok()).unwrap_or(1)
+}
+
+fn sh(cmd: &str, args: &[&str]) -> anyhow::Result<()> {
+    let status = Command::new(cmd).args(args).status().with_context(|| format!("running {cmd}"))?;
+    if !status.success() {
+        bail!("{cmd} {} failed: {status}", args.join(" "));
+    }
+    Ok(())
+}
