@@ -157,10 +157,17 @@ pub struct Counter {
     pub would_shed: u64,
 }
 
-/// Value of `ADMITTED` (key: socket cookie): what to release when the socket closes.
+/// Socket-local storage (`SOCKS`, a BPF_MAP_TYPE_SK_STORAGE): created with the TCP
+/// socket, freed by the kernel with it.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Admission {
+pub struct SockState {
+    /// cgroup v2 id the socket was created in (its scope's cgroup).
+    pub cgroup_id: u64,
+    /// 1 while the socket holds an admission; swapped to 0 atomically by the one path
+    /// that releases it.
+    pub admitted: u64,
+    /// What the admission charged (valid while `admitted` is 1).
     pub dst: CounterKey,
 }
 
@@ -173,5 +180,4 @@ mod pod {
     unsafe impl aya::Pod for Candidates {}
     unsafe impl aya::Pod for CounterKey {}
     unsafe impl aya::Pod for Counter {}
-    unsafe impl aya::Pod for Admission {}
 }

@@ -1,13 +1,13 @@
 //! Atomic counter updates and the release of an admission.
 use core::intrinsics::{
     AtomicOrdering::{Relaxed, SeqCst},
-    atomic_cxchg, atomic_xadd,
+    atomic_cxchg, atomic_xadd, atomic_xchg,
 };
 
 use aya_ebpf::bindings::BPF_NOEXIST;
-use guard_common::{Counter, CounterKey, LEVEL_DST, LEVEL_RULE, LEVEL_SCOPE, NO_RULE};
+use guard_common::{Counter, CounterKey, LEVEL_DST, LEVEL_RULE, LEVEL_SCOPE, NO_RULE, SockState};
 
-use crate::maps::{ADMITTED, COUNTERS, STATS};
+use crate::maps::{COUNTERS, STATS};
 
 /// Atomic fetch-and-add; returns the previous value.
 ///
@@ -61,20 +61,25 @@ pub fn levels(dst: &CounterKey) -> [Option<CounterKey>; 3] {
     } else {
         Some(dst.at_level(LEVEL_RULE))
     };
-    [Some(dst.at_level(LEVEL_DST)), rule, Some(dst.at_level(LEVEL_SCOPE))]
+    [
+        Some(dst.at_level(LEVEL_DST)),
+        rule,
+        Some(dst.at_level(LEVEL_SCOPE)),
+    ]
 }
 
-/// Releases the admission of the socket with this cookie, if it holds one. Removal
-/// from ADMITTED succeeds for exactly one caller, so concurrent paths release once.
+/// Releases the admission the socket holds, if any. The atomic swap of `admitted`
+/// succeeds for exactly one caller, so concurrent paths release once.
 #[inline(always)]
-pub fn release(cookie: u64) {
-    let Some(a) = (unsafe { ADMITTED.get(&cookie) }).copied() else {
-        return;
-    };
-    if ADMITTED.remove(&cookie).is_err() {
+pub fn release(state: *mut SockState) {
+    if state.is_null() {
         return;
     }
-    for key in levels(&a.dst).iter().flatten() {
+    if unsafe { atomic_xchg::<u64, { SeqCst }>(&raw mut (*state).admitted, 0) } != 1 {
+        return;
+    }
+    let dst = unsafe { (*state).dst };
+    for key in levels(&dst).iter().flatten() {
         if let Some(c) = COUNTERS.get_ptr_mut(key) {
             add(unsafe { &raw mut (*c).active }, u64::MAX);
         }

@@ -4,20 +4,19 @@
 //! unconnected and in TCP_CLOSE, so EINPROGRESS/EALREADY retries do not run them again
 //! (net/ipv4/af_inet.c); TCP Fast Open (sendmsg with MSG_FASTOPEN) runs them too.
 use aya_ebpf::{
-    EbpfContext,
-    helpers::generated::{bpf_get_current_cgroup_id, bpf_get_socket_cookie, bpf_set_retval},
+    helpers::generated::{bpf_get_current_cgroup_id, bpf_set_retval},
     macros::cgroup_sock_addr,
     maps::lpm_trie::Key,
     programs::SockAddrContext,
 };
 use guard_common::{
-    Admission, CgroupKey, CounterKey, LEVEL_DST, MAX_CANDIDATES, MODE_ENFORCE, NO_RULE,
-    RULE_KEY_FIXED_BITS, RuleAddrKey, RuleRef, STAT_INTERNAL_ERRORS,
+    CgroupKey, CounterKey, LEVEL_DST, MAX_CANDIDATES, MODE_ENFORCE, NO_RULE, RULE_KEY_FIXED_BITS,
+    RuleAddrKey, RuleRef, STAT_INTERNAL_ERRORS, SockState,
 };
 
 use crate::{
     accounting::{add, counter, internal_error, levels, raise_peak, release},
-    maps::{ACTIVE_GEN, ADMITTED, RULES, SCOPES, SOCK_CGROUP},
+    maps::{ACTIVE_GEN, RULES, SCOPES, storage},
 };
 
 const ALLOW: i32 = 1;
@@ -57,20 +56,32 @@ pub fn connect6(ctx: SockAddrContext) -> i32 {
 #[inline(always)]
 fn admit(ctx: &SockAddrContext, addr: [u8; 16], port: u16) -> i32 {
     let gen_ = ACTIVE_GEN.get(0).copied().unwrap_or(0);
-    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
-    // The socket's scope comes from the cgroup it was created in; sockets created before
-    // the daemon started fall back to the caller's cgroup.
-    let cgroup_id = match unsafe { SOCK_CGROUP.get(&cookie) } {
-        Some(id) => *id,
-        None => unsafe { bpf_get_current_cgroup_id() },
+    // The socket's scope comes from the cgroup it was created in (sock_create stored
+    // it); a socket created before the daemon started gets the caller's cgroup.
+    let sk = unsafe { (*ctx.sock_addr).__bindgen_anon_1.sk };
+    let mut init = SockState {
+        cgroup_id: unsafe { bpf_get_current_cgroup_id() },
+        ..Default::default()
     };
-    let Some(scope) = (unsafe { SCOPES.get(&CgroupKey { gen_, _pad: 0, cgroup_id }) }) else {
+    let state = storage(sk, Some(&mut init));
+    if state.is_null() {
+        internal_error(STAT_INTERNAL_ERRORS);
+        return ALLOW;
+    }
+    let cgroup_id = unsafe { (*state).cgroup_id };
+    let Some(scope) = (unsafe {
+        SCOPES.get(&CgroupKey {
+            gen_,
+            _pad: 0,
+            cgroup_id,
+        })
+    }) else {
         return ALLOW;
     };
     let scope = *scope;
-    // A reconnect after a failure that no release path saw (another cgroup program
-    // refused the first attempt): the old admission must not be counted twice.
-    release(cookie);
+    // A reconnect after a failure that no release path saw (the route lookup failed, or
+    // another cgroup program refused the first attempt): release the old admission.
+    release(state);
 
     let rule = if scope.has_rules != 0 {
         match_rule(gen_, scope.scope_id, &addr, port)
@@ -129,12 +140,9 @@ fn admit(ctx: &SockAddrContext, addr: [u8; 16], port: u16) -> i32 {
         unsafe { bpf_set_retval(-(scope.errno as i32)) };
         return DENY;
     }
-    if ADMITTED.insert(&cookie, Admission { dst }, 0).is_err() {
-        for &c in counters.iter().flatten() {
-            add(unsafe { &raw mut (*c).active }, u64::MAX);
-        }
-        internal_error(STAT_INTERNAL_ERRORS);
-        return ALLOW;
+    unsafe {
+        (*state).dst = dst;
+        (*state).admitted = 1;
     }
     for i in 0..3 {
         if let Some(c) = counters[i] {
@@ -153,7 +161,11 @@ fn admit(ctx: &SockAddrContext, addr: [u8; 16], port: u16) -> i32 {
 fn match_rule(gen_: u32, scope_id: u32, addr: &[u8; 16], port: u16) -> Option<RuleRef> {
     let key = Key::new(
         RULE_KEY_FIXED_BITS + 128,
-        RuleAddrKey { gen_, scope_id, addr: *addr },
+        RuleAddrKey {
+            gen_,
+            scope_id,
+            addr: *addr,
+        },
     );
     let cands = RULES.get(&key)?;
     for i in 0..MAX_CANDIDATES {

@@ -1,11 +1,15 @@
 //! The maps shared by the programs; the daemon finds them by these names.
+use core::ffi::c_void;
+
 use aya_ebpf::{
-    bindings::BPF_F_NO_PREALLOC,
-    macros::map,
+    bindings::{BPF_F_NO_PREALLOC, BPF_SK_STORAGE_GET_F_CREATE, bpf_sock},
+    btf_maps::SkStorage,
+    helpers::generated::bpf_sk_storage_get,
+    macros::{btf_map, map},
     maps::{Array, HashMap, LpmTrie, PerCpuArray},
 };
 use guard_common::{
-    Admission, Candidates, CgroupKey, Counter, CounterKey, RuleAddrKey, STAT_COUNT, ScopeConf,
+    Candidates, CgroupKey, Counter, CounterKey, RuleAddrKey, STAT_COUNT, ScopeConf, SockState,
 };
 
 /// Element 0: the policy generation (0 or 1) that the programs read.
@@ -26,16 +30,25 @@ pub static RULES: LpmTrie<RuleAddrKey, Candidates> = LpmTrie::with_max_entries(6
 pub static COUNTERS: HashMap<CounterKey, Counter> =
     HashMap::with_max_entries(262144, BPF_F_NO_PREALLOC);
 
-/// Socket cookie -> what its admission charged; removed on release. Preallocated, like
-/// SOCK_CGROUP: inserts on the connect path then take a free element instead of
-/// allocating (measured ~20% cheaper per connect than BPF_F_NO_PREALLOC).
-#[map]
-pub static ADMITTED: HashMap<u64, Admission> = HashMap::with_max_entries(131072, 0);
-
-/// Socket cookie -> cgroup id the TCP socket was created in; removed on socket release.
-#[map]
-pub static SOCK_CGROUP: HashMap<u64, u64> = HashMap::with_max_entries(262144, 0);
+/// Per-socket state, in the socket itself: no size limit and nothing to clean up.
+#[btf_map]
+pub static SOCKS: SkStorage<SockState> = SkStorage::new();
 
 /// Internal counters (see guard_common::STAT_*), summed over CPUs by the daemon.
 #[map]
 pub static STATS: PerCpuArray<u64> = PerCpuArray::with_max_entries(STAT_COUNT, 0);
+
+/// The storage of a full socket, created from `init` when `init` is given and the
+/// socket has none. Null when absent (or when creation failed).
+#[inline(always)]
+pub fn storage(sk: *mut bpf_sock, init: Option<&mut SockState>) -> *mut SockState {
+    let (value, flags) = match init {
+        Some(v) => (
+            core::ptr::from_mut(v).cast::<c_void>(),
+            BPF_SK_STORAGE_GET_F_CREATE as u64,
+        ),
+        None => (core::ptr::null_mut(), 0),
+    };
+    let map = core::ptr::addr_of!(SOCKS).cast_mut().cast::<c_void>();
+    unsafe { bpf_sk_storage_get(map, sk.cast(), value, flags) }.cast()
+}

@@ -8,17 +8,12 @@
 //! leaked about 2 admissions in 100,000 connections here. cgroup programs have no
 //! such skip.
 use aya_ebpf::{
-    EbpfContext,
     bindings::{BPF_SOCK_OPS_STATE_CB, BPF_SOCK_OPS_STATE_CB_FLAG, BPF_SOCK_OPS_TCP_CONNECT_CB},
-    helpers::generated::bpf_get_socket_cookie,
     macros::{cgroup_sock, sock_ops},
     programs::{SockContext, SockOpsContext},
 };
 
-use crate::{
-    accounting::release,
-    maps::{ADMITTED, SOCK_CGROUP},
-};
+use crate::{accounting::release, maps::storage};
 
 const TCP_CLOSE: u32 = 7;
 const IPPROTO_TCP: u32 = 6;
@@ -29,17 +24,21 @@ const IPPROTO_TCP: u32 = 6;
 /// a pending connect.
 #[sock_ops]
 pub fn sock_state(ctx: SockOpsContext) -> u32 {
-    match ctx.op() {
-        BPF_SOCK_OPS_TCP_CONNECT_CB => {
-            let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
-            if unsafe { ADMITTED.get(&cookie) }.is_some() {
-                let _ = ctx.set_cb_flags((ctx.cb_flags() | BPF_SOCK_OPS_STATE_CB_FLAG) as i32);
-            }
-        }
-        BPF_SOCK_OPS_STATE_CB if ctx.arg(1) == TCP_CLOSE => {
-            release(unsafe { bpf_get_socket_cookie(ctx.as_ptr()) });
-        }
-        _ => {}
+    let op = ctx.op();
+    if op != BPF_SOCK_OPS_TCP_CONNECT_CB
+        && !(op == BPF_SOCK_OPS_STATE_CB && ctx.arg(1) == TCP_CLOSE)
+    {
+        return 1;
+    }
+    let sk = unsafe { (*ctx.ops).__bindgen_anon_2.sk };
+    if sk.is_null() {
+        return 1;
+    }
+    let state = storage(sk, None);
+    if op == BPF_SOCK_OPS_STATE_CB {
+        release(state);
+    } else if !state.is_null() && unsafe { (*state).admitted } == 1 {
+        let _ = ctx.set_cb_flags((ctx.cb_flags() | BPF_SOCK_OPS_STATE_CB_FLAG) as i32);
     }
     1
 }
@@ -53,12 +52,8 @@ pub fn sock_state(ctx: SockOpsContext) -> u32 {
 #[cgroup_sock(sock_release)]
 pub fn sock_release(ctx: SockContext) -> i32 {
     let sk = unsafe { &*ctx.sock };
-    if sk.protocol == IPPROTO_TCP {
-        let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
-        let _ = SOCK_CGROUP.remove(&cookie);
-        if sk.state == TCP_CLOSE {
-            release(cookie);
-        }
+    if sk.protocol == IPPROTO_TCP && sk.state == TCP_CLOSE {
+        release(storage(ctx.sock, None));
     }
     1
 }

@@ -407,11 +407,35 @@ per = "rule"
     fn parses_the_design_vocabulary() {
         let p = parse(GOOD, "p.toml").unwrap();
         let s = &p.scopes[0];
-        assert_eq!((s.name.as_str(), s.cgroup.as_str(), s.mode, s.errno), ("orders", "system.slice/orders.service", MODE_ENFORCE, libc::ECONNREFUSED));
+        assert_eq!(
+            (s.name.as_str(), s.cgroup.as_str(), s.mode, s.errno),
+            (
+                "orders",
+                "system.slice/orders.service",
+                MODE_ENFORCE,
+                libc::ECONNREFUSED
+            )
+        );
         assert_eq!(s.max_connections, Some(500));
         let r = &s.rules[0];
         assert_eq!(r.dst.len(), 3);
-        assert_eq!(r.ports, [PortRange { first: 8080, last: 8080 }, PortRange { first: 9000, last: 9100 }, PortRange { first: 443, last: 443 }]);
+        assert_eq!(
+            r.ports,
+            [
+                PortRange {
+                    first: 8080,
+                    last: 8080
+                },
+                PortRange {
+                    first: 9000,
+                    last: 9100
+                },
+                PortRange {
+                    first: 443,
+                    last: 443
+                }
+            ]
+        );
         assert_eq!((r.max_connections, r.per_endpoint), (Some(20), false));
     }
 
@@ -419,19 +443,36 @@ per = "rule"
     fn the_embedded_default_observes_the_whole_host() {
         let p = parse(DEFAULT_POLICY, DEFAULT_SOURCE).unwrap();
         assert_eq!(p.scopes.len(), 1);
-        assert_eq!((p.scopes[0].cgroup.as_str(), p.scopes[0].mode, p.scopes[0].max_connections), ("", MODE_OBSERVE, None));
+        assert_eq!(
+            (
+                p.scopes[0].cgroup.as_str(),
+                p.scopes[0].mode,
+                p.scopes[0].max_connections
+            ),
+            ("", MODE_OBSERVE, None)
+        );
     }
 
     #[test]
     fn errors_name_file_line_column_and_reason() {
-        assert_eq!(err("[[scope]\nname = 1"), "p.toml:1:8: invalid table header\nexpected `.`, `]]`");
-        assert!(err("[[scope]]\nname = \"a\"\ncgroup = \"x\"\nbudget = 3\n").starts_with("p.toml:4:1: unknown field `budget`"));
         assert_eq!(
-            err("[[scope]]\nname = \"a\"\ncgroup = \"x\"\n[[scope.rule]]\ndst = [\"10.0.0.300/8\"]\n"),
+            err("[[scope]\nname = 1"),
+            "p.toml:1:8: invalid table header\nexpected `.`, `]]`"
+        );
+        assert!(
+            err("[[scope]]\nname = \"a\"\ncgroup = \"x\"\nbudget = 3\n")
+                .starts_with("p.toml:4:1: unknown field `budget`")
+        );
+        assert_eq!(
+            err(
+                "[[scope]]\nname = \"a\"\ncgroup = \"x\"\n[[scope.rule]]\ndst = [\"10.0.0.300/8\"]\n"
+            ),
             "p.toml:5:8: \"10.0.0.300/8\" is not an IP address or CIDR"
         );
         assert_eq!(
-            err("[[scope]]\nname = \"a\"\ncgroup = \"x\"\n[[scope.rule]]\ndst = [\"10.1.0.0/8\"]\n"),
+            err(
+                "[[scope]]\nname = \"a\"\ncgroup = \"x\"\n[[scope.rule]]\ndst = [\"10.1.0.0/8\"]\n"
+            ),
             "p.toml:5:8: \"10.1.0.0/8\" has host bits set; did you mean 10.0.0.0/8?"
         );
         assert_eq!(
@@ -439,7 +480,9 @@ per = "rule"
             "p.toml:5:10: port 70000 is out of range 1-65535"
         );
         assert_eq!(
-            err("[[scope]]\nname = \"a\"\ncgroup = \"x\"\n[[scope]]\nname = \"a\"\ncgroup = \"y\"\n"),
+            err(
+                "[[scope]]\nname = \"a\"\ncgroup = \"x\"\n[[scope]]\nname = \"a\"\ncgroup = \"y\"\n"
+            ),
             "p.toml:5:8: duplicate scope name \"a\""
         );
         assert_eq!(
@@ -450,16 +493,28 @@ per = "rule"
             err("[[scope]]\nname = \"a\"\ncgroup = \"x\"\nerrno = \"ENOPE\"\n"),
             "p.toml:4:9: unknown errno \"ENOPE\"; use one of ECONNREFUSED, EPERM, EACCES, ECONNRESET, ETIMEDOUT, ENETUNREACH, EHOSTUNREACH, EADDRNOTAVAIL, EAGAIN"
         );
-        assert_eq!(err("[[scope]]\nname = \"a\"\ncgroup = \"x\"\nmode = \"shed\"\n"), "p.toml:4:8: mode must be \"enforce\" or \"observe\", not \"shed\"");
-        assert_eq!(err("[[scope]]\nname = \"a\"\ncgroup = \"x[\"\n"), "p.toml:3:10: bad cgroup pattern: unclosed character class; missing ']'");
+        assert_eq!(
+            err("[[scope]]\nname = \"a\"\ncgroup = \"x\"\nmode = \"shed\"\n"),
+            "p.toml:4:8: mode must be \"enforce\" or \"observe\", not \"shed\""
+        );
+        assert_eq!(
+            err("[[scope]]\nname = \"a\"\ncgroup = \"x[\"\n"),
+            "p.toml:3:10: bad cgroup pattern: unclosed character class; missing ']'"
+        );
     }
 
     #[test]
     fn too_many_overlapping_rules_are_refused() {
         let mut text = String::from("[[scope]]\nname = \"a\"\ncgroup = \"x\"\n");
         for i in 0..=MAX_CANDIDATES {
-            text += &format!("[[scope.rule]]\nname = \"r{i}\"\nports = [\"{}\"]\n", 1000 + i);
+            text += &format!(
+                "[[scope.rule]]\nname = \"r{i}\"\nports = [\"{}\"]\n",
+                1000 + i
+            );
         }
-        assert_eq!(err(&text), "p.toml:1:1: 9 rules can match destinations in ::/0; at most 8 may overlap");
+        assert_eq!(
+            err(&text),
+            "p.toml:1:1: 9 rules can match destinations in ::/0; at most 8 may overlap"
+        );
     }
 }

@@ -488,7 +488,11 @@ pub fn budget_policy(scope: &str, cgroup: &str, mode: &str, dst: &SocketAddr, ma
 
 /// A free TCP port on 127.0.0.1 (bound, then released for a server to take).
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 /// nginx (Debian's nginx-light) serving "ok" on 127.0.0.1, in the foreground, with its
@@ -523,7 +527,10 @@ impl Nginx {
         let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
         let until = Instant::now() + Duration::from_secs(10);
         while std::net::TcpStream::connect(addr).is_err() {
-            assert!(Instant::now() < until, "nginx did not start; see {d}/error.log");
+            assert!(
+                Instant::now() < until,
+                "nginx did not start; see {d}/error.log"
+            );
             thread::sleep(Duration::from_millis(20));
         }
         Nginx { child, addr, dir }
@@ -536,7 +543,10 @@ impl Nginx {
         thread::spawn(move || {
             let mut peak = 0;
             while !stop.load(Ordering::Relaxed) {
-                let out = Command::new("ss").args(["-Htn", "state", "established", &filter]).output().unwrap();
+                let out = Command::new("ss")
+                    .args(["-Htn", "state", "established", &filter])
+                    .output()
+                    .unwrap();
                 peak = peak.max(String::from_utf8_lossy(&out.stdout).lines().count() as u64);
                 thread::sleep(Duration::from_millis(10));
             }
@@ -571,16 +581,27 @@ pub fn wrk(cgroup: &Cgroup, nginx: &Nginx, connections: u64, seconds: u64) -> Wr
     let started = Instant::now();
     let out = cgroup
         .command("wrk")
-        .args(["-t2", &format!("-c{connections}"), &format!("-d{seconds}s"), &format!("http://{}/", nginx.addr)])
+        .args([
+            "-t2",
+            &format!("-c{connections}"),
+            &format!("-d{seconds}s"),
+            &format!("http://{}/", nginx.addr),
+        ])
         .output()
         .expect("wrk is missing: run `cargo xtask setup` (installs wrk)");
     let elapsed = started.elapsed();
     stop.store(true, Ordering::Relaxed);
     let server_peak = watcher.join().unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "wrk failed: {text}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "wrk failed: {text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let field = |line_start: &str, word: usize| -> Option<String> {
-        text.lines().find(|l| l.trim_start().starts_with(line_start)).and_then(|l| l.split_whitespace().nth(word).map(str::to_string))
+        text.lines()
+            .find(|l| l.trim_start().starts_with(line_start))
+            .and_then(|l| l.split_whitespace().nth(word).map(str::to_string))
     };
     WrkResult {
         requests: text
@@ -589,9 +610,12 @@ pub fn wrk(cgroup: &Cgroup, nginx: &Nginx, connections: u64, seconds: u64) -> Wr
             .and_then(|l| l.split_whitespace().next())
             .and_then(|n| n.parse().ok())
             .unwrap_or_else(|| panic!("no request count in wrk output:\n{text}")),
-        requests_per_s: field("Requests/sec:", 1).and_then(|v| v.parse().ok()).unwrap_or(0.0),
+        requests_per_s: field("Requests/sec:", 1)
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0.0),
         // "Socket errors: connect 250, read 0, write 0, timeout 0" (absent when none).
-        connect_errors: field("Socket errors:", 3).map_or(0, |v| v.trim_end_matches(',').parse().unwrap()),
+        connect_errors: field("Socket errors:", 3)
+            .map_or(0, |v| v.trim_end_matches(',').parse().unwrap()),
         server_peak,
         elapsed,
     }

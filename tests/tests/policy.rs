@@ -6,7 +6,11 @@ use connguard_tests::{Cgroup, Daemon, Server, budget_policy, connguard_bin, n};
 fn check(text: &str) -> (i32, String) {
     let file = std::env::temp_dir().join(format!("connguard-check-{}.toml", std::process::id()));
     std::fs::write(&file, text).unwrap();
-    let out = Command::new(connguard_bin()).arg("check").arg(&file).output().unwrap();
+    let out = Command::new(connguard_bin())
+        .arg("check")
+        .arg(&file)
+        .output()
+        .unwrap();
     let _ = std::fs::remove_file(&file);
     let msg = String::from_utf8_lossy(&out.stderr).replace(&file.display().to_string(), "FILE");
     (out.status.code().unwrap(), msg.trim().to_string())
@@ -18,16 +22,34 @@ fn check_rejects_bad_files_with_line_and_column() {
     let head = "[[scope]]\nname = \"a\"\ncgroup = \"x\"\n";
     let cases = [
         ("[[scope]\n", "FILE:1:8: invalid table header"),
-        (&format!("{head}budget = 3\n") as &str, "FILE:4:1: unknown field `budget`"),
-        (&format!("{head}[[scope.rule]]\ndst = [\"10.0.0.0/33\"]\n"), "FILE:5:8: \"10.0.0.0/33\" is not an IP address or CIDR"),
-        (&format!("{head}[[scope.rule]]\nports = [\"0\"]\n"), "FILE:5:10: port 0 is out of range 1-65535"),
-        (&format!("{head}[[scope]]\nname = \"a\"\ncgroup = \"y\"\n"), "FILE:5:8: duplicate scope name \"a\""),
-        (&format!("{head}[[scope.rule]]\nmax_connections = 0\n"), "FILE:5:19: max_connections must be at least 1"),
+        (
+            &format!("{head}budget = 3\n") as &str,
+            "FILE:4:1: unknown field `budget`",
+        ),
+        (
+            &format!("{head}[[scope.rule]]\ndst = [\"10.0.0.0/33\"]\n"),
+            "FILE:5:8: \"10.0.0.0/33\" is not an IP address or CIDR",
+        ),
+        (
+            &format!("{head}[[scope.rule]]\nports = [\"0\"]\n"),
+            "FILE:5:10: port 0 is out of range 1-65535",
+        ),
+        (
+            &format!("{head}[[scope]]\nname = \"a\"\ncgroup = \"y\"\n"),
+            "FILE:5:8: duplicate scope name \"a\"",
+        ),
+        (
+            &format!("{head}[[scope.rule]]\nmax_connections = 0\n"),
+            "FILE:5:19: max_connections must be at least 1",
+        ),
     ];
     for (text, want) in cases {
         let (code, msg) = check(text);
         assert_eq!(code, 1, "{text}");
-        assert!(msg.starts_with(want), "for {text:?}\nwant {want:?}\n got {msg:?}");
+        assert!(
+            msg.starts_with(want),
+            "for {text:?}\nwant {want:?}\n got {msg:?}"
+        );
     }
     let (code, msg) = check(head);
     assert_eq!((code, msg.as_str()), (0, ""));
@@ -44,34 +66,66 @@ fn reload_keeps_counts_and_a_bad_file_changes_nothing() {
     assert_eq!(held.outcome.ok, 5);
 
     // A good reload that changes an unrelated scope (SIGHUP and `connguard reload`).
-    std::fs::write(&d.policy, format!("{policy}\n[[scope]]\nname = \"other\"\ncgroup = \"nowhere\"\n")).unwrap();
+    std::fs::write(
+        &d.policy,
+        format!("{policy}\n[[scope]]\nname = \"other\"\ncgroup = \"nowhere\"\n"),
+    )
+    .unwrap();
     unsafe { libc::kill(d.pid(), libc::SIGHUP) };
     let stats = wait_generation(&d, 2);
     assert_eq!(stats["policy"]["last_error"], serde_json::Value::Null);
     assert_eq!(n(&d.scope("h"), "active"), 5, "counts survive a reload");
     let more = cg.probe(&["connect", &server.addr.to_string(), "5", "1"]);
-    assert_eq!(more.errors("ECONNREFUSED"), 5, "still at budget after reload: {more:?}");
+    assert_eq!(
+        more.errors("ECONNREFUSED"),
+        5,
+        "still at budget after reload: {more:?}"
+    );
     let out = d.cli(&["reload"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "reloaded: policy generation 3");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        "reloaded: policy generation 3"
+    );
 
     // A bad file: rejected with file:line:column, the old policy and counts stay.
-    let bad = format!("{policy}\n[[scope]]\nname = \"bad\"\ncgroup = \"x\"\nmax_connections = -1\n");
+    let bad =
+        format!("{policy}\n[[scope]]\nname = \"bad\"\ncgroup = \"x\"\nmax_connections = -1\n");
     std::fs::write(&d.policy, &bad).unwrap();
     let out = d.cli(&["reload"]);
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
     let line = bad.lines().count();
-    let want = format!("{}:{line}:19: max_connections must be at least 1", d.policy.display());
+    let want = format!(
+        "{}:{line}:19: max_connections must be at least 1",
+        d.policy.display()
+    );
     assert!(err.contains(&want), "{err}");
     let stats = d.stats();
     assert_eq!(stats["policy"]["generation"], 3);
-    assert!(stats["policy"]["last_error"].as_str().unwrap().starts_with(&want), "{stats}");
-    assert!(d.log.lock().unwrap().contains(&want), "the rejection is logged");
+    assert!(
+        stats["policy"]["last_error"]
+            .as_str()
+            .unwrap()
+            .starts_with(&want),
+        "{stats}"
+    );
+    assert!(
+        d.log.lock().unwrap().contains(&want),
+        "the rejection is logged"
+    );
     let s = d.scope("h");
     assert_eq!((n(&s, "active"), n(&s, "shed")), (5, 5), "{s}");
     let more = cg.probe(&["connect", &server.addr.to_string(), "5", "1"]);
-    assert_eq!(more.errors("ECONNREFUSED"), 5, "old policy still enforced: {more:?}");
+    assert_eq!(
+        more.errors("ECONNREFUSED"),
+        5,
+        "old policy still enforced: {more:?}"
+    );
     drop(held);
     let s = d.wait_scope("h", Duration::from_secs(5), |s| n(s, "active") == 0);
     assert_eq!(n(&s, "active"), 0);
@@ -85,5 +139,8 @@ fn wait_generation(d: &Daemon, generation: u64) -> serde_json::Value {
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-    panic!("policy generation never reached {generation}: {}", d.stats());
+    panic!(
+        "policy generation never reached {generation}: {}",
+        d.stats()
+    );
 }

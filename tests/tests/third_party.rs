@@ -9,10 +9,21 @@ fn wrk_with_300_connections_gets_50_and_the_rest_shed() {
     let r = wrk(&cg, &nginx, 300, 3);
     let s = d.scope("k");
     let dst = destination(&s, &nginx.addr.to_string());
-    assert!(r.server_peak <= 50, "nginx saw {} connections: {r:?}", r.server_peak);
+    assert!(
+        r.server_peak <= 50,
+        "nginx saw {} connections: {r:?}",
+        r.server_peak
+    );
     assert_eq!(n(dst, "peak"), 50, "{s}");
-    assert_eq!(r.connect_errors, n(dst, "shed"), "wrk's connect errors are the sheds: {r:?} {s}");
+    assert_eq!(
+        r.connect_errors,
+        n(dst, "shed"),
+        "wrk's connect errors are the sheds: {r:?} {s}"
+    );
     assert_eq!(n(dst, "shed"), 250, "{s}");
-    assert!(r.requests > 1000, "the 50 admitted connections carry traffic: {r:?}");
+    assert!(
+        r.requests > 1000,
+        "the 50 admitted connections carry traffic: {r:?}"
+    );
     assert!(r.elapsed.as_secs_f64() < 10.0, "wrk hung: {r:?}");
 }

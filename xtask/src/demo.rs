@@ -17,10 +17,16 @@ const SECONDS: u64 = 3;
 pub fn run(connguard: &Path) -> anyhow::Result<()> {
     let nginx = Nginx::start();
     let client = Cgroup::new("demo-client");
-    println!("1. nginx listens on {}. A client cgroup, {}, runs wrk with {CONNECTIONS} connections for {SECONDS} s.\n", nginx.addr, client.rel);
+    println!(
+        "1. nginx listens on {}. A client cgroup, {}, runs wrk with {CONNECTIONS} connections for {SECONDS} s.\n",
+        nginx.addr, client.rel
+    );
 
     let before = wrk(&client, &nginx, CONNECTIONS, SECONDS);
-    println!("2. Without connguard: nginx held up to {} connections from the client; {:.0} requests/s.\n", before.server_peak, before.requests_per_s);
+    println!(
+        "2. Without connguard: nginx held up to {} connections from the client; {:.0} requests/s.\n",
+        before.server_peak, before.requests_per_s
+    );
 
     let dir = std::env::temp_dir().join(format!("connguard-demo-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
@@ -32,7 +38,11 @@ pub fn run(connguard: &Path) -> anyhow::Result<()> {
     );
     std::fs::write(&policy, &text)?;
     let socket = dir.join("connguard.sock");
-    println!("3. Start connguard with this policy ({}):\n\n{}", policy.display(), indent(&text));
+    println!(
+        "3. Start connguard with this policy ({}):\n\n{}",
+        policy.display(),
+        indent(&text)
+    );
     let mut daemon = Command::new(connguard)
         .arg("run")
         .arg("--policy")
@@ -59,14 +69,23 @@ pub fn run(connguard: &Path) -> anyhow::Result<()> {
          each was connect() failing at once with ECONNREFUSED, no SYN sent. The {BUDGET} admitted connections carried {:.0} requests/s.\n",
         after.server_peak, after.connect_errors, after.requests_per_s
     );
-    let stats = Command::new(connguard).arg("stats").arg("--socket").arg(&socket).output()?;
-    println!("5. `connguard stats` now says:\n\n{}", indent(&String::from_utf8_lossy(&stats.stdout)));
+    let stats = Command::new(connguard)
+        .arg("stats")
+        .arg("--socket")
+        .arg(&socket)
+        .output()?;
+    println!(
+        "5. `connguard stats` now says:\n\n{}",
+        indent(&String::from_utf8_lossy(&stats.stdout))
+    );
 
     terminate(daemon.id());
     let _ = daemon.wait();
     std::thread::sleep(Duration::from_millis(100));
     let _ = std::fs::remove_dir_all(&dir);
-    println!("6. connguard stopped: its programs are detached and the client is unguarded again (fail-open).");
+    println!(
+        "6. connguard stopped: its programs are detached and the client is unguarded again (fail-open)."
+    );
     Ok(())
 }
 
@@ -75,5 +94,8 @@ fn indent(text: &str) -> String {
 }
 
 fn terminate(pid: u32) {
-    let _ = Command::new("kill").arg("-TERM").arg(pid.to_string()).status();
+    let _ = Command::new("kill")
+        .arg("-TERM")
+        .arg(pid.to_string())
+        .status();
 }

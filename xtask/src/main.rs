@@ -45,12 +45,18 @@ fn main() -> anyhow::Result<()> {
         Task::Build => build(),
         Task::Run { args } => {
             build()?;
-            let status = Command::new(root().join("target/release/connguard")).arg("run").args(args).status()?;
+            let status = Command::new(root().join("target/release/connguard"))
+                .arg("run")
+                .args(args)
+                .status()?;
             std::process::exit(status.code().unwrap_or(1));
         }
         Task::Test { args } => {
             build()?;
-            cargo(&["test", "--release", "--workspace", "--", "--test-threads=1"], &args)
+            cargo(
+                &["test", "--release", "--workspace", "--", "--test-threads=1"],
+                &args,
+            )
         }
         Task::Demo => {
             build()?;
@@ -66,7 +72,12 @@ fn build() -> anyhow::Result<()> {
 
 fn cargo(args: &[&str], extra: &[String]) -> anyhow::Result<()> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let status = Command::new(cargo).current_dir(root()).args(args).args(extra).status().context("running cargo")?;
+    let status = Command::new(cargo)
+        .current_dir(root())
+        .args(args)
+        .args(extra)
+        .status()
+        .context("running cargo")?;
     if !status.success() {
         bail!("cargo {} failed: {status}", args.join(" "));
     }

@@ -28,7 +28,10 @@ pub fn run() -> anyhow::Result<()> {
         sh("apt-get", &["update", "-q"])?;
         let mut args = vec!["install", "-y", "-q", "--no-install-recommends"];
         args.extend(&missing);
-        let status = Command::new("apt-get").args(&args).env("DEBIAN_FRONTEND", "noninteractive").status()?;
+        let status = Command::new("apt-get")
+            .args(&args)
+            .env("DEBIAN_FRONTEND", "noninteractive")
+            .status()?;
         if !status.success() {
             bail!("apt-get install {} failed", missing.join(" "));
         }
@@ -36,7 +39,10 @@ pub fn run() -> anyhow::Result<()> {
     if !bpf_linker_ok() {
         eprintln!("setup: installing bpf-linker {BPF_LINKER_VERSION} (about a minute)");
         // bpf-linker's build script must find LLVM 22, not an older llvm-config.
-        let path = format!("/usr/lib/llvm-22/bin:{}", std::env::var("PATH").unwrap_or_default());
+        let path = format!(
+            "/usr/lib/llvm-22/bin:{}",
+            std::env::var("PATH").unwrap_or_default()
+        );
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
         let status = Command::new(cargo)
             .args(["install", "bpf-linker", "--version", BPF_LINKER_VERSION])
@@ -73,11 +79,19 @@ fn require_root(what: &str) -> anyhow::Result<()> {
 
 fn euid() -> u32 {
     // `id -u` keeps xtask free of libc.
-    Command::new("id").arg("-u").output().ok().and_then(|o| String::from_utf8_lossy(&o.stdout).trim().parse().ok()).unwrap_or(1)
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8_lossy(&o.stdout).trim().parse().ok())
+        .unwrap_or(1)
 }
 
 fn sh(cmd: &str, args: &[&str]) -> anyhow::Result<()> {
-    let status = Command::new(cmd).args(args).status().with_context(|| format!("running {cmd}"))?;
+    let status = Command::new(cmd)
+        .args(args)
+        .status()
+        .with_context(|| format!("running {cmd}"))?;
     if !status.success() {
         bail!("{cmd} {} failed: {status}", args.join(" "));
     }
