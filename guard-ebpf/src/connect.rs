@@ -24,12 +24,25 @@ const DENY: i32 = 0;
 const SOCK_STREAM: u32 = 1;
 const IPPROTO_TCP: u32 = 6;
 
+/// 1 when the kernel has bpf_set_retval (5.18+). The daemon clears it on older
+/// kernels, where a shed connect() then fails with EPERM (the verifier skips the call on
+/// the dead branch, because .rodata is frozen).
+#[unsafe(no_mangle)]
+static HAS_SET_RETVAL: u8 = 1;
+
+/// connect() on a TCP socket; UDP and every other socket pass untouched.
+#[inline(always)]
+fn is_tcp(ctx: &SockAddrContext) -> bool {
+    let sa = unsafe { &*ctx.sock_addr };
+    sa.type_ == SOCK_STREAM && sa.protocol == IPPROTO_TCP
+}
+
 #[cgroup_sock_addr(connect4)]
 pub fn connect4(ctx: SockAddrContext) -> i32 {
-    let sa = unsafe { &*ctx.sock_addr };
-    if sa.type_ != SOCK_STREAM || sa.protocol != IPPROTO_TCP {
+    if !is_tcp(&ctx) {
         return ALLOW;
     }
+    let sa = unsafe { &*ctx.sock_addr };
     let mut addr = [0u8; 16];
     addr[10] = 0xff;
     addr[11] = 0xff;
@@ -39,10 +52,10 @@ pub fn connect4(ctx: SockAddrContext) -> i32 {
 
 #[cgroup_sock_addr(connect6)]
 pub fn connect6(ctx: SockAddrContext) -> i32 {
-    let sa = unsafe { &*ctx.sock_addr };
-    if sa.type_ != SOCK_STREAM || sa.protocol != IPPROTO_TCP {
+    if !is_tcp(&ctx) {
         return ALLOW;
     }
+    let sa = unsafe { &*ctx.sock_addr };
     // One 32-bit load per element: the verifier rejects wider context reads here.
     let mut addr = [0u8; 16];
     addr[0..4].copy_from_slice(&sa.user_ip6[0].to_ne_bytes());
@@ -137,7 +150,9 @@ fn admit(ctx: &SockAddrContext, addr: [u8; 16], port: u16) -> i32 {
             add(unsafe { &raw mut (*c).active }, u64::MAX);
             add(unsafe { &raw mut (*c).shed }, 1);
         }
-        unsafe { bpf_set_retval(-(scope.errno as i32)) };
+        if unsafe { core::ptr::read_volatile(&HAS_SET_RETVAL) } != 0 {
+            unsafe { bpf_set_retval(-(scope.errno as i32)) };
+        }
         return DENY;
     }
     unsafe {

@@ -5,6 +5,7 @@ use anyhow::{Context, bail};
 use aya::{
     Ebpf, EbpfLoader,
     programs::{CgroupAttachMode, CgroupSock, CgroupSockAddr, SockOps},
+    util::KernelVersion,
 };
 use serde::{Deserialize, Serialize};
 
@@ -65,7 +66,15 @@ pub fn ensure_mounts() -> anyhow::Result<()> {
 /// Loads and attaches everything. Dropping the returned object detaches it all, which
 /// is what makes a stopped or killed daemon fail open.
 pub fn load_and_attach(cgroup_root: &Path) -> anyhow::Result<Ebpf> {
+    let has_set_retval =
+        KernelVersion::current().map_or(true, |v| v >= KernelVersion::new(5, 18, 0));
+    if !has_set_retval {
+        log::warn!(
+            "this kernel lacks bpf_set_retval (Linux 5.18+): shed connects fail with EPERM, not the policy's errno"
+        );
+    }
     let mut ebpf = EbpfLoader::new()
+        .override_global("HAS_SET_RETVAL", &u8::from(has_set_retval), true)
         .load(OBJECT)
         .context("loading the eBPF object")?;
     let cgroup =
