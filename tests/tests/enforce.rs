@@ -222,3 +222,36 @@ fn cgroup_created_after_start_is_governed_within_a_second() {
     assert_eq!((out.ok, out.errors("ECONNREFUSED")), (1, 2), "{out:?}");
     assert_eq!(n(&d.scope("j"), "shed"), 2);
 }
+
+/// DESIGN.md "scope": a socket belongs to the cgroup it was created in, not to the
+/// cgroup of the task that calls connect().
+#[test]
+fn socket_counts_for_the_cgroup_it_was_created_in() {
+    let server = Server::start("127.0.0.1:0");
+    let guarded = Cgroup::new("s-guarded");
+    let outside = Cgroup::new("s-outside");
+    let d = Daemon::start(&budget_policy(
+        "s",
+        &guarded.rel,
+        "enforce",
+        &server.addr,
+        1,
+    ));
+    let _held = guarded.hold(&server.addr, 1, 1);
+    // Created in the guarded cgroup (budget spent), connecting from outside: shed.
+    let to_outside = guarded.probe(&[
+        "migrate",
+        &server.addr.to_string(),
+        &outside.path.display().to_string(),
+    ]);
+    assert_eq!(to_outside.errors("ECONNREFUSED"), 1, "{to_outside:?}");
+    // Created outside, connecting from the guarded cgroup: unguarded.
+    let to_guarded = outside.probe(&[
+        "migrate",
+        &server.addr.to_string(),
+        &guarded.path.display().to_string(),
+    ]);
+    assert_eq!(to_guarded.ok, 1, "{to_guarded:?}");
+    let s = d.scope("s");
+    assert_eq!((n(&s, "admitted"), n(&s, "shed")), (1, 1), "{s}");
+}

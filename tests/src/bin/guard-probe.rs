@@ -17,6 +17,7 @@ const USAGE: &str = "usage: guard-probe connect ADDR COUNT CONCURRENCY
        guard-probe hold ADDR COUNT CONCURRENCY
        guard-probe storm ADDR THREADS SECONDS
        guard-probe udp ADDR CYCLES
+       guard-probe migrate ADDR CGROUP_DIR
        guard-probe mixed NETNS_PATH COUNT";
 
 fn main() -> anyhow::Result<()> {
@@ -31,6 +32,7 @@ fn main() -> anyhow::Result<()> {
         }
         "storm" => storm(arg(1)?.parse()?, num(2)?, num(3)?),
         "udp" => udp(arg(1)?.parse()?, num(2)?)?,
+        "migrate" => migrate(arg(1)?.parse()?, arg(2)?)?,
         "mixed" => mixed(arg(1)?, num(2)?)?,
         _ => anyhow::bail!(USAGE),
     };
@@ -158,6 +160,19 @@ fn hold(out: &Outcome, held: Vec<Socket>) -> ! {
     loop {
         thread::sleep(Duration::from_secs(3600));
     }
+}
+
+/// Creates a TCP socket here, moves this process into the cgroup at CGROUP_DIR, then
+/// connects: the connection belongs to the cgroup the socket was created in.
+fn migrate(addr: SocketAddr, cgroup_dir: &str) -> anyhow::Result<Outcome> {
+    let s = tcp_socket(&addr);
+    let procs = format!("{cgroup_dir}/cgroup.procs");
+    std::fs::write(&procs, std::process::id().to_string())
+        .with_context(|| format!("write {procs}"))?;
+    let out = Mutex::new(Outcome::default());
+    let started = Instant::now();
+    record(&out, &s.connect(&addr.into()), started);
+    Ok(out.into_inner().unwrap())
 }
 
 /// UDP sockets connected to ADDR (which runs the connect hooks), sending one datagram
