@@ -9,13 +9,17 @@ pub const DEFAULT_SOCKET: &str = "/run/connguard/connguard.sock";
 /// per cgroup v2 scope and per destination, and makes connect() fail at once
 /// (ECONNREFUSED by default, no SYN sent) when a budget is spent.
 #[derive(Parser)]
-#[command(version, about, long_about = None, after_help = "\
+#[command(
+    version,
+    after_help = "\
 Examples:
   connguard run                               observe the whole host (embedded default policy)
   connguard run --policy /etc/connguard.toml  enforce budgets from a policy file
   connguard check /etc/connguard.toml         validate a policy file before a reload
   connguard stats                             show counters of the running daemon
-  connguard reload                            re-read the policy file (same as SIGHUP)")]
+  connguard stats --json                      the same as JSON (shape in the README)
+  connguard reload                            re-read the policy file (same as SIGHUP)"
+)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
@@ -23,13 +27,16 @@ pub struct Cli {
 
 #[derive(Subcommand)]
 pub enum Command {
-    /// Run the daemon in the foreground: attach the eBPF programs to the cgroup v2 root,
-    /// apply the policy, serve stats. Logs a line containing "ready" once enforcing.
-    /// SIGHUP re-reads the policy; SIGTERM/SIGINT detach everything and exit (traffic is
-    /// then unguarded: connguard fails open).
+    /// Run the daemon in the foreground.
+    ///
+    /// Attaches the eBPF programs to the cgroup v2 root, applies the policy and serves
+    /// stats. Logs a line containing "ready" once the programs are attached and the
+    /// policy applied. SIGHUP re-reads the policy; SIGTERM/SIGINT detach everything and
+    /// exit (traffic is then unguarded: connguard fails open).
     Run {
-        /// Policy file (TOML, see policies/example.toml); default: the embedded policy
-        /// that observes the whole host and sheds nothing.
+        /// Policy file (TOML: [[scope]] tables with name, cgroup, mode, errno,
+        /// max_connections and [[scope.rule]]s; see `connguard check` and the README);
+        /// default: the embedded policy that observes the whole host and sheds nothing.
         #[arg(long, value_name = "FILE")]
         policy: Option<PathBuf>,
         /// Address for Prometheus metrics at /metrics, or "off".
@@ -44,7 +51,7 @@ pub enum Command {
         #[arg(long)]
         bpf_stats: bool,
     },
-    /// Validate a policy file: exit 0, or 1 with each error as FILE:LINE:COLUMN: REASON.
+    /// Validate a policy file: exit 0, or 1 with the error as FILE:LINE:COLUMN: REASON.
     Check {
         #[arg(value_name = "FILE")]
         file: PathBuf,
@@ -57,8 +64,9 @@ pub enum Command {
         #[arg(long, value_name = "PATH", default_value = DEFAULT_SOCKET)]
         socket: PathBuf,
     },
-    /// Ask the running daemon to re-read its policy file. A bad file is rejected (exit 1)
-    /// and the policy in force stays, with its counts.
+    /// Ask the running daemon to re-read its policy file.
+    ///
+    /// A bad file is rejected (exit 1) and the policy in force stays, with its counts.
     Reload {
         #[arg(long, value_name = "PATH", default_value = DEFAULT_SOCKET)]
         socket: PathBuf,
