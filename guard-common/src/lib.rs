@@ -166,8 +166,15 @@ pub struct SockState {
     pub cgroup_id: u64,
     /// 1 while the socket holds an admission; swapped to 0 atomically by the one path
     /// that releases it.
-    pub admitted: u64,
-    /// What the admission charged (valid while `admitted` is 1).
+    pub admitted: u32,
+    /// 1 once tcp_connect() ran for this admission (sock_ops TCP_CONNECT_CB), which
+    /// turns on the state callback that will release it; 0 means no callback will.
+    pub armed: u32,
+    /// Bit i set: level i of `levels` (destination, rule, scope) was charged. A level
+    /// whose counter could not be created (full map) is neither checked nor charged.
+    pub charged: u32,
+    pub _pad: u32,
+    /// The destination key of the admission (valid while `admitted` is 1).
     pub dst: CounterKey,
 }
 

@@ -23,7 +23,7 @@ pub fn add(field: *mut u64, delta: u64) -> u64 {
 #[inline(always)]
 pub fn raise_peak(peak: *mut u64, value: u64) {
     let mut seen = unsafe { *peak };
-    for _ in 0..4 {
+    for _ in 0..8 {
         if seen >= value {
             return;
         }
@@ -75,12 +75,15 @@ pub fn release(state: *mut SockState) {
     if state.is_null() {
         return;
     }
-    if unsafe { atomic_xchg::<u64, { SeqCst }>(&raw mut (*state).admitted, 0) } != 1 {
+    if unsafe { atomic_xchg::<u32, { SeqCst }>(&raw mut (*state).admitted, 0) } != 1 {
         return;
     }
-    let dst = unsafe { (*state).dst };
-    for key in levels(&dst).iter().flatten() {
-        if let Some(c) = COUNTERS.get_ptr_mut(key) {
+    let (dst, charged) = unsafe { ((*state).dst, (*state).charged) };
+    for (i, key) in levels(&dst).iter().enumerate() {
+        if charged & (1 << i) == 0 {
+            continue;
+        }
+        if let Some(c) = key.as_ref().and_then(|k| COUNTERS.get_ptr_mut(k)) {
             add(unsafe { &raw mut (*c).active }, u64::MAX);
         }
     }

@@ -81,6 +81,9 @@ fn admit(ctx: &SockAddrContext, addr: [u8; 16], port: u16) -> i32 {
         internal_error(STAT_INTERNAL_ERRORS);
         return ALLOW;
     }
+    // A reconnect after a failure that no release path saw (the route lookup failed, or
+    // another cgroup program refused the first attempt): release the old admission.
+    release(state);
     let cgroup_id = unsafe { (*state).cgroup_id };
     let Some(scope) = (unsafe {
         SCOPES.get(&CgroupKey {
@@ -92,9 +95,6 @@ fn admit(ctx: &SockAddrContext, addr: [u8; 16], port: u16) -> i32 {
         return ALLOW;
     };
     let scope = *scope;
-    // A reconnect after a failure that no release path saw (the route lookup failed, or
-    // another cgroup program refused the first attempt): release the old admission.
-    release(state);
 
     let rule = if scope.has_rules != 0 {
         match_rule(gen_, scope.scope_id, &addr, port)
@@ -119,16 +119,18 @@ fn admit(ctx: &SockAddrContext, addr: [u8; 16], port: u16) -> i32 {
         if per_endpoint { 0 } else { rule_max },
         scope.max_connections,
     ];
+    // A level whose counter cannot be created (full map) is skipped, and counted as an
+    // internal error: fail-open for that level, the others still hold.
     let keys = levels(&dst);
     let mut counters = [None; 3];
+    let mut charged = 0u32;
     for i in 0..3 {
         if let Some(key) = &keys[i] {
-            match counter(key) {
-                Some(c) => counters[i] = Some(c),
-                None => {
-                    internal_error(STAT_INTERNAL_ERRORS);
-                    return ALLOW;
-                }
+            counters[i] = counter(key);
+            if counters[i].is_some() {
+                charged |= 1 << i;
+            } else {
+                internal_error(STAT_INTERNAL_ERRORS);
             }
         }
     }
@@ -157,6 +159,8 @@ fn admit(ctx: &SockAddrContext, addr: [u8; 16], port: u16) -> i32 {
     }
     unsafe {
         (*state).dst = dst;
+        (*state).charged = charged;
+        (*state).armed = 0;
         (*state).admitted = 1;
     }
     for i in 0..3 {

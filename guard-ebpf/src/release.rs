@@ -39,21 +39,26 @@ pub fn sock_state(ctx: SockOpsContext) -> u32 {
         release(state);
     } else if !state.is_null() && unsafe { (*state).admitted } == 1 {
         let _ = ctx.set_cb_flags((ctx.cb_flags() | BPF_SOCK_OPS_STATE_CB_FLAG) as i32);
+        unsafe { (*state).armed = 1 };
     }
     1
 }
 
-/// The socket is released (close() or exit) while still in TCP_CLOSE. This ends the
-/// admissions that no state callback ends: a connect that failed before tcp_connect()
-/// (ENETUNREACH from the route lookup, EADDRNOTAVAIL from the port search) or that
-/// another cgroup program refused. (fexit on tcp_v4_connect would end them at once, but
-/// on the hosts this was built on, which run with lockdown=integrity, loading fexit
-/// programs fails with EPERM.) A socket in any other state reaches TCP_CLOSE later.
+/// The socket is released (close() or exit). This ends the admissions that no state
+/// callback will end: those whose tcp_connect() never ran. That is a connect that failed
+/// before it (ENETUNREACH from the route lookup, EADDRNOTAVAIL from the port search), or
+/// that another cgroup program refused, or a TCP Fast Open connect deferred to a first
+/// send that never came (in SYN_SENT, which tcp_close() then moves to TCP_CLOSE without a
+/// callback). (fexit on tcp_v4_connect would end the failures at once, but on the hosts
+/// this was built on, which run with lockdown=integrity, loading fexit programs fails
+/// with EPERM.) An armed socket is released by its state callback.
 #[cgroup_sock(sock_release)]
 pub fn sock_release(ctx: SockContext) -> i32 {
-    let sk = unsafe { &*ctx.sock };
-    if sk.protocol == IPPROTO_TCP && sk.state == TCP_CLOSE {
-        release(storage(ctx.sock, None));
+    if unsafe { (*ctx.sock).protocol } == IPPROTO_TCP {
+        let state = storage(ctx.sock, None);
+        if !state.is_null() && unsafe { (*state).armed } == 0 {
+            release(state);
+        }
     }
     1
 }

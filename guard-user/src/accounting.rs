@@ -1,15 +1,15 @@
 //! Writes the policy into the kernel maps and reads the counters back.
 //!
 //! Atomic reload: every policy entry is keyed by a generation (0 or 1). A new policy is
-//! written into the idle generation, then `ACTIVE_GEN` flips in one map update, then
-//! the old generation is deleted. Counters are keyed by scope and rule ids that stay
-//! the same across reloads (by name), so active counts survive a reload.
+//! written into the idle generation, then `ACTIVE_GEN` flips in one map update. The
+//! generation left idle keeps its entries until the next reload clears it, so a program
+//! that read the old generation just before the flip still finds them. Counters are
+//! keyed by scope and rule ids that stay the same across reloads (by name), so active
+//! counts survive a reload.
 use std::{
     collections::{BTreeMap, HashMap},
     net::{IpAddr, Ipv6Addr},
     path::PathBuf,
-    thread,
-    time::Duration,
 };
 
 use anyhow::Context;
@@ -64,9 +64,12 @@ pub struct Accounting {
     gen_: u32,
     pub ids: Ids,
     pub policy: Option<Policy>,
-    /// What the active generation holds, to diff against on rescan and to delete.
+    /// What the active generation holds, to diff against on rescan.
     written_scopes: BTreeMap<u64, ScopeConf>,
     written_rules: Vec<Key<RuleAddrKey>>,
+    /// What the idle generation still holds, deleted before it is written again.
+    idle_scopes: Vec<u64>,
+    idle_rules: Vec<Key<RuleAddrKey>>,
 }
 
 impl Accounting {
@@ -87,12 +90,24 @@ impl Accounting {
             policy: None,
             written_scopes: BTreeMap::new(),
             written_rules: Vec::new(),
+            idle_scopes: Vec::new(),
+            idle_rules: Vec::new(),
         })
     }
 
     /// Makes `policy` the one in force, atomically for the programs.
     pub fn apply(&mut self, policy: Policy) -> anyhow::Result<()> {
         let next = self.gen_ ^ 1;
+        for id in std::mem::take(&mut self.idle_scopes) {
+            let _ = self.scopes.remove(&CgroupKey {
+                gen_: next,
+                _pad: 0,
+                cgroup_id: id,
+            });
+        }
+        for key in std::mem::take(&mut self.idle_rules) {
+            let _ = self.rules.remove(&key);
+        }
         let governed = cgroup::resolve(&self.cgroup_root, &policy)?;
         let confs = self.scope_confs(&policy);
         let mut scopes = BTreeMap::new();
@@ -137,24 +152,12 @@ impl Accounting {
             return Err(e.context("writing the policy into the kernel maps"));
         }
         self.active_gen.set(0, next, 0)?;
-        let old_gen = self.gen_;
-        let old_scopes = std::mem::replace(&mut self.written_scopes, scopes);
-        let old_rules = std::mem::replace(&mut self.written_rules, rule_keys);
+        self.idle_scopes = std::mem::replace(&mut self.written_scopes, scopes)
+            .into_keys()
+            .collect();
+        self.idle_rules = std::mem::replace(&mut self.written_rules, rule_keys);
         self.gen_ = next;
         self.policy = Some(policy);
-        // Programs that read the old generation just before the flip finish within an
-        // RCU grace period; give them that before their entries go.
-        thread::sleep(Duration::from_millis(20));
-        for id in old_scopes.keys() {
-            let _ = self.scopes.remove(&CgroupKey {
-                gen_: old_gen,
-                _pad: 0,
-                cgroup_id: *id,
-            });
-        }
-        for key in &old_rules {
-            let _ = self.rules.remove(key);
-        }
         Ok(())
     }
 

@@ -40,7 +40,6 @@ pub struct ReloadReply {
 }
 
 struct Daemon {
-    // Field order matters on drop: the maps go before the object that attached them.
     acct: Accounting,
     ebpf: aya::Ebpf,
     status: PolicyStatus,
@@ -104,6 +103,13 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
     let policy = Daemon::read_policy(opts.policy.as_deref())?;
     loader::ensure_mounts()?;
     let root = cgroup::cgroup2_mount()?;
+    let metrics = match &opts.metrics {
+        Some(addr) => Some(
+            tiny_http::Server::http(addr.as_str())
+                .map_err(|e| anyhow::anyhow!("serving metrics on {addr}: {e}"))?,
+        ),
+        None => None,
+    };
     let listener = bind_control(&opts.socket)?;
     let _stats_fd = if opts.bpf_stats {
         Some(
@@ -143,9 +149,7 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
         let daemon = daemon.clone();
         thread::spawn(move || serve_control(listener, daemon));
     }
-    if let Some(addr) = &opts.metrics {
-        let server = tiny_http::Server::http(addr.as_str())
-            .map_err(|e| anyhow::anyhow!("serving metrics on {addr}: {e}"))?;
+    if let Some(server) = metrics {
         log::info!("metrics on http://{}/metrics", server.server_addr());
         let daemon = daemon.clone();
         thread::spawn(move || serve_metrics(server, daemon));
@@ -196,6 +200,8 @@ fn bind_control(path: &Path) -> anyhow::Result<UnixListener> {
 
 fn serve_control(listener: UnixListener, daemon: Arc<Mutex<Daemon>>) {
     for stream in listener.incoming().flatten() {
+        // A client that connects and says nothing must not hold up the others.
+        let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
         let mut line = String::new();
         if BufReader::new(&stream).read_line(&mut line).is_err() {
             continue;

@@ -334,7 +334,10 @@ impl Daemon {
 
 impl Drop for Daemon {
     fn drop(&mut self) {
-        unsafe { libc::kill(self.pid(), libc::SIGTERM) };
+        // Signal only a child not yet reaped (a reaped pid may belong to someone else).
+        if let Ok(None) = self.child.try_wait() {
+            unsafe { libc::kill(self.pid(), libc::SIGTERM) };
+        }
         let until = Instant::now() + Duration::from_secs(5);
         while Instant::now() < until {
             if let Ok(Some(_)) = self.child.try_wait() {

@@ -178,6 +178,13 @@ fn cgroup_outside_every_scope_is_unaffected() {
     assert_eq!((out.ok, out.attempts), (20, 20), "{out:?}");
     let s = d.scope("g");
     assert_eq!((n(&s, "admitted"), n(&s, "shed")), (0, 0), "{s}");
+    // Control: the same connects from the guarded cgroup are shed past 1.
+    let inside = guarded.probe(&["connect", &server.addr.to_string(), "20", "20"]);
+    assert_eq!(
+        (inside.ok, inside.errors("ECONNREFUSED")),
+        (1, 19),
+        "{inside:?}"
+    );
 }
 
 /// (i) The daemon SIGKILLed while enforcing: connections are allowed again at once.
@@ -254,4 +261,89 @@ fn socket_counts_for_the_cgroup_it_was_created_in() {
     assert_eq!(to_guarded.ok, 1, "{to_guarded:?}");
     let s = d.scope("s");
     assert_eq!((n(&s, "admitted"), n(&s, "shed")), (1, 1), "{s}");
+}
+
+/// Rule order, a budget shared by a rule (`per = "rule"`), a scope budget, and a
+/// non-default errno.
+#[test]
+fn shared_rule_budget_scope_budget_and_errno() {
+    let (p1, p2, p3) = (
+        Server::start("127.0.0.1:0"),
+        Server::start("127.0.0.1:0"),
+        Server::start("127.0.0.1:0"),
+    );
+    let cg = Cgroup::new("rules");
+    let (a, b, c) = (p1.addr.port(), p2.addr.port(), p3.addr.port());
+    let d = Daemon::start(&format!(
+        "[[scope]]\nname = \"r\"\ncgroup = \"{}\"\nerrno = \"ETIMEDOUT\"\nmax_connections = 6\n\
+         [[scope.rule]]\nname = \"pair\"\ndst = [\"127.0.0.1\"]\nports = [\"{a}\", {b}]\nmax_connections = 3\nper = \"rule\"\n\
+         [[scope.rule]]\nname = \"shadowed\"\ndst = [\"127.0.0.0/8\"]\nports = [\"{a}\"]\nmax_connections = 100\n\
+         [[scope.rule]]\nname = \"rest\"\ndst = [\"127.0.0.0/8\"]\n",
+        cg.rel
+    ));
+    let h1 = cg.hold(&p1.addr, 2, 1);
+    let h2 = cg.hold(&p2.addr, 2, 1);
+    // The pair shares 3: the 4th connection is shed, with the scope's errno.
+    assert_eq!(
+        (
+            h1.outcome.ok + h2.outcome.ok,
+            h2.outcome.errors("ETIMEDOUT")
+        ),
+        (3, 1),
+        "{:?} {:?}",
+        h1.outcome,
+        h2.outcome
+    );
+    // Another port falls to "rest" (no budget of its own) and meets the scope's 6.
+    let h3 = cg.hold(&p3.addr, 4, 1);
+    assert_eq!(
+        (h3.outcome.ok, h3.outcome.errors("ETIMEDOUT")),
+        (3, 1),
+        "{:?}",
+        h3.outcome
+    );
+    let s = d.scope("r");
+    let rule = |name: &str| {
+        s["rules"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["name"] == name)
+            .unwrap()
+            .clone()
+    };
+    assert_eq!(
+        (n(&rule("pair"), "active"), n(&rule("pair"), "shed")),
+        (3, 1),
+        "{s}"
+    );
+    assert_eq!(
+        n(&rule("shadowed"), "admitted"),
+        0,
+        "first matching rule wins: {s}"
+    );
+    assert_eq!(
+        (n(&rule("rest"), "active"), n(&rule("rest"), "shed")),
+        (3, 1),
+        "{s}"
+    );
+    assert_eq!((n(&s, "active"), n(&s, "shed")), (6, 2), "{s}");
+    assert_eq!(destination(&s, &p1.addr.to_string())["rule"], "pair");
+}
+
+/// A TCP Fast Open connect deferred to a first send that never comes is released
+/// when the socket is closed (tcp_connect() never ran, so no state callback will).
+#[test]
+fn deferred_fast_open_connect_is_released_on_close() {
+    let ns = connguard_tests::Netns::new("cgtfo");
+    ns.exec("ip", &["link", "set", "lo", "up"]);
+    ns.exec("sysctl", &["-qw", "net.ipv4.tcp_fastopen=5"]);
+    let addr: SocketAddr = "127.0.0.1:9".parse().unwrap();
+    let cg = Cgroup::new("tfo");
+    let d = Daemon::start(&budget_policy("tfo", &cg.rel, "enforce", &addr, 1));
+    // Nothing listens on the port: only a deferred connect() can succeed.
+    let out = cg.probe(&["tfo", &ns.path(), &addr.to_string()]);
+    assert_eq!(out.ok, 1, "{out:?}");
+    let s = d.wait_scope("tfo", Duration::from_secs(2), |s| n(s, "active") == 0);
+    assert_eq!((n(&s, "admitted"), n(&s, "active")), (1, 0), "{s}");
 }

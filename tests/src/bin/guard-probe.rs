@@ -18,6 +18,7 @@ const USAGE: &str = "usage: guard-probe connect ADDR COUNT CONCURRENCY
        guard-probe storm ADDR THREADS SECONDS
        guard-probe udp ADDR CYCLES
        guard-probe migrate ADDR CGROUP_DIR
+       guard-probe tfo NETNS_PATH ADDR
        guard-probe mixed NETNS_PATH COUNT";
 
 fn main() -> anyhow::Result<()> {
@@ -33,6 +34,7 @@ fn main() -> anyhow::Result<()> {
         "storm" => storm(arg(1)?.parse()?, num(2)?, num(3)?),
         "udp" => udp(arg(1)?.parse()?, num(2)?)?,
         "migrate" => migrate(arg(1)?.parse()?, arg(2)?)?,
+        "tfo" => tfo(arg(1)?, arg(2)?.parse()?)?,
         "mixed" => mixed(arg(1)?, num(2)?)?,
         _ => anyhow::bail!(USAGE),
     };
@@ -70,19 +72,18 @@ fn record(out: &Mutex<Outcome>, result: &std::io::Result<()>, started: Instant) 
     }
 }
 
-fn set_syncnt(s: &Socket, n: libc::c_int) {
+/// setsockopt(IPPROTO_TCP, option, n).
+fn set_int(s: &Socket, option: libc::c_int, n: libc::c_int) {
     let fd = std::os::fd::AsRawFd::as_raw_fd(s);
     let size = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-    let rc = unsafe {
-        libc::setsockopt(
-            fd,
-            libc::IPPROTO_TCP,
-            libc::TCP_SYNCNT,
-            (&raw const n).cast(),
-            size,
-        )
-    };
-    assert_eq!(rc, 0, "TCP_SYNCNT: {}", std::io::Error::last_os_error());
+    let rc =
+        unsafe { libc::setsockopt(fd, libc::IPPROTO_TCP, option, (&raw const n).cast(), size) };
+    assert_eq!(
+        rc,
+        0,
+        "setsockopt {option}: {}",
+        std::io::Error::last_os_error()
+    );
 }
 
 fn tcp_socket(addr: &SocketAddr) -> Socket {
@@ -175,6 +176,29 @@ fn migrate(addr: SocketAddr, cgroup_dir: &str) -> anyhow::Result<Outcome> {
     Ok(out.into_inner().unwrap())
 }
 
+/// TCP_FASTOPEN_CONNECT, in a netns whose net.ipv4.tcp_fastopen lets clients go
+/// without a cookie (5): connect() returns at once, in SYN_SENT, and defers the SYN to
+/// the first send; the socket is closed without sending, so tcp_connect() never runs.
+fn tfo(netns: &str, addr: SocketAddr) -> anyhow::Result<Outcome> {
+    enter_netns(netns)?;
+    let s = tcp_socket(&addr);
+    set_int(&s, libc::TCP_FASTOPEN_CONNECT, 1);
+    let out = Mutex::new(Outcome::default());
+    let started = Instant::now();
+    record(&out, &s.connect(&addr.into()), started);
+    drop(s);
+    Ok(out.into_inner().unwrap())
+}
+
+/// Moves this (still single-threaded) process into the network namespace at `path`.
+fn enter_netns(path: &str) -> anyhow::Result<()> {
+    let ns = std::fs::File::open(path).with_context(|| format!("open {path}"))?;
+    if unsafe { libc::setns(std::os::fd::AsRawFd::as_raw_fd(&ns), libc::CLONE_NEWNET) } != 0 {
+        anyhow::bail!("setns {path}: {}", std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// UDP sockets connected to ADDR (which runs the connect hooks), sending one datagram
 /// each, plus as many unconnected sendto()s.
 fn udp(addr: SocketAddr, cycles: u64) -> anyhow::Result<Outcome> {
@@ -199,10 +223,7 @@ fn udp(addr: SocketAddr, cycles: u64) -> anyhow::Result<Outcome> {
 /// interface that swallows whatever is sent to 192.0.2.2). Category counts are reported under `errors`
 /// (errnos) and `categories`.
 fn mixed(netns: &str, count: u64) -> anyhow::Result<Outcome> {
-    let ns = std::fs::File::open(netns).with_context(|| format!("open {netns}"))?;
-    if unsafe { libc::setns(std::os::fd::AsRawFd::as_raw_fd(&ns), libc::CLONE_NEWNET) } != 0 {
-        anyhow::bail!("setns {netns}: {}", std::io::Error::last_os_error());
-    }
+    enter_netns(netns)?;
     // Server A closes first; server B waits for the client to close.
     let server_close = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?;
     let client_close = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?;
@@ -242,7 +263,7 @@ fn mixed(netns: &str, count: u64) -> anyhow::Result<Outcome> {
             let out = out.clone();
             thread::spawn(move || {
                 let s = tcp_socket(&black_hole);
-                set_syncnt(&s, 1);
+                set_int(&s, libc::TCP_SYNCNT, 1);
                 let started = Instant::now();
                 let r = s.connect(&black_hole.into());
                 record(&out, &r, started);
@@ -279,16 +300,22 @@ fn mixed(netns: &str, count: u64) -> anyhow::Result<Outcome> {
                             record(&out, &TcpStream::connect(closed_port).map(drop), started);
                             cat(&out, "refused");
                         }
-                        // Non-blocking connect abandoned in SYN_SENT.
+                        // Non-blocking connect (EINPROGRESS), asked again (EALREADY: the
+                        // same attempt, not a new one), then abandoned in SYN_SENT.
                         45..=46 => {
                             let s = tcp_socket(&black_hole);
                             s.set_nonblocking(true).unwrap();
-                            let r = s.connect(&black_hole.into());
-                            let r = match r {
+                            let r = match s.connect(&black_hole.into()) {
                                 Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => Ok(()),
                                 other => other,
                             };
                             record(&out, &r, started);
+                            let again = s.connect(&black_hole.into()).map_err(|e| e.raw_os_error());
+                            assert_eq!(
+                                again,
+                                Err(Some(libc::EALREADY)),
+                                "second connect on a pending socket"
+                            );
                             cat(&out, "abandoned");
                         }
                         // Failed before the SYN: no route (the socket stays in TCP_CLOSE)...
