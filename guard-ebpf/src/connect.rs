@@ -4,9 +4,7 @@
 //! unconnected and in TCP_CLOSE, so EINPROGRESS/EALREADY retries do not run them again
 //! (net/ipv4/af_inet.c); TCP Fast Open (sendmsg with MSG_FASTOPEN) runs them too.
 use aya_ebpf::{
-    helpers::generated::{bpf_get_current_cgroup_id, bpf_set_retval},
-    macros::cgroup_sock_addr,
-    maps::lpm_trie::Key,
+    helpers::generated::bpf_set_retval, macros::cgroup_sock_addr, maps::lpm_trie::Key,
     programs::SockAddrContext,
 };
 use guard_common::{
@@ -68,19 +66,15 @@ pub fn connect6(ctx: SockAddrContext) -> i32 {
 
 #[inline(always)]
 fn admit(ctx: &SockAddrContext, addr: [u8; 16], port: u16) -> i32 {
-    let gen_ = ACTIVE_GEN.get(0).copied().unwrap_or(0);
-    // The socket's scope comes from the cgroup it was created in (sock_create stored
-    // it); a socket created before the daemon started gets the caller's cgroup.
+    // The socket's scope comes from the cgroup it was created in, which sock_create
+    // stored for sockets created in a governed cgroup. Sockets without storage were
+    // created in an unguarded cgroup (or before the daemon started): they pass.
     let sk = unsafe { (*ctx.sock_addr).__bindgen_anon_1.sk };
-    let mut init = SockState {
-        cgroup_id: unsafe { bpf_get_current_cgroup_id() },
-        ..Default::default()
-    };
-    let state = storage(sk, Some(&mut init));
+    let state = storage(sk, None);
     if state.is_null() {
-        internal_error(STAT_INTERNAL_ERRORS);
         return ALLOW;
     }
+    let gen_ = ACTIVE_GEN.get(0).copied().unwrap_or(0);
     // A reconnect after a failure that no release path saw (the route lookup failed, or
     // another cgroup program refused the first attempt): release the old admission.
     release(state);
