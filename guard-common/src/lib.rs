@@ -155,6 +155,9 @@ pub struct Counter {
     pub shed: u64,
     /// Connections that would have been refused (observe mode, total).
     pub would_shed: u64,
+    /// When this entry was created (ns since boot): tells a destination entry that the
+    /// daemon forgot and the kernel created again from the one an admission charged.
+    pub epoch: u64,
 }
 
 /// Socket-local storage (`SOCKS`, a BPF_MAP_TYPE_SK_STORAGE): created with the TCP
@@ -174,6 +177,8 @@ pub struct SockState {
     /// whose counter could not be created (full map) is neither checked nor charged.
     pub charged: u32,
     pub _pad: u32,
+    /// `epoch` of the destination entry the admission charged.
+    pub dst_epoch: u64,
     /// The destination key of the admission (valid while `admitted` is 1).
     pub dst: CounterKey,
 }

@@ -4,7 +4,7 @@ use core::intrinsics::{
     atomic_cxchg, atomic_xadd, atomic_xchg,
 };
 
-use aya_ebpf::bindings::BPF_NOEXIST;
+use aya_ebpf::{bindings::BPF_NOEXIST, helpers::generated::bpf_ktime_get_ns};
 use guard_common::{Counter, CounterKey, LEVEL_DST, LEVEL_RULE, LEVEL_SCOPE, NO_RULE, SockState};
 
 use crate::maps::{COUNTERS, STATS};
@@ -48,7 +48,11 @@ pub fn counter(key: &CounterKey) -> Option<*mut Counter> {
         return Some(p);
     }
     // A concurrent creator may win the insert; the lookup below finds its entry.
-    let _ = COUNTERS.insert(key, Counter::default(), BPF_NOEXIST as u64);
+    let fresh = Counter {
+        epoch: unsafe { bpf_ktime_get_ns() },
+        ..Default::default()
+    };
+    let _ = COUNTERS.insert(key, fresh, BPF_NOEXIST as u64);
     COUNTERS.get_ptr_mut(key)
 }
 
@@ -78,12 +82,17 @@ pub fn release(state: *mut SockState) {
     if unsafe { atomic_xchg::<u32, { SeqCst }>(&raw mut (*state).admitted, 0) } != 1 {
         return;
     }
-    let (dst, charged) = unsafe { ((*state).dst, (*state).charged) };
+    let (dst, charged, dst_epoch) = unsafe { ((*state).dst, (*state).charged, (*state).dst_epoch) };
     for (i, key) in levels(&dst).iter().enumerate() {
         if charged & (1 << i) == 0 {
             continue;
         }
         if let Some(c) = key.as_ref().and_then(|k| COUNTERS.get_ptr_mut(k)) {
+            // The daemon forgets idle destination entries; one created again since
+            // this admission does not hold it.
+            if i == 0 && unsafe { (*c).epoch } != dst_epoch {
+                continue;
+            }
             add(unsafe { &raw mut (*c).active }, u64::MAX);
         }
     }

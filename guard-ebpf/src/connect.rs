@@ -153,6 +153,7 @@ fn admit(ctx: &SockAddrContext, addr: [u8; 16], port: u16) -> i32 {
     }
     unsafe {
         (*state).dst = dst;
+        (*state).dst_epoch = counters[0].map_or(0, |c| (*c).epoch);
         (*state).charged = charged;
         (*state).armed = 0;
         (*state).admitted = 1;

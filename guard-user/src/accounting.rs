@@ -15,8 +15,8 @@ use std::{
 use anyhow::Context;
 use aya::maps::{Array, HashMap as BpfHashMap, LpmTrie, MapData, PerCpuArray, lpm_trie::Key};
 use guard_common::{
-    Candidates, CgroupKey, Counter, CounterKey, RULE_KEY_FIXED_BITS, RuleAddrKey, RuleRef,
-    STAT_INTERNAL_ERRORS, ScopeConf,
+    Candidates, CgroupKey, Counter, CounterKey, LEVEL_DST, RULE_KEY_FIXED_BITS, RuleAddrKey,
+    RuleRef, STAT_INTERNAL_ERRORS, ScopeConf,
 };
 use ipnet::{IpNet, Ipv6Net};
 
@@ -70,6 +70,9 @@ pub struct Accounting {
     /// What the idle generation still holds, deleted before it is written again.
     idle_scopes: Vec<u64>,
     idle_rules: Vec<Key<RuleAddrKey>>,
+    /// Destination entries that had no active connection at the last `forget_idle`,
+    /// with their totals (admitted + shed + would_shed) then.
+    idle_seen: HashMap<CounterKey, u64>,
 }
 
 impl Accounting {
@@ -92,6 +95,7 @@ impl Accounting {
             written_rules: Vec::new(),
             idle_scopes: Vec::new(),
             idle_rules: Vec::new(),
+            idle_seen: HashMap::new(),
         })
     }
 
@@ -266,6 +270,32 @@ impl Accounting {
     /// Every counter in the kernel.
     pub fn counters(&self) -> Vec<(CounterKey, Counter)> {
         self.counters.iter().filter_map(Result::ok).collect()
+    }
+
+    /// Forgets destination entries that stayed idle (no active connection, no new
+    /// admission or shed) since the previous call, so that the map of a long-running
+    /// daemon holds the destinations in use, not every one ever seen. Scope and rule
+    /// totals keep counting. Returns how many were forgotten.
+    pub fn forget_idle(&mut self) -> usize {
+        let mut idle = HashMap::new();
+        let mut forgotten = 0;
+        for (key, c) in self.counters() {
+            if key.level != LEVEL_DST || c.active != 0 {
+                continue;
+            }
+            let total = c.admitted + c.shed + c.would_shed;
+            if self.idle_seen.get(&key) == Some(&total) {
+                // A connect racing this removal charges an entry that is going away;
+                // its release then skips the entry created again (epoch differs).
+                if self.counters.remove(&key).is_ok() {
+                    forgotten += 1;
+                }
+            } else {
+                idle.insert(key, total);
+            }
+        }
+        self.idle_seen = idle;
+        forgotten
     }
 
     /// Internal errors summed over CPUs (fail-open events).

@@ -50,6 +50,10 @@ pub enum Command {
         /// program run, for every eBPF program on the host.
         #[arg(long)]
         bpf_stats: bool,
+        /// Forget a destination's counters once it has had no connection for this many
+        /// seconds (up to twice as long); its scope and rule keep their totals.
+        #[arg(long, value_name = "SECS", default_value_t = 300)]
+        forget_idle: u64,
     },
     /// Validate a policy file: exit 0, or 1 with the error as FILE:LINE:COLUMN: REASON.
     Check {

@@ -29,6 +29,8 @@ pub struct Options {
     pub metrics: Option<String>,
     pub socket: PathBuf,
     pub bpf_stats: bool,
+    /// Destination entries idle this long (to twice as long) are forgotten.
+    pub forget_idle: Duration,
 }
 
 /// Answer of the `reload` request.
@@ -160,7 +162,15 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
         opts.socket.display()
     );
 
+    let mut last_forget = std::time::Instant::now();
     loop {
+        if last_forget.elapsed() >= opts.forget_idle {
+            last_forget = std::time::Instant::now();
+            let n = daemon.lock().expect("daemon lock").acct.forget_idle();
+            if n > 0 {
+                log::info!("forgot {n} idle destination(s)");
+            }
+        }
         match rx.recv_timeout(RESCAN) {
             Ok(SIGHUP) => {
                 daemon.lock().expect("daemon lock").reload();

@@ -31,13 +31,16 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             metrics,
             socket,
             bpf_stats,
+            forget_idle,
         } => {
             let metrics = (metrics != "off").then_some(metrics);
+            let forget_idle = std::time::Duration::from_secs(forget_idle.max(1));
             daemon::run(daemon::Options {
                 policy,
                 metrics,
                 socket,
                 bpf_stats,
+                forget_idle,
             })?;
         }
         Command::Check { file } => match policy::load_file(&file) {

@@ -273,7 +273,7 @@ fn shared_rule_budget_scope_budget_and_errno() {
         Server::start("127.0.0.1:0"),
     );
     let cg = Cgroup::new("rules");
-    let (a, b, c) = (p1.addr.port(), p2.addr.port(), p3.addr.port());
+    let (a, b) = (p1.addr.port(), p2.addr.port());
     let d = Daemon::start(&format!(
         "[[scope]]\nname = \"r\"\ncgroup = \"{}\"\nerrno = \"ETIMEDOUT\"\nmax_connections = 6\n\
          [[scope.rule]]\nname = \"pair\"\ndst = [\"127.0.0.1\"]\nports = [\"{a}\", {b}]\nmax_connections = 3\nper = \"rule\"\n\

@@ -124,3 +124,35 @@ fn slot_is_freed_after_a_reset() {
     let third = cg.hold(&addr, 1, 1);
     assert_eq!(third.outcome.ok, 1, "{:?}", third.outcome);
 }
+
+/// Idle destinations are forgotten (their scope keeps its totals); a destination in use
+/// is kept, and one forgotten comes back with exact counts.
+#[test]
+fn idle_destinations_are_forgotten_and_scope_totals_stay() {
+    let server = Server::start("127.0.0.1:0");
+    let cg = Cgroup::new("forget");
+    let d = Daemon::start_with(
+        &connguard_tests::budget_policy("f", &cg.rel, "enforce", &server.addr, 100),
+        &["--forget-idle", "1"],
+    );
+    let out = cg.probe(&["connect", &server.addr.to_string(), "3", "1"]);
+    assert_eq!(out.ok, 3);
+    let s = d.wait_scope("f", Duration::from_secs(5), |s| {
+        s["destinations"].as_array().unwrap().is_empty()
+    });
+    assert!(
+        s["destinations"].as_array().unwrap().is_empty(),
+        "idle destination still listed: {s}"
+    );
+    assert_eq!((n(&s, "admitted"), n(&s, "active")), (3, 0), "{s}");
+    // A held connection keeps its destination; the entry comes back with exact counts.
+    let held = cg.hold(&server.addr, 2, 1);
+    assert_eq!(held.outcome.ok, 2);
+    std::thread::sleep(Duration::from_millis(2500));
+    let s = d.scope("f");
+    let dst = connguard_tests::destination(&s, &server.addr.to_string());
+    assert_eq!((n(dst, "active"), n(dst, "admitted")), (2, 2), "{s}");
+    drop(held);
+    let s = d.wait_scope("f", Duration::from_secs(5), |s| n(s, "active") == 0);
+    assert_eq!((n(&s, "admitted"), n(&s, "active")), (5, 0), "{s}");
+}
