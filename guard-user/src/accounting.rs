@@ -342,11 +342,71 @@ pub fn candidates_of(rules: &[Rule], prefix: &Ipv6Net) -> Vec<usize> {
         .collect()
 }
 
+/// A network in the kernel's form, back as a user writes it (IPv4 when it lies within
+/// the IPv4-mapped range).
+pub fn unmapped_net(net: &Ipv6Net) -> IpNet {
+    match net.addr().to_ipv4_mapped() {
+        Some(v4) if net.prefix_len() >= 96 => {
+            IpNet::V4(ipnet::Ipv4Net::new(v4, net.prefix_len() - 96).expect("valid prefix"))
+        }
+        _ => IpNet::V6(*net),
+    }
+}
+
 /// An address in the kernel's form, back as the address a user wrote.
 pub fn unmapped(addr: [u8; 16]) -> IpAddr {
     let v6 = Ipv6Addr::from(addr);
     match v6.to_ipv4_mapped() {
         Some(v4) => IpAddr::V4(v4),
         None => IpAddr::V6(v6),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::parse;
+
+    fn rules(text: &str) -> Vec<Rule> {
+        let head = "[[scope]]\nname = \"s\"\ncgroup = \"x\"\n";
+        parse(&format!("{head}{text}"), "t")
+            .unwrap()
+            .scopes
+            .remove(0)
+            .rules
+    }
+
+    #[test]
+    fn each_prefix_carries_exactly_the_rules_that_contain_it_in_order() {
+        let r = rules(
+            "[[scope.rule]]\nname = \"wide\"\ndst = [\"10.0.0.0/8\"]\n\
+             [[scope.rule]]\nname = \"host\"\ndst = [\"10.1.2.3\"]\n\
+             [[scope.rule]]\nname = \"any\"\n\
+             [[scope.rule]]\nname = \"v6\"\ndst = [\"fd00::/64\"]\n",
+        );
+        let shown: Vec<(String, Vec<usize>)> = rule_prefixes(&r)
+            .iter()
+            .map(|p| (unmapped_net(p).to_string(), candidates_of(&r, p)))
+            .collect();
+        assert_eq!(
+            shown,
+            [
+                ("::/0".to_string(), vec![2]),
+                ("10.0.0.0/8".to_string(), vec![0, 2]),
+                ("10.1.2.3/32".to_string(), vec![0, 1, 2]),
+                ("fd00::/64".to_string(), vec![2, 3]),
+            ]
+        );
+    }
+
+    #[test]
+    fn ipv4_is_keyed_ipv4_mapped() {
+        let net: IpNet = "192.0.2.0/24".parse().unwrap();
+        assert_eq!(mapped(&net).to_string(), "::ffff:192.0.2.0/120");
+        assert_eq!(unmapped_net(&mapped(&net)), net);
+        assert_eq!(
+            unmapped(mapped(&net).addr().octets()).to_string(),
+            "192.0.2.0"
+        );
     }
 }

@@ -52,10 +52,14 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
         },
         Command::Stats { json, socket } => {
             let text = daemon::request(&socket, "stats")?;
+            let value: serde_json::Value = serde_json::from_str(&text)?;
+            if let Some(e) = value.get("error") {
+                anyhow::bail!("the daemon answered: {e}");
+            }
             if json {
                 println!("{text}");
             } else {
-                print!("{}", stats::table(&serde_json::from_str(&text)?));
+                print!("{}", stats::table(&serde_json::from_value(value)?));
             }
         }
         Command::Reload { socket } => {

@@ -360,6 +360,7 @@ fn check_overlap(rules: &[Rule]) -> Result<(), String> {
     for prefix in crate::accounting::rule_prefixes(rules) {
         let n = crate::accounting::candidates_of(rules, &prefix).len();
         if n > MAX_CANDIDATES {
+            let prefix = crate::accounting::unmapped_net(&prefix);
             return Err(format!(
                 "{n} rules can match destinations in {prefix}; at most {MAX_CANDIDATES} may overlap"
             ));

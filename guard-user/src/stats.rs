@@ -225,20 +225,23 @@ pub fn prometheus(snap: &Snapshot) -> String {
         "destination_would_shed_connections",
         "Connections observe mode would have refused per destination",
     );
-    let internal = counter(
-        &mut reg,
+    let internal = PromCounter::<u64>::default();
+    reg.register(
         "internal_errors",
         "Fail-open events: connections let through uncounted because of an internal problem",
+        internal.clone(),
     );
-    let generation = gauge(
-        &mut reg,
+    let generation = Gauge::<i64>::default();
+    reg.register(
         "policy_generation",
         "Generation of the policy in force (1 = first)",
+        generation.clone(),
     );
-    let policy_error = gauge(
-        &mut reg,
+    let policy_error = Gauge::<i64>::default();
+    reg.register(
         "policy_last_reload_failed",
         "1 when the last reload was rejected and the previous policy stays in force",
+        policy_error.clone(),
     );
     let runs = counter(
         &mut reg,
@@ -292,13 +295,9 @@ pub fn prometheus(snap: &Snapshot) -> String {
             d_would.get_or_create(&l).inc_by(rest.would_shed);
         }
     }
-    internal.get_or_create(&vec![]).inc_by(snap.internal_errors);
-    generation
-        .get_or_create(&vec![])
-        .set(snap.policy.generation as i64);
-    policy_error
-        .get_or_create(&vec![])
-        .set(snap.policy.last_error.is_some() as i64);
+    internal.inc_by(snap.internal_errors);
+    generation.set(snap.policy.generation as i64);
+    policy_error.set(snap.policy.last_error.is_some() as i64);
     for p in &snap.programs {
         let l = vec![("program", p.name.clone())];
         runs.get_or_create(&l).inc_by(p.run_count);

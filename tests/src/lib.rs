@@ -217,9 +217,34 @@ pub struct Daemon {
     pub socket: PathBuf,
     dir: PathBuf,
     pub log: Arc<std::sync::Mutex<String>>,
+    /// Where Prometheus metrics are served, when started with_metrics.
+    metrics: Option<SocketAddr>,
 }
 
 impl Daemon {
+    /// A daemon that also serves Prometheus metrics on a free loopback port.
+    pub fn with_metrics(policy: &str) -> Daemon {
+        let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+        let mut d = Self::start_with(policy, &["--metrics", &addr.to_string()]);
+        d.metrics = Some(addr);
+        d
+    }
+
+    /// The body of GET /metrics.
+    pub fn metrics(&self) -> String {
+        use std::io::Write;
+        let mut conn =
+            std::net::TcpStream::connect(self.metrics.expect("started with_metrics")).unwrap();
+        conn.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+        let mut text = String::new();
+        conn.read_to_string(&mut text).unwrap();
+        assert!(
+            text.starts_with("HTTP/1.1 200") || text.starts_with("HTTP/1.0 200"),
+            "{text}"
+        );
+        text
+    }
+
     pub fn start(policy: &str) -> Daemon {
         Self::start_with(policy, &[])
     }
@@ -237,7 +262,11 @@ impl Daemon {
             .arg(&policy_path)
             .arg("--socket")
             .arg(&socket)
-            .args(["--metrics", "off"])
+            .args(if extra.contains(&"--metrics") {
+                &[][..]
+            } else {
+                &["--metrics", "off"][..]
+            })
             .args(extra)
             .stderr(Stdio::piped())
             .stdout(Stdio::null())
@@ -261,6 +290,7 @@ impl Daemon {
             socket,
             dir,
             log,
+            metrics: None,
         };
         if rx.recv_timeout(Duration::from_secs(30)).is_err() {
             let status = d.child.try_wait();

@@ -8,7 +8,7 @@ use connguard_tests::{Cgroup, Daemon, Server, budget_policy, destination, n};
 fn budget_of_five_sheds_fifteen_of_twenty_at_once() {
     let server = Server::start("127.0.0.1:0");
     let cg = Cgroup::new("a");
-    let d = Daemon::start(&budget_policy("a", &cg.rel, "enforce", &server.addr, 5));
+    let d = Daemon::with_metrics(&budget_policy("a", &cg.rel, "enforce", &server.addr, 5));
     let mut held = cg.hold(&server.addr, 20, 20);
     let out = &held.outcome;
     assert_eq!(
@@ -36,6 +36,20 @@ fn budget_of_five_sheds_fifteen_of_twenty_at_once() {
     );
     assert_eq!((n(&s, "active"), n(&s, "shed")), (5, 15));
     assert_eq!(server.peak(), 5);
+    // The same counts in Prometheus text.
+    let metrics = d.metrics();
+    let dst = format!("scope=\"a\",rule=\"server\",dst=\"{}\"", server.addr);
+    for line in [
+        "connguard_scope_active_connections{scope=\"a\"} 5".to_string(),
+        "connguard_scope_shed_connections_total{scope=\"a\"} 15".to_string(),
+        format!("connguard_destination_admitted_connections_total{{{dst}}} 5"),
+        "connguard_internal_errors_total 0".to_string(),
+    ] {
+        assert!(
+            metrics.lines().any(|l| l == line),
+            "no line {line:?} in\n{metrics}"
+        );
+    }
     // Ending the client returns every count to 0.
     held.kill();
     let s = d.wait_scope("a", Duration::from_secs(5), |s| n(s, "active") == 0);

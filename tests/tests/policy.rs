@@ -61,7 +61,7 @@ fn reload_keeps_counts_and_a_bad_file_changes_nothing() {
     let server = Server::start("127.0.0.1:0");
     let cg = Cgroup::new("h");
     let policy = budget_policy("h", &cg.rel, "enforce", &server.addr, 5);
-    let d = Daemon::start(&policy);
+    let d = Daemon::with_metrics(&policy);
     let held = cg.hold(&server.addr, 5, 5);
     assert_eq!(held.outcome.ok, 5);
 
