@@ -144,3 +144,24 @@ fn wait_generation(d: &Daemon, generation: u64) -> serde_json::Value {
         d.stats()
     );
 }
+
+/// `connguard run` without root says so plainly and exits 1.
+#[test]
+fn run_without_root_says_so() {
+    connguard_tests::require_prerequisites();
+    let out = Command::new("runuser")
+        .args(["-u", "nobody", "--"])
+        .arg(connguard_bin())
+        .args([
+            "run",
+            "--metrics",
+            "off",
+            "--socket",
+            "/tmp/connguard-nobody.sock",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("connguard must run as root"), "{err}");
+}
