@@ -68,6 +68,24 @@ pub enum Command {
         #[arg(long, value_name = "PATH", default_value = DEFAULT_SOCKET)]
         socket: PathBuf,
     },
+    /// Show the local ports held per destination against the ephemeral range: TIME_WAIT
+    /// and port exhaustion, with a diagnosis. Works without the daemon.
+    ///
+    /// Reads the kernel's socket table (sock_diag) of one network namespace: the
+    /// caller's, or the one given. `in_use` counts active connections and TIME_WAIT
+    /// entries toward each destination from each source address; connect() fails with
+    /// EADDRNOTAVAIL once it reaches the range.
+    Ports {
+        /// Print JSON (the shape documented in README.md) instead of a table.
+        #[arg(long)]
+        json: bool,
+        /// A network namespace file, e.g. /run/netns/NAME.
+        #[arg(long, value_name = "PATH", conflicts_with = "pid")]
+        netns: Option<PathBuf>,
+        /// The network namespace of this process.
+        #[arg(long, value_name = "PID")]
+        pid: Option<u32>,
+    },
     /// Ask the running daemon to re-read its policy file.
     ///
     /// A bad file is rejected (exit 1) and the policy in force stays, with its counts.

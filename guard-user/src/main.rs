@@ -4,7 +4,10 @@ mod cgroup;
 mod cli;
 mod daemon;
 mod loader;
+mod netns;
 mod policy;
+mod ports;
+mod sockdiag;
 mod stats;
 
 use std::process::ExitCode;
@@ -60,6 +63,23 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 println!("{text}");
             } else {
                 print!("{}", stats::table(&serde_json::from_value(value)?));
+            }
+        }
+        Command::Ports { json, netns, pid } => {
+            let path = netns.or_else(|| pid.map(|p| format!("/proc/{p}/ns/net").into()));
+            if let Some(path) = &path {
+                netns::enter(path)?;
+            }
+            let name = path.map_or("self".to_string(), |p| p.display().to_string());
+            let report = ports::report(
+                &name,
+                &ports::PortSettings::read()?,
+                &sockdiag::tcp_sockets()?,
+            );
+            if json {
+                println!("{}", serde_json::to_string(&report)?);
+            } else {
+                print!("{}", ports::table(&report));
             }
         }
         Command::Reload { socket } => {

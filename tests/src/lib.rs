@@ -126,14 +126,19 @@ impl Cgroup {
     /// `guard-probe hold ADDR COUNT CONCURRENCY` inside this cgroup: connections stay
     /// open until the returned Holder is dropped (which SIGKILLs the probe).
     pub fn hold(&self, addr: &SocketAddr, count: u64, concurrency: u64) -> Holder {
+        self.hold_args(&[
+            "hold",
+            &addr.to_string(),
+            &count.to_string(),
+            &concurrency.to_string(),
+        ])
+    }
+
+    /// A guard-probe mode that prints its outcome, then holds its sockets until killed.
+    pub fn hold_args(&self, args: &[&str]) -> Holder {
         let mut child = self
             .command(probe_bin())
-            .args([
-                "hold",
-                &addr.to_string(),
-                &count.to_string(),
-                &concurrency.to_string(),
-            ])
+            .args(args)
             .stdout(Stdio::piped())
             .spawn()
             .expect("run guard-probe");

@@ -19,6 +19,8 @@ const USAGE: &str = "usage: guard-probe connect ADDR COUNT CONCURRENCY
        guard-probe udp ADDR CYCLES
        guard-probe migrate ADDR CGROUP_DIR
        guard-probe tfo NETNS_PATH ADDR
+       guard-probe churn NETNS_PATH COUNT
+       guard-probe bind NETNS_PATH ADDR COUNT
        guard-probe mixed NETNS_PATH COUNT";
 
 fn main() -> anyhow::Result<()> {
@@ -35,6 +37,23 @@ fn main() -> anyhow::Result<()> {
         "udp" => udp(arg(1)?.parse()?, num(2)?)?,
         "migrate" => migrate(arg(1)?.parse()?, arg(2)?)?,
         "tfo" => tfo(arg(1)?, arg(2)?.parse()?)?,
+        "churn" => churn(arg(1)?, num(2)?)?,
+        "bind" => {
+            enter_netns(arg(1)?)?;
+            let addr: SocketAddr = arg(2)?.parse()?;
+            let held: Vec<Socket> = (0..num(3)?)
+                .map(|_| {
+                    let s = tcp_socket(&addr);
+                    s.bind(&addr.into()).map(|()| s)
+                })
+                .collect::<Result<_, _>>()?;
+            let out = Outcome {
+                attempts: held.len() as u64,
+                ok: held.len() as u64,
+                ..Default::default()
+            };
+            hold(&out, held)
+        }
         "mixed" => mixed(arg(1)?, num(2)?)?,
         _ => anyhow::bail!(USAGE),
     };
@@ -188,6 +207,51 @@ fn tfo(netns: &str, addr: SocketAddr) -> anyhow::Result<Outcome> {
     record(&out, &s.connect(&addr.into()), started);
     drop(s);
     Ok(out.into_inner().unwrap())
+}
+
+/// CASES 1: inside NETNS_PATH, servers on 127.0.0.1:8080 and :8081; COUNT connections
+/// to :8080, each closed by the client first (leaving TIME_WAIT on the client side),
+/// then one to :8081. `categories` has `first_eaddrnotavail` (1-based attempt number,
+/// 0 if none) and `other_port_ok` (1 if :8081 still connected).
+fn churn(netns: &str, count: u64) -> anyhow::Result<Outcome> {
+    enter_netns(netns)?;
+    for port in [8080u16, 8081] {
+        let l = TcpListener::bind((Ipv4Addr::LOCALHOST, port))?;
+        thread::spawn(move || {
+            for mut c in l.incoming().flatten() {
+                // Wait for the client's FIN, then close: TIME_WAIT lands on the client.
+                let _ = c.read(&mut [0u8; 1]);
+            }
+        });
+    }
+    let out = Mutex::new(Outcome::default());
+    let target: SocketAddr = "127.0.0.1:8080".parse()?;
+    let mut first = 0;
+    for i in 1..=count {
+        let s = tcp_socket(&target);
+        let started = Instant::now();
+        let r = s.connect(&target.into());
+        if first == 0
+            && r.as_ref()
+                .is_err_and(|e| e.raw_os_error() == Some(libc::EADDRNOTAVAIL))
+        {
+            first = i;
+        }
+        record(&out, &r, started);
+        if r.is_ok() {
+            let _ = s.shutdown(std::net::Shutdown::Write);
+            let _ = std::io::Read::read(&mut &s, &mut [0u8; 1]);
+        }
+    }
+    let other = TcpStream::connect("127.0.0.1:8081").map(|s| {
+        let _ = s.shutdown(std::net::Shutdown::Write);
+        let _ = std::io::Read::read(&mut &s, &mut [0u8; 1]);
+    });
+    let mut out = out.into_inner().unwrap();
+    out.categories.insert("first_eaddrnotavail".into(), first);
+    out.categories
+        .insert("other_port_ok".into(), other.is_ok() as u64);
+    Ok(out)
 }
 
 /// Moves this (still single-threaded) process into the network namespace at `path`.

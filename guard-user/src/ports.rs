@@ -1,0 +1,401 @@
+//! Ephemeral-port and TIME_WAIT exhaustion: how many local ports each (source address,
+//! destination) pair holds, against the namespace's ephemeral range.
+//!
+//! connect() without a prior bind() picks a local port from net.ipv4.ip_local_port_range
+//! (minus net.ipv4.ip_local_reserved_ports) such that the 4-tuple is unique, so the
+//! ports run out per (source address, destination address:port); a TIME_WAIT entry
+//! holds its port for 60 s (TCP_TIMEWAIT_LEN). bind(addr, 0) without
+//! IP_BIND_ADDRESS_NO_PORT picks a port unused by any socket on that address: that pool
+//! is per source address. Sources: net/ipv4/inet_hashtables.c (__inet_hash_connect),
+//! net/ipv4/inet_connection_sock.c (inet_csk_find_open_port), Documentation/networking/
+//! ip-sysctl.rst.
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    fmt::Write,
+    net::IpAddr,
+};
+
+use anyhow::Context;
+use serde::{Deserialize, Serialize};
+
+use crate::sockdiag::{TCP_CLOSE, TCP_LISTEN, TCP_TIME_WAIT, TcpSocket, state_name};
+
+/// A destination is flagged once it holds this fraction of the ephemeral range.
+pub const WARN_RATIO: f64 = 0.8;
+
+/// The namespace's port settings (/proc/sys/net/ipv4).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PortSettings {
+    /// ip_local_port_range, inclusive.
+    pub range: (u16, u16),
+    /// ip_local_reserved_ports, as inclusive ranges.
+    pub reserved: Vec<(u16, u16)>,
+    /// tcp_tw_reuse: 0 off, 1 on, 2 on for loopback only (the default).
+    pub tcp_tw_reuse: u8,
+}
+
+impl PortSettings {
+    /// Reads the settings of the calling thread's network namespace.
+    pub fn read() -> anyhow::Result<PortSettings> {
+        let read = |name: &str| {
+            let path = format!("/proc/sys/net/ipv4/{name}");
+            std::fs::read_to_string(&path).with_context(|| format!("reading {path}"))
+        };
+        Self::parse(
+            &read("ip_local_port_range")?,
+            &read("ip_local_reserved_ports")?,
+            &read("tcp_tw_reuse")?,
+        )
+    }
+
+    pub fn parse(range: &str, reserved: &str, tw_reuse: &str) -> anyhow::Result<PortSettings> {
+        let mut it = range.split_whitespace().map(str::parse::<u16>);
+        let (Some(Ok(lo)), Some(Ok(hi))) = (it.next(), it.next()) else {
+            anyhow::bail!("ip_local_port_range: cannot parse {range:?}");
+        };
+        let mut ranges = Vec::new();
+        for part in reserved.trim().split(',').filter(|p| !p.is_empty()) {
+            let (a, b) = part.split_once('-').unwrap_or((part, part));
+            ranges.push((a.trim().parse()?, b.trim().parse()?));
+        }
+        Ok(PortSettings {
+            range: (lo, hi),
+            reserved: ranges,
+            tcp_tw_reuse: tw_reuse.trim().parse()?,
+        })
+    }
+
+    /// Whether connect() may pick this port.
+    pub fn ephemeral(&self, port: u16) -> bool {
+        (self.range.0..=self.range.1).contains(&port)
+            && !self.reserved.iter().any(|&(a, b)| (a..=b).contains(&port))
+    }
+
+    /// How many ports connect() can pick from (units: ports).
+    pub fn ephemeral_ports(&self) -> u32 {
+        (self.range.0..=self.range.1)
+            .filter(|&p| self.ephemeral(p))
+            .count() as u32
+    }
+}
+
+/// `connguard ports --json`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PortsReport {
+    /// The network namespace looked at ("self" for the caller's own).
+    pub netns: String,
+    /// net.ipv4.ip_local_port_range, inclusive.
+    pub ephemeral_range: [u16; 2],
+    /// Ports in that range that are not reserved (net.ipv4.ip_local_reserved_ports).
+    pub ephemeral_ports: u32,
+    /// net.ipv4.tcp_tw_reuse.
+    pub tcp_tw_reuse: u8,
+    /// Busiest first.
+    pub destinations: Vec<DestinationPorts>,
+    pub bound_sources: Vec<SourcePool>,
+    /// EADDRNOTAVAIL returned by connect(), per scope and process (needs the daemon).
+    pub eaddrnotavail: Vec<EaddrnotavailCount>,
+    /// The diagnosis, one sentence block per problem.
+    pub warnings: Vec<String>,
+}
+
+/// Local ports held toward one destination from one source address.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct DestinationPorts {
+    /// Source address.
+    pub src: String,
+    /// `a.b.c.d:port` or `[v6]:port`.
+    pub dst: String,
+    /// Ports held: active connections plus TIME_WAIT entries (units: ports).
+    pub in_use: u32,
+    pub time_wait: u32,
+    pub active: u32,
+    /// Active connections by state, as `ss` names them.
+    pub states: BTreeMap<String, u32>,
+    /// in_use / ephemeral_ports.
+    pub ratio: f64,
+    /// TIME_WAIT entries created per second (null without the daemon).
+    pub time_wait_per_s: Option<f64>,
+    /// At that rate, seconds until in_use reaches ephemeral_ports (null without a rate).
+    pub seconds_to_exhaustion: Option<f64>,
+    /// Scopes whose admitted connections hold these ports (needs the daemon).
+    pub scopes: Vec<String>,
+}
+
+/// The pool that bind(addr, 0) draws from: ports in use on one source address.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SourcePool {
+    pub src: String,
+    /// Distinct ephemeral ports held on this address by any socket (units: ports).
+    pub in_use: u32,
+    /// Of those, sockets bound but neither connected nor listening (bind() first).
+    pub bound_inactive: u32,
+    /// in_use / ephemeral_ports.
+    pub ratio: f64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct EaddrnotavailCount {
+    pub scope: String,
+    pub comm: String,
+    pub count: u64,
+}
+
+fn endpoint(addr: IpAddr, port: u16) -> String {
+    match addr {
+        IpAddr::V4(a) => format!("{a}:{port}"),
+        IpAddr::V6(a) => format!("[{a}]:{port}"),
+    }
+}
+
+/// The report for one namespace from its socket table and settings.
+pub fn report(netns: &str, settings: &PortSettings, sockets: &[TcpSocket]) -> PortsReport {
+    let total = settings.ephemeral_ports().max(1);
+    let ratio = |n: u32| n as f64 / total as f64;
+    let mut dests: BTreeMap<(IpAddr, String), DestinationPorts> = BTreeMap::new();
+    let mut pools: BTreeMap<IpAddr, (BTreeSet<u16>, u32)> = BTreeMap::new();
+    for s in sockets {
+        if s.state == TCP_LISTEN || !settings.ephemeral(s.sport) {
+            continue;
+        }
+        let pool = pools.entry(s.src).or_default();
+        pool.0.insert(s.sport);
+        if s.state == TCP_CLOSE {
+            // Bound, neither connected nor listening.
+            pool.1 += 1;
+            continue;
+        }
+        let dst = endpoint(s.dst, s.dport);
+        let d = dests
+            .entry((s.src, dst.clone()))
+            .or_insert_with(|| DestinationPorts {
+                src: s.src.to_string(),
+                dst,
+                in_use: 0,
+                time_wait: 0,
+                active: 0,
+                states: BTreeMap::new(),
+                ratio: 0.0,
+                time_wait_per_s: None,
+                seconds_to_exhaustion: None,
+                scopes: Vec::new(),
+            });
+        d.in_use += 1;
+        if s.state == TCP_TIME_WAIT {
+            d.time_wait += 1;
+        } else {
+            d.active += 1;
+            *d.states.entry(state_name(s.state).to_string()).or_default() += 1;
+        }
+    }
+    let mut destinations: Vec<DestinationPorts> = dests
+        .into_values()
+        .map(|mut d| {
+            d.ratio = ratio(d.in_use);
+            d
+        })
+        .collect();
+    destinations.sort_by(|a, b| b.in_use.cmp(&a.in_use).then(a.dst.cmp(&b.dst)));
+    let mut bound_sources: Vec<SourcePool> = pools
+        .into_iter()
+        .map(|(src, (ports, bound_inactive))| SourcePool {
+            src: src.to_string(),
+            in_use: ports.len() as u32,
+            bound_inactive,
+            ratio: ratio(ports.len() as u32),
+        })
+        .collect();
+    bound_sources.sort_by(|a, b| b.in_use.cmp(&a.in_use).then(a.src.cmp(&b.src)));
+    let mut r = PortsReport {
+        netns: netns.to_string(),
+        ephemeral_range: [settings.range.0, settings.range.1],
+        ephemeral_ports: settings.ephemeral_ports(),
+        tcp_tw_reuse: settings.tcp_tw_reuse,
+        destinations,
+        bound_sources,
+        eaddrnotavail: Vec::new(),
+        warnings: Vec::new(),
+    };
+    r.warnings = diagnose(&r);
+    r
+}
+
+/// Plain sentences for every destination or source pool past WARN_RATIO.
+pub fn diagnose(r: &PortsReport) -> Vec<String> {
+    let [lo, hi] = r.ephemeral_range;
+    let mut out = Vec::new();
+    for d in r.destinations.iter().filter(|d| d.ratio >= WARN_RATIO) {
+        let mut w = format!(
+            "{} -> {} holds {} of {} ephemeral ports ({:.0}%): {} in TIME_WAIT, {} active.",
+            d.src,
+            d.dst,
+            d.in_use,
+            r.ephemeral_ports,
+            d.ratio * 100.0,
+            d.time_wait,
+            d.active
+        );
+        if d.in_use >= r.ephemeral_ports {
+            let _ = write!(
+                w,
+                " New connections from {} to {} fail with EADDRNOTAVAIL.",
+                d.src, d.dst
+            );
+        }
+        if let (Some(rate), Some(secs)) = (d.time_wait_per_s, d.seconds_to_exhaustion) {
+            let _ = write!(
+                w,
+                " TIME_WAIT entries are created at {rate:.1}/s: the range is exhausted in {secs:.0} s."
+            );
+        }
+        if !d.scopes.is_empty() {
+            let _ = write!(w, " Held by scope(s) {}.", d.scopes.join(", "));
+        }
+        let _ = write!(
+            w,
+            " Remedies: reuse connections (keep-alive, a connection pool) instead of one per request; \
+             widen net.ipv4.ip_local_port_range (now {lo}-{hi}); "
+        );
+        if r.tcp_tw_reuse == 1 {
+            w.push_str("tcp_tw_reuse is already 1.");
+        } else {
+            let _ = write!(
+                w,
+                "set net.ipv4.tcp_tw_reuse=1 (now {}) so new connections may take ports in TIME_WAIT.",
+                r.tcp_tw_reuse
+            );
+        }
+        out.push(w);
+    }
+    for p in r.bound_sources.iter().filter(|p| p.ratio >= WARN_RATIO) {
+        out.push(format!(
+            "Source address {} has {} of {} ephemeral ports in use ({:.0}%), {} of them bound but unconnected: \
+             bind() to this address without a port then fails with EADDRINUSE. Remedies: set \
+             IP_BIND_ADDRESS_NO_PORT before bind() so that connect() picks the port per destination; \
+             reuse connections.",
+            p.src,
+            p.in_use,
+            r.ephemeral_ports,
+            p.ratio * 100.0,
+            p.bound_inactive
+        ));
+    }
+    out
+}
+
+/// The readable form of `connguard ports`.
+pub fn table(r: &PortsReport) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "netns {}: ephemeral range {}-{} ({} ports), tcp_tw_reuse {}",
+        r.netns, r.ephemeral_range[0], r.ephemeral_range[1], r.ephemeral_ports, r.tcp_tw_reuse
+    );
+    let _ = writeln!(
+        out,
+        "\n{:<40} {:<46} {:>7} {:>7} {:>10} {:>7} {:>10}",
+        "SOURCE", "DESTINATION", "IN_USE", "RATIO", "TIME_WAIT", "ACTIVE", "TW/S"
+    );
+    for d in &r.destinations {
+        let rate = d
+            .time_wait_per_s
+            .map_or("-".to_string(), |v| format!("{v:.1}"));
+        let _ = writeln!(
+            out,
+            "{:<40} {:<46} {:>7} {:>6.0}% {:>10} {:>7} {:>10}",
+            d.src,
+            d.dst,
+            d.in_use,
+            d.ratio * 100.0,
+            d.time_wait,
+            d.active,
+            rate
+        );
+    }
+    let _ = writeln!(
+        out,
+        "\nsource pools (bind() before connect() draws from these):"
+    );
+    let _ = writeln!(
+        out,
+        "{:<40} {:>7} {:>7} {:>15}",
+        "SOURCE", "IN_USE", "RATIO", "BOUND_INACTIVE"
+    );
+    for p in &r.bound_sources {
+        let _ = writeln!(
+            out,
+            "{:<40} {:>7} {:>6.0}% {:>15}",
+            p.src,
+            p.in_use,
+            p.ratio * 100.0,
+            p.bound_inactive
+        );
+    }
+    for w in &r.warnings {
+        let _ = writeln!(out, "\nWARNING: {w}");
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sock(state: u8, src: &str, sport: u16, dst: &str, dport: u16) -> TcpSocket {
+        TcpSocket {
+            state,
+            src: src.parse().unwrap(),
+            sport,
+            dst: dst.parse().unwrap(),
+            dport,
+        }
+    }
+
+    #[test]
+    fn settings_parse_and_count_reserved_ports() {
+        let s = PortSettings::parse("40000\t40099\n", "40010-40019,40050\n", "0\n").unwrap();
+        assert_eq!(s.range, (40000, 40099));
+        assert_eq!(s.ephemeral_ports(), 89);
+        assert!(!s.ephemeral(40015) && s.ephemeral(40020));
+    }
+
+    #[test]
+    fn ports_are_counted_per_source_and_destination() {
+        let s = PortSettings::parse("40000 40003", "", "0").unwrap();
+        let socks = [
+            sock(TCP_TIME_WAIT, "127.0.0.1", 40000, "127.0.0.1", 8080),
+            sock(TCP_TIME_WAIT, "127.0.0.1", 40001, "127.0.0.1", 8080),
+            sock(TCP_TIME_WAIT, "127.0.0.1", 40002, "127.0.0.1", 8080),
+            sock(1, "127.0.0.1", 40003, "127.0.0.1", 8080),
+            sock(1, "127.0.0.1", 40000, "127.0.0.1", 8081),
+            // The server side of those connections and the listener: not ephemeral.
+            sock(1, "127.0.0.1", 8080, "127.0.0.1", 40003),
+            sock(TCP_LISTEN, "0.0.0.0", 8080, "0.0.0.0", 0),
+            sock(TCP_CLOSE, "10.0.0.1", 40002, "0.0.0.0", 0),
+        ];
+        let r = report("self", &s, &socks);
+        let d: Vec<_> = r
+            .destinations
+            .iter()
+            .map(|d| (d.dst.as_str(), d.in_use, d.time_wait, d.active))
+            .collect();
+        assert_eq!(
+            d,
+            [("127.0.0.1:8080", 4, 3, 1), ("127.0.0.1:8081", 1, 0, 1)]
+        );
+        assert_eq!(r.destinations[0].ratio, 1.0);
+        let pools: Vec<_> = r
+            .bound_sources
+            .iter()
+            .map(|p| (p.src.as_str(), p.in_use, p.bound_inactive))
+            .collect();
+        assert_eq!(pools, [("127.0.0.1", 4, 0), ("10.0.0.1", 1, 1)]);
+        assert_eq!(r.warnings.len(), 2, "{:?}", r.warnings);
+        assert!(r.warnings[0].starts_with(
+            "127.0.0.1 -> 127.0.0.1:8080 holds 4 of 4 ephemeral ports (100%): 3 in TIME_WAIT, 1 active. \
+             New connections from 127.0.0.1 to 127.0.0.1:8080 fail with EADDRNOTAVAIL."
+        ));
+        assert!(r.warnings[0].contains("set net.ipv4.tcp_tw_reuse=1 (now 0)"));
+        assert!(r.warnings[1].starts_with("Source address 127.0.0.1 has 4 of 4"));
+    }
+}
