@@ -183,6 +183,31 @@ pub struct SockState {
     pub dst: CounterKey,
 }
 
+/// Key of `TIME_WAITS`: TIME_WAIT entries born on admitted connections, per network
+/// namespace, source address, destination and scope. Value: a count (entries).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TimeWaitKey {
+    /// Network namespace cookie (SO_NETNS_COOKIE / bpf_get_netns_cookie).
+    pub netns: u64,
+    pub scope_id: u32,
+    /// Destination port, host byte order.
+    pub dport: u16,
+    pub _pad: u16,
+    /// Source and destination addresses, network order, IPv4 IPv4-mapped.
+    pub src: [u8; 16],
+    pub dst: [u8; 16],
+}
+
+/// Key of `EADDRNOTAVAIL`: connect() failures for want of a local port, per scope and
+/// process name (comm). Value: a count (failures).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct EaddrKey {
+    pub scope_id: u32,
+    pub comm: [u8; 16],
+}
+
 #[cfg(feature = "user")]
 mod pod {
     use super::*;
@@ -192,4 +217,6 @@ mod pod {
     unsafe impl aya::Pod for Candidates {}
     unsafe impl aya::Pod for CounterKey {}
     unsafe impl aya::Pod for Counter {}
+    unsafe impl aya::Pod for TimeWaitKey {}
+    unsafe impl aya::Pod for EaddrKey {}
 }

@@ -97,3 +97,23 @@ pub fn release(state: *mut SockState) {
         }
     }
 }
+
+/// Adds 1 to the count under `key`, creating it at 1. A full map loses the event (these
+/// counts feed diagnosis, not admission) and counts an internal error.
+#[inline(always)]
+pub fn bump<K>(map: &aya_ebpf::maps::HashMap<K, u64>, key: &K) {
+    if let Some(p) = map.get_ptr_mut(key) {
+        add(p, 1);
+        return;
+    }
+    if map.insert(key, 1, BPF_NOEXIST as u64).is_ok() {
+        return;
+    }
+    // A concurrent creator won the insert, or the map is full.
+    match map.get_ptr_mut(key) {
+        Some(p) => {
+            add(p, 1);
+        }
+        None => internal_error(guard_common::STAT_INTERNAL_ERRORS),
+    }
+}

@@ -9,7 +9,7 @@ use aya_ebpf::{
 };
 use guard_common::{
     CgroupKey, CounterKey, LEVEL_DST, MAX_CANDIDATES, MODE_ENFORCE, NO_RULE, RULE_KEY_FIXED_BITS,
-    RuleAddrKey, RuleRef, STAT_INTERNAL_ERRORS, SockState,
+    RuleAddrKey, RuleRef, STAT_INTERNAL_ERRORS,
 };
 
 use crate::{

@@ -14,6 +14,7 @@ mod accounting;
 mod connect;
 mod maps;
 mod release;
+mod set_state;
 mod sock_create;
 
 #[panic_handler]

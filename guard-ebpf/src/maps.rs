@@ -9,7 +9,8 @@ use aya_ebpf::{
     maps::{Array, HashMap, LpmTrie, PerCpuArray},
 };
 use guard_common::{
-    Candidates, CgroupKey, Counter, CounterKey, RuleAddrKey, STAT_COUNT, ScopeConf, SockState,
+    Candidates, CgroupKey, Counter, CounterKey, EaddrKey, RuleAddrKey, STAT_COUNT, ScopeConf,
+    SockState, TimeWaitKey,
 };
 
 /// Element 0: the policy generation (0 or 1) that the programs read.
@@ -29,6 +30,16 @@ pub static RULES: LpmTrie<RuleAddrKey, Candidates> = LpmTrie::with_max_entries(6
 #[map]
 pub static COUNTERS: HashMap<CounterKey, Counter> =
     HashMap::with_max_entries(262144, BPF_F_NO_PREALLOC);
+
+/// TIME_WAIT entries born on admitted connections (see guard_common::TimeWaitKey).
+#[map]
+pub static TIME_WAITS: HashMap<TimeWaitKey, u64> =
+    HashMap::with_max_entries(65536, BPF_F_NO_PREALLOC);
+
+/// connect() failures with EADDRNOTAVAIL per scope and process name.
+#[map]
+pub static EADDRNOTAVAIL: HashMap<EaddrKey, u64> =
+    HashMap::with_max_entries(4096, BPF_F_NO_PREALLOC);
 
 /// Per-socket state, in the socket itself: no size limit and nothing to clean up.
 #[btf_map]

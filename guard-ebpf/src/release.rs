@@ -8,14 +8,25 @@
 //! leaked about 2 admissions in 100,000 connections here. cgroup programs have no
 //! such skip.
 use aya_ebpf::{
+    EbpfContext,
     bindings::{BPF_SOCK_OPS_STATE_CB, BPF_SOCK_OPS_STATE_CB_FLAG, BPF_SOCK_OPS_TCP_CONNECT_CB},
+    helpers::generated::bpf_get_netns_cookie,
     macros::{cgroup_sock, sock_ops},
     programs::{SockContext, SockOpsContext},
 };
+use guard_common::{SockState, TimeWaitKey};
 
-use crate::{accounting::release, maps::storage};
+use crate::{
+    accounting::{bump, release},
+    maps::{TIME_WAITS, storage},
+};
 
 const TCP_CLOSE: u32 = 7;
+/// States whose move to TCP_CLOSE is the birth of a TIME_WAIT entry (tcp_time_wait(),
+/// net/ipv4/tcp_minisocks.c): FIN_WAIT1 (FIN+ACK at once), FIN_WAIT2, CLOSING. A reset
+/// in these states is counted too; it is rare.
+const TIME_WAIT_FROM: [u32; 3] = [4, 5, 11];
+const AF_INET: u32 = 2;
 const IPPROTO_TCP: u32 = 6;
 
 /// TCP_CONNECT_CB (tcp_connect, before the SYN) asks for state callbacks on admitted
@@ -36,12 +47,56 @@ pub fn sock_state(ctx: SockOpsContext) -> u32 {
     }
     let state = storage(sk, None);
     if op == BPF_SOCK_OPS_STATE_CB {
+        if !state.is_null()
+            && unsafe { (*state).admitted } == 1
+            && TIME_WAIT_FROM.contains(&ctx.arg(0))
+        {
+            count_time_wait(&ctx, state);
+        }
         release(state);
     } else if !state.is_null() && unsafe { (*state).admitted } == 1 {
         let _ = ctx.set_cb_flags((ctx.cb_flags() | BPF_SOCK_OPS_STATE_CB_FLAG) as i32);
         unsafe { (*state).armed = 1 };
     }
     1
+}
+
+/// Counts the TIME_WAIT entry this admitted connection leaves, by network namespace,
+/// source address, destination and scope.
+#[inline(always)]
+fn count_time_wait(ctx: &SockOpsContext, state: *mut SockState) {
+    let dst = unsafe { (*state).dst };
+    let mut src = [0u8; 16];
+    let ops = ctx.ops;
+    // Every field is loaded, then chosen: branches that load different offsets into the
+    // same place get merged by LLVM into one load from a computed context offset, which
+    // the verifier refuses.
+    let word = |p: *const u32| unsafe { core::ptr::read_volatile(p) }.to_ne_bytes();
+    let v4 = word(unsafe { &raw const (*ops).local_ip4 });
+    let v6 = [
+        word(unsafe { &raw const (*ops).local_ip6[0] }),
+        word(unsafe { &raw const (*ops).local_ip6[1] }),
+        word(unsafe { &raw const (*ops).local_ip6[2] }),
+        word(unsafe { &raw const (*ops).local_ip6[3] }),
+    ];
+    if ctx.family() == AF_INET {
+        src[10] = 0xff;
+        src[11] = 0xff;
+        src[12..].copy_from_slice(&v4);
+    } else {
+        for (i, w) in v6.iter().enumerate() {
+            src[4 * i..4 * i + 4].copy_from_slice(w);
+        }
+    }
+    let key = TimeWaitKey {
+        netns: unsafe { bpf_get_netns_cookie(ctx.as_ptr()) },
+        scope_id: dst.scope_id,
+        dport: dst.port,
+        _pad: 0,
+        src,
+        dst: dst.addr,
+    };
+    bump(&TIME_WAITS, &key);
 }
 
 /// The socket is released (close() or exit). This ends the admissions that no state

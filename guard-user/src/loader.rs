@@ -3,8 +3,8 @@ use std::{ffi::CString, fs::File, path::Path};
 
 use anyhow::{Context, bail};
 use aya::{
-    Ebpf, EbpfLoader,
-    programs::{CgroupAttachMode, CgroupSock, CgroupSockAddr, SockOps},
+    Btf, Ebpf, EbpfLoader,
+    programs::{BtfTracePoint, CgroupAttachMode, CgroupSock, CgroupSockAddr, SockOps},
     util::KernelVersion,
 };
 use serde::{Deserialize, Serialize};
@@ -21,6 +21,8 @@ static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/gu
 const CGROUP_SOCK_ADDR: &[&str] = &["connect4", "connect6"];
 const CGROUP_SOCK: &[&str] = &["sock_create", "sock_release"];
 const SOCK_OPS: &[&str] = &["sock_state"];
+/// (program, BTF tracepoint)
+const TP_BTF: &[(&str, &str)] = &[("sock_set_state", "inet_sock_set_state")];
 
 /// Fails with a plain message unless we run as root.
 pub fn require_root() -> anyhow::Result<()> {
@@ -96,6 +98,12 @@ pub fn load_and_attach(cgroup_root: &Path) -> anyhow::Result<Ebpf> {
         prog.load().with_context(|| format!("loading {name}"))?;
         prog.attach(&cgroup, CgroupAttachMode::Single)
             .with_context(|| format!("attaching {name} to {}", cgroup_root.display()))?;
+    }
+    let btf = Btf::from_sys_fs().context("reading kernel BTF from /sys/kernel/btf/vmlinux")?;
+    for (name, tracepoint) in TP_BTF {
+        let prog: &mut BtfTracePoint = program(&mut ebpf, name)?.try_into()?;
+        prog.load(tracepoint, &btf).with_context(|| format!("loading {name}"))?;
+        prog.attach().with_context(|| format!("attaching {name} to {tracepoint}"))?;
     }
     Ok(ebpf)
 }

@@ -1,0 +1,40 @@
+//! tp_btf `inet_sock_set_state`: counts connect() failures for want of a local port.
+//!
+//! tcp_v4_connect()/tcp_v6_connect() move the socket to SYN_SENT, then search a local
+//! port (inet_hash_connect); when none is free they return EADDRNOTAVAIL and move it
+//! back to TCP_CLOSE, before tcp_connect() (so before sock_ops arms the socket). This
+//! runs in the caller's syscall, so the current task is the process that failed.
+use aya_ebpf::{
+    bindings::bpf_sock, helpers::generated::bpf_get_current_comm, macros::btf_tracepoint,
+    programs::BtfTracePointContext,
+};
+use guard_common::EaddrKey;
+
+use crate::{
+    accounting::bump,
+    maps::{EADDRNOTAVAIL, storage},
+};
+
+const TCP_SYN_SENT: i32 = 2;
+const TCP_CLOSE: i32 = 7;
+
+#[btf_tracepoint(function = "inet_sock_set_state")]
+pub fn sock_set_state(ctx: BtfTracePointContext) -> i32 {
+    let (old, new): (i32, i32) = (ctx.arg(1), ctx.arg(2));
+    if old != TCP_SYN_SENT || new != TCP_CLOSE {
+        return 0;
+    }
+    let sk: *mut bpf_sock = ctx.arg(0);
+    let state = storage(sk, None);
+    // Admitted but not armed: the failure came before tcp_connect().
+    if state.is_null() || unsafe { (*state).admitted } != 1 || unsafe { (*state).armed } != 0 {
+        return 0;
+    }
+    let mut key = EaddrKey {
+        scope_id: unsafe { (*state).dst.scope_id },
+        comm: [0; 16],
+    };
+    unsafe { bpf_get_current_comm(key.comm.as_mut_ptr().cast(), 16) };
+    bump(&EADDRNOTAVAIL, &key);
+    0
+}
