@@ -15,8 +15,8 @@ use std::{
 use anyhow::Context;
 use aya::maps::{Array, HashMap as BpfHashMap, LpmTrie, MapData, PerCpuArray, lpm_trie::Key};
 use guard_common::{
-    Candidates, CgroupKey, Counter, CounterKey, LEVEL_DST, RULE_KEY_FIXED_BITS, RuleAddrKey,
-    RuleRef, STAT_INTERNAL_ERRORS, ScopeConf,
+    Candidates, CgroupKey, Counter, CounterKey, EaddrKey, LEVEL_DST, RULE_KEY_FIXED_BITS,
+    RuleAddrKey, RuleRef, STAT_INTERNAL_ERRORS, ScopeConf, TimeWaitKey,
 };
 use ipnet::{IpNet, Ipv6Net};
 
@@ -46,6 +46,13 @@ impl Ids {
             .or_insert(next)
     }
 
+    pub fn scope_name(&self, id: u32) -> Option<&str> {
+        self.scopes
+            .iter()
+            .find(|(_, v)| **v == id)
+            .map(|(name, _)| name.as_str())
+    }
+
     pub fn rule_name(&self, id: u32) -> Option<&str> {
         self.rules
             .iter()
@@ -60,6 +67,8 @@ pub struct Accounting {
     active_gen: Array<MapData, u32>,
     counters: BpfHashMap<MapData, CounterKey, Counter>,
     stats: PerCpuArray<MapData, u64>,
+    time_waits: BpfHashMap<MapData, TimeWaitKey, u64>,
+    eaddrnotavail: BpfHashMap<MapData, EaddrKey, u64>,
     cgroup_root: PathBuf,
     gen_: u32,
     pub ids: Ids,
@@ -87,6 +96,8 @@ impl Accounting {
             active_gen: Array::try_from(take("ACTIVE_GEN")?)?,
             counters: BpfHashMap::try_from(take("COUNTERS")?)?,
             stats: PerCpuArray::try_from(take("STATS")?)?,
+            time_waits: BpfHashMap::try_from(take("TIME_WAITS")?)?,
+            eaddrnotavail: BpfHashMap::try_from(take("EADDRNOTAVAIL")?)?,
             cgroup_root,
             gen_: 0,
             ids: Ids::default(),
@@ -296,6 +307,16 @@ impl Accounting {
         }
         self.idle_seen = idle;
         forgotten
+    }
+
+    /// TIME_WAIT entries born on admitted connections, by key (totals).
+    pub fn time_waits(&self) -> HashMap<TimeWaitKey, u64> {
+        self.time_waits.iter().filter_map(Result::ok).collect()
+    }
+
+    /// connect() failures with EADDRNOTAVAIL by scope and process name (totals).
+    pub fn eaddrnotavail(&self) -> Vec<(EaddrKey, u64)> {
+        self.eaddrnotavail.iter().filter_map(Result::ok).collect()
     }
 
     /// Internal errors summed over CPUs (fail-open events).

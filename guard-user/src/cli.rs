@@ -85,6 +85,10 @@ pub enum Command {
         /// The network namespace of this process.
         #[arg(long, value_name = "PID")]
         pid: Option<u32>,
+        /// Control socket of a running daemon, which adds TIME_WAIT rates, the scopes
+        /// holding the ports and EADDRNOTAVAIL counts (skipped when none answers).
+        #[arg(long, value_name = "PATH", default_value = DEFAULT_SOCKET)]
+        socket: PathBuf,
     },
     /// Ask the running daemon to re-read its policy file.
     ///

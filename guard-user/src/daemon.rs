@@ -1,6 +1,6 @@
 //! `connguard run`: attach, apply the policy, then serve stats and reloads until
 //! SIGTERM/SIGINT. The control socket speaks one request line per connection
-//! (`stats` or `reload`) and answers with one JSON document.
+//! (`stats`, `reload`, or `ports NETNS_COOKIE`) and answers with one JSON document.
 use std::{
     io::{BufRead, BufReader, Write},
     os::unix::{fs::PermissionsExt, net::UnixListener},
@@ -18,6 +18,7 @@ use crate::{
     accounting::Accounting,
     cgroup, loader,
     policy::{self, Policy},
+    ports,
     stats::{self, PolicyStatus, Snapshot},
 };
 
@@ -43,6 +44,7 @@ pub struct ReloadReply {
 
 struct Daemon {
     acct: Accounting,
+    tw_rates: ports::TimeWaitRates,
     ebpf: aya::Ebpf,
     status: PolicyStatus,
     policy_path: Option<PathBuf>,
@@ -89,6 +91,24 @@ impl Daemon {
         }
     }
 
+    /// Rates and attribution for the network namespace with this cookie.
+    fn ports(&self, netns: u64) -> ports::DaemonPorts {
+        let name = |id: u32| self.acct.ids.scope_name(id).unwrap_or("?").to_string();
+        let eaddrnotavail = self
+            .acct
+            .eaddrnotavail()
+            .into_iter()
+            .map(|(k, count)| ports::EaddrnotavailCount {
+                scope: name(k.scope_id),
+                comm: String::from_utf8_lossy(&k.comm)
+                    .trim_end_matches('\0')
+                    .to_string(),
+                count,
+            })
+            .collect();
+        ports::daemon_ports(netns, &self.tw_rates.rates(), name, eaddrnotavail)
+    }
+
     fn snapshot(&mut self) -> Snapshot {
         Snapshot {
             policy: self.status.clone(),
@@ -127,8 +147,12 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
     let source = policy.source.clone();
     acct.apply(policy)?;
     let governed = acct.governed_cgroups();
+    // The first sample, taken before "ready", is the baseline of the first rates.
+    let mut tw_rates = ports::TimeWaitRates::default();
+    tw_rates.sample(std::time::Instant::now(), acct.time_waits());
     let daemon = Arc::new(Mutex::new(Daemon {
         acct,
+        tw_rates,
         ebpf,
         status: PolicyStatus {
             source: source.clone(),
@@ -180,9 +204,12 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
                 break;
             }
             Err(mpsc::RecvTimeoutError::Timeout) => {
-                if let Err(e) = daemon.lock().expect("daemon lock").acct.rescan() {
+                let mut d = daemon.lock().expect("daemon lock");
+                if let Err(e) = d.acct.rescan() {
                     log::warn!("cgroup rescan failed: {e:#}");
                 }
+                let counts = d.acct.time_waits();
+                d.tw_rates.sample(std::time::Instant::now(), counts);
             }
             Err(mpsc::RecvTimeoutError::Disconnected) => break,
         }
@@ -216,17 +243,20 @@ fn serve_control(listener: UnixListener, daemon: Arc<Mutex<Daemon>>) {
         if BufReader::new(&stream).read_line(&mut line).is_err() {
             continue;
         }
-        let reply = {
-            let mut d = daemon.lock().expect("daemon lock");
-            match line.trim() {
-                "stats" => serde_json::to_string(&d.snapshot()),
-                "reload" => serde_json::to_string(&d.reload()),
-                other => Ok(
-                    serde_json::json!({ "error": format!("unknown request {other:?}") })
+        let reply =
+            {
+                let mut d = daemon.lock().expect("daemon lock");
+                let mut words = line.split_whitespace();
+                match (words.next().unwrap_or(""), words.next().map(str::parse::<u64>)) {
+                ("stats", None) => serde_json::to_string(&d.snapshot()),
+                ("reload", None) => serde_json::to_string(&d.reload()),
+                ("ports", Some(Ok(netns))) => serde_json::to_string(&d.ports(netns)),
+                _ => Ok(
+                    serde_json::json!({ "error": format!("unknown request {:?}", line.trim()) })
                         .to_string(),
                 ),
             }
-        };
+            };
         if let Ok(text) = reply {
             let _ = (&stream).write_all(text.as_bytes());
         }

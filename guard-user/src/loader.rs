@@ -102,8 +102,10 @@ pub fn load_and_attach(cgroup_root: &Path) -> anyhow::Result<Ebpf> {
     let btf = Btf::from_sys_fs().context("reading kernel BTF from /sys/kernel/btf/vmlinux")?;
     for (name, tracepoint) in TP_BTF {
         let prog: &mut BtfTracePoint = program(&mut ebpf, name)?.try_into()?;
-        prog.load(tracepoint, &btf).with_context(|| format!("loading {name}"))?;
-        prog.attach().with_context(|| format!("attaching {name} to {tracepoint}"))?;
+        prog.load(tracepoint, &btf)
+            .with_context(|| format!("loading {name}"))?;
+        prog.attach()
+            .with_context(|| format!("attaching {name} to {tracepoint}"))?;
     }
     Ok(ebpf)
 }

@@ -65,17 +65,26 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 print!("{}", stats::table(&serde_json::from_value(value)?));
             }
         }
-        Command::Ports { json, netns, pid } => {
+        Command::Ports {
+            json,
+            netns,
+            pid,
+            socket,
+        } => {
             let path = netns.or_else(|| pid.map(|p| format!("/proc/{p}/ns/net").into()));
             if let Some(path) = &path {
                 netns::enter(path)?;
             }
             let name = path.map_or("self".to_string(), |p| p.display().to_string());
-            let report = ports::report(
+            let mut report = ports::report(
                 &name,
                 &ports::PortSettings::read()?,
                 &sockdiag::tcp_sockets()?,
             );
+            // Rates and attribution come from a running daemon; without one they stay null.
+            if let Ok(text) = daemon::request(&socket, &format!("ports {}", netns::cookie()?)) {
+                ports::merge(&mut report, serde_json::from_str(&text)?);
+            }
             if json {
                 println!("{}", serde_json::to_string(&report)?);
             } else {

@@ -10,15 +10,21 @@
 //! net/ipv4/inet_connection_sock.c (inet_csk_find_open_port), Documentation/networking/
 //! ip-sysctl.rst.
 use std::{
-    collections::{BTreeMap, BTreeSet},
+    collections::{BTreeMap, BTreeSet, HashMap, VecDeque},
     fmt::Write,
     net::IpAddr,
+    time::{Duration, Instant},
 };
 
 use anyhow::Context;
 use serde::{Deserialize, Serialize};
 
-use crate::sockdiag::{TCP_CLOSE, TCP_LISTEN, TCP_TIME_WAIT, TcpSocket, state_name};
+use guard_common::TimeWaitKey;
+
+use crate::{
+    accounting::unmapped,
+    sockdiag::{TCP_CLOSE, TCP_LISTEN, TCP_TIME_WAIT, TcpSocket, state_name},
+};
 
 /// A destination is flagged once it holds this fraction of the ephemeral range.
 pub const WARN_RATIO: f64 = 0.8;
@@ -139,6 +145,116 @@ pub struct EaddrnotavailCount {
     pub scope: String,
     pub comm: String,
     pub count: u64,
+}
+
+/// What the daemon adds to a namespace's report: rates and attribution from the eBPF
+/// side (the `ports COOKIE` control request).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct DaemonPorts {
+    pub destinations: Vec<DaemonDestination>,
+    pub eaddrnotavail: Vec<EaddrnotavailCount>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct DaemonDestination {
+    pub src: String,
+    pub dst: String,
+    /// TIME_WAIT entries born per second over the last RATE_WINDOW.
+    pub time_wait_per_s: f64,
+    pub scopes: Vec<String>,
+}
+
+/// Rates are TIME_WAIT births over this window.
+pub const RATE_WINDOW: Duration = Duration::from_secs(5);
+
+/// Samples of the TIME_WAITS map, RATE_WINDOW long, for per-second rates.
+#[derive(Default)]
+pub struct TimeWaitRates {
+    samples: VecDeque<(Instant, HashMap<TimeWaitKey, u64>)>,
+}
+
+impl TimeWaitRates {
+    pub fn sample(&mut self, now: Instant, counts: HashMap<TimeWaitKey, u64>) {
+        self.samples.push_back((now, counts));
+        while self.samples.len() > 2 && now - self.samples[1].0 >= RATE_WINDOW {
+            self.samples.pop_front();
+        }
+    }
+
+    /// Births per second per key, between the oldest and newest sample. A key absent
+    /// from the oldest sample was born within the window and counts from zero.
+    pub fn rates(&self) -> HashMap<TimeWaitKey, f64> {
+        let (Some((t0, old)), Some((t1, new))) = (self.samples.front(), self.samples.back()) else {
+            return HashMap::new();
+        };
+        let secs = (*t1 - *t0).as_secs_f64();
+        if secs <= 0.0 {
+            return HashMap::new();
+        }
+        new.iter()
+            .map(|(k, n)| {
+                (
+                    *k,
+                    n.saturating_sub(old.get(k).copied().unwrap_or(0)) as f64 / secs,
+                )
+            })
+            .collect()
+    }
+}
+
+/// The daemon's view of one namespace: rates summed over scopes per (source,
+/// destination), with the scopes named.
+pub fn daemon_ports(
+    netns: u64,
+    rates: &HashMap<TimeWaitKey, f64>,
+    scope_name: impl Fn(u32) -> String,
+    eaddrnotavail: Vec<EaddrnotavailCount>,
+) -> DaemonPorts {
+    let mut by_dest: BTreeMap<(String, String), (f64, BTreeSet<String>)> = BTreeMap::new();
+    for (k, rate) in rates.iter().filter(|(k, _)| k.netns == netns) {
+        let e = by_dest
+            .entry((
+                unmapped(k.src).to_string(),
+                endpoint(unmapped(k.dst), k.dport),
+            ))
+            .or_default();
+        e.0 += rate;
+        e.1.insert(scope_name(k.scope_id));
+    }
+    DaemonPorts {
+        destinations: by_dest
+            .into_iter()
+            .map(|((src, dst), (rate, scopes))| DaemonDestination {
+                src,
+                dst,
+                time_wait_per_s: rate,
+                scopes: scopes.into_iter().collect(),
+            })
+            .collect(),
+        eaddrnotavail,
+    }
+}
+
+/// Adds the daemon's rates and attribution to a report, and diagnoses again.
+pub fn merge(r: &mut PortsReport, from: DaemonPorts) {
+    for d in &mut r.destinations {
+        let Some(m) = from
+            .destinations
+            .iter()
+            .find(|m| m.src == d.src && m.dst == d.dst)
+        else {
+            d.time_wait_per_s = Some(0.0);
+            continue;
+        };
+        d.time_wait_per_s = Some(m.time_wait_per_s);
+        d.scopes = m.scopes.clone();
+        if m.time_wait_per_s > 0.0 {
+            let left = r.ephemeral_ports.saturating_sub(d.in_use);
+            d.seconds_to_exhaustion = Some(left as f64 / m.time_wait_per_s);
+        }
+    }
+    r.eaddrnotavail = from.eaddrnotavail;
+    r.warnings = diagnose(r);
 }
 
 fn endpoint(addr: IpAddr, port: u16) -> String {

@@ -1,7 +1,7 @@
 //! Port exhaustion diagnosis on the real kernel (issue 3, CASES 1).
 use std::process::Command;
 
-use connguard_tests::{Cgroup, Netns, connguard_bin};
+use connguard_tests::{Cgroup, Daemon, Netns, connguard_bin};
 use serde_json::Value;
 
 /// A netns with a 100-port ephemeral range and tcp_tw_reuse 0.
@@ -16,9 +16,15 @@ fn small_range_netns() -> Netns {
     ns
 }
 
+/// `connguard ports --json` for the namespace, with no daemon to ask.
 fn ports_json(ns: &Netns) -> Value {
+    ports_json_with(ns, "/nonexistent/connguard.sock")
+}
+
+/// `connguard ports --json` for the namespace, asking the daemon on `socket`.
+fn ports_json_with(ns: &Netns, socket: &str) -> Value {
     let out = Command::new(connguard_bin())
-        .args(["ports", "--json", "--netns", &ns.path()])
+        .args(["ports", "--json", "--netns", &ns.path(), "--socket", socket])
         .output()
         .unwrap();
     assert!(
@@ -158,4 +164,46 @@ fn bind_before_connect_pool_is_reported_per_source_address() {
     let warnings = r["warnings"].as_array().unwrap();
     assert!(warnings.iter().any(|w| w.as_str().unwrap().starts_with("Source address 127.0.0.2 has 85 of 100 ephemeral ports in use (85%), 85 of them bound but unconnected")), "{warnings:?}");
     assert!(r["destinations"].as_array().unwrap().is_empty(), "{r}");
+}
+
+/// With the daemon: the exhausted destination is attributed to the client's scope with
+/// a TIME_WAIT rate, and every EADDRNOTAVAIL is counted for the scope and process name.
+#[test]
+fn with_the_daemon_rates_scopes_and_eaddrnotavail_are_attributed() {
+    let ns = small_range_netns();
+    let cg = Cgroup::new("portsd");
+    let d = Daemon::start(&format!(
+        "[[scope]]\nname = \"client\"\ncgroup = \"{}\"\nmode = \"observe\"\n",
+        cg.rel
+    ));
+    let out = cg.probe(&["churn", &ns.path(), "150"]);
+    assert_eq!(
+        (
+            out.categories["first_eaddrnotavail"],
+            out.errors("EADDRNOTAVAIL")
+        ),
+        (101, 50),
+        "{out:?}"
+    );
+    // Rates come from samples every 0.5 s.
+    std::thread::sleep(std::time::Duration::from_millis(1200));
+    let r = ports_json_with(&ns, &d.socket.display().to_string());
+    let d8080 = dest(&r, "127.0.0.1:8080");
+    assert_eq!(d8080["scopes"], serde_json::json!(["client"]), "{d8080}");
+    assert!(d8080["time_wait_per_s"].as_f64().unwrap() > 0.0, "{d8080}");
+    assert_eq!(
+        d8080["seconds_to_exhaustion"].as_f64(),
+        Some(0.0),
+        "{d8080}"
+    );
+    assert_eq!(
+        r["eaddrnotavail"],
+        serde_json::json!([{"scope": "client", "comm": "guard-probe", "count": 50}]),
+        "{r}"
+    );
+    let w = r["warnings"].as_array().unwrap()[0].as_str().unwrap();
+    assert!(
+        w.contains("TIME_WAIT entries are created at") && w.contains("Held by scope(s) client."),
+        "{w}"
+    );
 }
