@@ -45,6 +45,26 @@ pub struct ScopeConf {
     pub has_rules: u32,
     /// Budget of active connections for the whole scope; 0 = none.
     pub max_connections: u64,
+    /// Shed when ports held toward the destination reach this many thousandths of the
+    /// ephemeral range (see `PORT_USE`); 0 = no watermark. A matching rule's own
+    /// watermark takes precedence.
+    pub port_watermark: u32,
+    pub _pad: u32,
+}
+
+/// Key of `PORT_USE`: a destination in a network namespace. Value: the thousandths of
+/// the ephemeral range held toward it (the highest over source addresses), written by
+/// the daemon from the kernel's socket table for destinations near a watermark.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PortUseKey {
+    /// Network namespace cookie.
+    pub netns: u64,
+    /// Destination port, host byte order.
+    pub port: u16,
+    pub _pad: [u8; 6],
+    /// Destination address, network order, IPv4 IPv4-mapped.
+    pub addr: [u8; 16],
 }
 
 /// Data part of the `RULES` LPM-trie key: generation, scope, destination address.
@@ -82,7 +102,8 @@ pub struct RuleRef {
     /// Number of used entries in `ports`; 0 = every port.
     pub n_ports: u32,
     pub ports: [PortRange; MAX_PORT_RANGES],
-    pub _pad: u32,
+    /// Port watermark in thousandths of the ephemeral range; 0 = the scope's.
+    pub port_watermark: u32,
 }
 
 /// Value of `RULES`: for the longest rule prefix containing a destination, every rule
@@ -218,5 +239,6 @@ mod pod {
     unsafe impl aya::Pod for CounterKey {}
     unsafe impl aya::Pod for Counter {}
     unsafe impl aya::Pod for TimeWaitKey {}
+    unsafe impl aya::Pod for PortUseKey {}
     unsafe impl aya::Pod for EaddrKey {}
 }

@@ -4,17 +4,20 @@
 //! unconnected and in TCP_CLOSE, so EINPROGRESS/EALREADY retries do not run them again
 //! (net/ipv4/af_inet.c); TCP Fast Open (sendmsg with MSG_FASTOPEN) runs them too.
 use aya_ebpf::{
-    helpers::generated::bpf_set_retval, macros::cgroup_sock_addr, maps::lpm_trie::Key,
+    EbpfContext,
+    helpers::generated::{bpf_get_netns_cookie, bpf_set_retval},
+    macros::cgroup_sock_addr,
+    maps::lpm_trie::Key,
     programs::SockAddrContext,
 };
 use guard_common::{
-    CgroupKey, CounterKey, LEVEL_DST, MAX_CANDIDATES, MODE_ENFORCE, NO_RULE, RULE_KEY_FIXED_BITS,
-    RuleAddrKey, RuleRef, STAT_INTERNAL_ERRORS,
+    CgroupKey, CounterKey, LEVEL_DST, MAX_CANDIDATES, MODE_ENFORCE, NO_RULE, PortUseKey,
+    RULE_KEY_FIXED_BITS, RuleAddrKey, RuleRef, STAT_INTERNAL_ERRORS,
 };
 
 use crate::{
     accounting::{add, counter, internal_error, levels, raise_peak, release},
-    maps::{ACTIVE_GEN, RULES, SCOPES, storage},
+    maps::{ACTIVE_GEN, PORT_USE, RULES, SCOPES, storage},
 };
 
 const ALLOW: i32 = 1;
@@ -95,9 +98,30 @@ fn admit(ctx: &SockAddrContext, addr: [u8; 16], port: u16) -> i32 {
     } else {
         None
     };
-    let (rule_id, per_endpoint, rule_max) = match rule {
-        Some(r) => (r.rule_id, r.per_endpoint != 0, r.max_connections),
-        None => (NO_RULE, false, 0),
+    let (rule_id, per_endpoint, rule_max, rule_watermark) = match rule {
+        Some(r) => (
+            r.rule_id,
+            r.per_endpoint != 0,
+            r.max_connections,
+            r.port_watermark,
+        ),
+        None => (NO_RULE, false, 0, 0),
+    };
+    let watermark = if rule_watermark != 0 {
+        rule_watermark
+    } else {
+        scope.port_watermark
+    };
+    // Ports held toward the destination past the watermark (the daemon keeps PORT_USE
+    // current): shed like a spent budget, keeping the rest of the range for others.
+    let ports_over = watermark != 0 && {
+        let key = PortUseKey {
+            netns: unsafe { bpf_get_netns_cookie(ctx.as_ptr()) },
+            port,
+            _pad: [0; 6],
+            addr,
+        };
+        unsafe { PORT_USE.get(&key) }.is_some_and(|used| *used >= watermark)
     };
     let dst = CounterKey {
         scope_id: scope.scope_id,
@@ -132,7 +156,7 @@ fn admit(ctx: &SockAddrContext, addr: [u8; 16], port: u16) -> i32 {
     // Reserve at every level first, then look: concurrent connects each see a distinct
     // previous value, so a budget of N admits at most N.
     let mut olds = [0u64; 3];
-    let mut over = false;
+    let mut over = ports_over;
     for i in 0..3 {
         if let Some(c) = counters[i] {
             olds[i] = add(unsafe { &raw mut (*c).active }, 1);

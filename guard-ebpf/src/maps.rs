@@ -9,8 +9,8 @@ use aya_ebpf::{
     maps::{Array, HashMap, LpmTrie, PerCpuArray},
 };
 use guard_common::{
-    Candidates, CgroupKey, Counter, CounterKey, EaddrKey, RuleAddrKey, STAT_COUNT, ScopeConf,
-    SockState, TimeWaitKey,
+    Candidates, CgroupKey, Counter, CounterKey, EaddrKey, PortUseKey, RuleAddrKey, STAT_COUNT,
+    ScopeConf, SockState, TimeWaitKey,
 };
 
 /// Element 0: the policy generation (0 or 1) that the programs read.
@@ -40,6 +40,10 @@ pub static TIME_WAITS: HashMap<TimeWaitKey, u64> =
 #[map]
 pub static EADDRNOTAVAIL: HashMap<EaddrKey, u64> =
     HashMap::with_max_entries(4096, BPF_F_NO_PREALLOC);
+
+/// Thousandths of the ephemeral range held toward a destination, for port watermarks.
+#[map]
+pub static PORT_USE: HashMap<PortUseKey, u32> = HashMap::with_max_entries(65536, BPF_F_NO_PREALLOC);
 
 /// Per-socket state, in the socket itself: no size limit and nothing to clean up.
 #[btf_map]

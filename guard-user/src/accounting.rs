@@ -15,8 +15,8 @@ use std::{
 use anyhow::Context;
 use aya::maps::{Array, HashMap as BpfHashMap, LpmTrie, MapData, PerCpuArray, lpm_trie::Key};
 use guard_common::{
-    Candidates, CgroupKey, Counter, CounterKey, EaddrKey, LEVEL_DST, RULE_KEY_FIXED_BITS,
-    RuleAddrKey, RuleRef, STAT_INTERNAL_ERRORS, ScopeConf, TimeWaitKey,
+    Candidates, CgroupKey, Counter, CounterKey, EaddrKey, LEVEL_DST, PortUseKey,
+    RULE_KEY_FIXED_BITS, RuleAddrKey, RuleRef, STAT_INTERNAL_ERRORS, ScopeConf, TimeWaitKey,
 };
 use ipnet::{IpNet, Ipv6Net};
 
@@ -69,7 +69,9 @@ pub struct Accounting {
     stats: PerCpuArray<MapData, u64>,
     time_waits: BpfHashMap<MapData, TimeWaitKey, u64>,
     eaddrnotavail: BpfHashMap<MapData, EaddrKey, u64>,
-    cgroup_root: PathBuf,
+    port_use: BpfHashMap<MapData, PortUseKey, u32>,
+    written_port_use: std::collections::HashSet<PortUseKey>,
+    pub cgroup_root: PathBuf,
     gen_: u32,
     pub ids: Ids,
     pub policy: Option<Policy>,
@@ -98,6 +100,8 @@ impl Accounting {
             stats: PerCpuArray::try_from(take("STATS")?)?,
             time_waits: BpfHashMap::try_from(take("TIME_WAITS")?)?,
             eaddrnotavail: BpfHashMap::try_from(take("EADDRNOTAVAIL")?)?,
+            port_use: BpfHashMap::try_from(take("PORT_USE")?)?,
+            written_port_use: Default::default(),
             cgroup_root,
             gen_: 0,
             ids: Ids::default(),
@@ -231,6 +235,8 @@ impl Accounting {
                 errno: s.errno as u32,
                 has_rules: !s.rules.is_empty() as u32,
                 max_connections: s.max_connections.unwrap_or(0),
+                port_watermark: s.port_watermark.unwrap_or(0),
+                _pad: 0,
             })
             .collect()
     }
@@ -250,6 +256,7 @@ impl Accounting {
                     per_endpoint: r.per_endpoint as u32,
                     max_connections: r.max_connections.unwrap_or(0),
                     n_ports: r.ports.len() as u32,
+                    port_watermark: r.port_watermark.unwrap_or(0),
                     ..Default::default()
                 };
                 rr.ports[..r.ports.len()].copy_from_slice(&r.ports);
@@ -319,6 +326,22 @@ impl Accounting {
         self.eaddrnotavail.iter().filter_map(Result::ok).collect()
     }
 
+    /// Makes PORT_USE hold exactly these destinations (what the watermarks need).
+    pub fn set_port_use(&mut self, entries: HashMap<PortUseKey, u32>) -> anyhow::Result<()> {
+        for (key, permille) in &entries {
+            self.port_use.insert(key, permille, 0)?;
+        }
+        for stale in self
+            .written_port_use
+            .iter()
+            .filter(|k| !entries.contains_key(k))
+        {
+            let _ = self.port_use.remove(stale);
+        }
+        self.written_port_use = entries.into_keys().collect();
+        Ok(())
+    }
+
     /// Internal errors summed over CPUs (fail-open events).
     pub fn internal_errors(&self) -> u64 {
         self.stats
@@ -371,6 +394,14 @@ pub fn unmapped_net(net: &Ipv6Net) -> IpNet {
             IpNet::V4(ipnet::Ipv4Net::new(v4, net.prefix_len() - 96).expect("valid prefix"))
         }
         _ => IpNet::V6(*net),
+    }
+}
+
+/// An address in the kernel's form: IPv6, with IPv4 IPv4-mapped.
+pub fn mapped_addr(addr: IpAddr) -> [u8; 16] {
+    match addr {
+        IpAddr::V4(a) => a.to_ipv6_mapped().octets(),
+        IpAddr::V6(a) => a.octets(),
     }
 }
 

@@ -41,6 +41,14 @@ pub fn cgroup_id(dir: &Path) -> anyhow::Result<u64> {
 /// of the scope. A cgroup that a scope selects is governed by it (the first such scope
 /// in the file); any other cgroup by its nearest selected ancestor.
 pub fn resolve(root: &Path, policy: &Policy) -> anyhow::Result<BTreeMap<u64, usize>> {
+    Ok(governed(root, policy)?
+        .into_iter()
+        .map(|(id, (index, _))| (id, index))
+        .collect())
+}
+
+/// Like `resolve`, with each cgroup's directory.
+pub fn governed(root: &Path, policy: &Policy) -> anyhow::Result<BTreeMap<u64, (usize, PathBuf)>> {
     if !root.is_dir() {
         bail!("{} is not a directory", root.display());
     }
@@ -49,12 +57,34 @@ pub fn resolve(root: &Path, policy: &Policy) -> anyhow::Result<BTreeMap<u64, usi
     Ok(out)
 }
 
+/// The network namespaces of the processes in these cgroups, one `/proc/PID/ns/net`
+/// path per namespace.
+pub fn netns_of<'a>(dirs: impl IntoIterator<Item = &'a Path>) -> Vec<PathBuf> {
+    let mut seen = std::collections::BTreeSet::new();
+    let mut out = Vec::new();
+    for dir in dirs {
+        let Ok(procs) = std::fs::read_to_string(dir.join("cgroup.procs")) else {
+            continue;
+        };
+        for pid in procs.lines() {
+            let path = PathBuf::from(format!("/proc/{pid}/ns/net"));
+            // A process that exited meanwhile is skipped.
+            if let Ok(meta) = std::fs::metadata(&path)
+                && seen.insert((meta.dev(), meta.ino()))
+            {
+                out.push(path);
+            }
+        }
+    }
+    out
+}
+
 fn walk(
     dir: &Path,
     rel: &str,
     inherited: Option<usize>,
     policy: &Policy,
-    out: &mut BTreeMap<u64, usize>,
+    out: &mut BTreeMap<u64, (usize, PathBuf)>,
 ) {
     let selected = policy.scopes.iter().position(|s| {
         if s.cgroup.is_empty() {
@@ -68,7 +98,7 @@ fn walk(
     if let Some(index) = scope
         && let Ok(id) = cgroup_id(dir)
     {
-        out.insert(id, index);
+        out.insert(id, (index, dir.to_path_buf()));
     }
     let Ok(entries) = std::fs::read_dir(dir) else {
         return;

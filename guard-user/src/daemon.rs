@@ -2,6 +2,7 @@
 //! SIGTERM/SIGINT. The control socket speaks one request line per connection
 //! (`stats`, `reload`, or `ports NETNS_COOKIE`) and answers with one JSON document.
 use std::{
+    collections::HashMap,
     io::{BufRead, BufReader, Write},
     os::unix::{fs::PermissionsExt, net::UnixListener},
     path::{Path, PathBuf},
@@ -14,11 +15,13 @@ use anyhow::{Context, bail};
 use serde::{Deserialize, Serialize};
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 
+use guard_common::PortUseKey;
+
 use crate::{
-    accounting::Accounting,
-    cgroup, loader,
+    accounting::{self, Accounting},
+    cgroup, loader, netns,
     policy::{self, Policy},
-    ports,
+    ports, sockdiag,
     stats::{self, PolicyStatus, Snapshot},
 };
 
@@ -210,12 +213,83 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
                 }
                 let counts = d.acct.time_waits();
                 d.tw_rates.sample(std::time::Instant::now(), counts);
+                drop(d);
+                if let Err(e) = watch_ports(&daemon) {
+                    log::warn!("port watermarks: {e:#}");
+                }
             }
             Err(mpsc::RecvTimeoutError::Disconnected) => break,
         }
     }
     let _ = std::fs::remove_file(&opts.socket);
     Ok(())
+}
+
+/// Keeps PORT_USE current for the network namespaces of the processes of scopes with a
+/// port watermark: the kernel sheds from it, so a watermark acts within one RESCAN.
+/// The socket tables are read without holding the daemon lock.
+fn watch_ports(daemon: &Mutex<Daemon>) -> anyhow::Result<()> {
+    let (root, policy) = {
+        let d = daemon.lock().expect("daemon lock");
+        (d.acct.cgroup_root.clone(), d.acct.policy.clone())
+    };
+    let Some(policy) = policy else { return Ok(()) };
+    let lowest = policy
+        .scopes
+        .iter()
+        .flat_map(|s| {
+            s.port_watermark
+                .into_iter()
+                .chain(s.rules.iter().filter_map(|r| r.port_watermark))
+        })
+        .min();
+    let mut entries = HashMap::new();
+    if let Some(lowest) = lowest {
+        let dirs: Vec<PathBuf> = cgroup::governed(&root, &policy)?
+            .into_values()
+            .filter(|(i, _)| policy.scopes[*i].watches_ports())
+            .map(|(_, dir)| dir)
+            .collect();
+        for ns in cgroup::netns_of(dirs.iter().map(PathBuf::as_path)) {
+            // setns() moves only the calling thread: read each namespace from its own.
+            let read = thread::scope(|s| {
+                s.spawn(|| -> anyhow::Result<_> {
+                    netns::enter(&ns)?;
+                    let settings = ports::PortSettings::read()?;
+                    Ok((
+                        netns::cookie()?,
+                        ports::port_use(&settings, &sockdiag::tcp_sockets()?),
+                    ))
+                })
+                .join()
+                .map_err(|_| {
+                    anyhow::anyhow!("reading the socket table of {} panicked", ns.display())
+                })?
+            });
+            let (cookie, used) = match read {
+                Ok(r) => r,
+                // The namespace went away with its process.
+                Err(e) => {
+                    log::debug!("{}: {e:#}", ns.display());
+                    continue;
+                }
+            };
+            for ((addr, port), permille) in used.into_iter().filter(|(_, p)| *p >= lowest) {
+                let key = PortUseKey {
+                    netns: cookie,
+                    port,
+                    _pad: [0; 6],
+                    addr: accounting::mapped_addr(addr),
+                };
+                entries.insert(key, permille);
+            }
+        }
+    }
+    daemon
+        .lock()
+        .expect("daemon lock")
+        .acct
+        .set_port_use(entries)
 }
 
 fn bind_control(path: &Path) -> anyhow::Result<UnixListener> {

@@ -29,7 +29,16 @@ pub struct Scope {
     pub errno: i32,
     /// Budget of active connections; None = no budget.
     pub max_connections: Option<u64>,
+    /// Port watermark in thousandths of the ephemeral range; None = none.
+    pub port_watermark: Option<u32>,
     pub rules: Vec<Rule>,
+}
+
+impl Scope {
+    /// Whether this scope or one of its rules sets a port watermark.
+    pub fn watches_ports(&self) -> bool {
+        self.port_watermark.is_some() || self.rules.iter().any(|r| r.port_watermark.is_some())
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -42,6 +51,8 @@ pub struct Rule {
     pub ports: Vec<PortRange>,
     pub max_connections: Option<u64>,
     pub per_endpoint: bool,
+    /// Port watermark in thousandths of the ephemeral range; None = the scope's.
+    pub port_watermark: Option<u32>,
 }
 
 /// A policy error at a place in a file.
@@ -95,7 +106,7 @@ struct RawScope {
     mode: Option<Spanned<String>>,
     errno: Option<Spanned<String>>,
     max_connections: Option<Spanned<i64>>,
-    port_watermark: Option<Spanned<toml::Value>>,
+    port_watermark: Option<Spanned<f64>>,
     #[serde(default)]
     rule: Vec<Spanned<RawRule>>,
 }
@@ -108,7 +119,7 @@ struct RawRule {
     ports: Option<Vec<Spanned<PortSpec>>>,
     max_connections: Option<Spanned<i64>>,
     per: Option<Spanned<String>>,
-    port_watermark: Option<Spanned<toml::Value>>,
+    port_watermark: Option<Spanned<f64>>,
 }
 
 #[derive(Deserialize)]
@@ -154,12 +165,7 @@ pub fn parse(text: &str, file: &str) -> Result<Policy, PolicyError> {
     for s in raw.scope {
         let span = s.span();
         let s = s.into_inner();
-        if let Some(w) = s.port_watermark {
-            return Err(at(
-                w.span(),
-                "port_watermark is not supported by this version".into(),
-            ));
-        }
+        let port_watermark = watermark(&s.port_watermark, &at)?;
         let name = s.name.get_ref().trim().to_string();
         if name.is_empty() {
             return Err(at(s.name.span(), "scope name must not be empty".into()));
@@ -224,6 +230,7 @@ pub fn parse(text: &str, file: &str) -> Result<Policy, PolicyError> {
             mode,
             errno,
             max_connections,
+            port_watermark,
             rules,
         });
     }
@@ -239,12 +246,7 @@ fn parse_rule(
     span: Range<usize>,
     at: &impl Fn(Range<usize>, String) -> PolicyError,
 ) -> Result<Rule, PolicyError> {
-    if let Some(w) = r.port_watermark {
-        return Err(at(
-            w.span(),
-            "port_watermark is not supported by this version".into(),
-        ));
-    }
+    let port_watermark = watermark(&r.port_watermark, at)?;
     let name = match &r.name {
         Some(n) if n.get_ref().trim().is_empty() => {
             return Err(at(n.span(), "rule name must not be empty".into()));
@@ -287,7 +289,28 @@ fn parse_rule(
         ports,
         max_connections,
         per_endpoint,
+        port_watermark,
     })
+}
+
+/// A fraction of the ephemeral range, kept in thousandths.
+fn watermark(
+    v: &Option<Spanned<f64>>,
+    at: &impl Fn(Range<usize>, String) -> PolicyError,
+) -> Result<Option<u32>, PolicyError> {
+    match v {
+        None => Ok(None),
+        Some(w) if *w.get_ref() > 0.0 && *w.get_ref() <= 1.0 => {
+            Ok(Some((w.get_ref() * 1000.0).round().max(1.0) as u32))
+        }
+        Some(w) => Err(at(
+            w.span(),
+            format!(
+                "port_watermark must be a fraction of the ephemeral range in (0, 1], like 0.8 (got {})",
+                w.get_ref()
+            ),
+        )),
+    }
 }
 
 fn budget(

@@ -257,6 +257,26 @@ pub fn merge(r: &mut PortsReport, from: DaemonPorts) {
     r.warnings = diagnose(r);
 }
 
+/// Ports held toward each destination (the most over source addresses), in
+/// thousandths of the ephemeral range: what port watermarks compare against.
+pub fn port_use(settings: &PortSettings, sockets: &[TcpSocket]) -> HashMap<(IpAddr, u16), u32> {
+    let mut per_src: HashMap<(IpAddr, IpAddr, u16), u32> = HashMap::new();
+    for s in sockets
+        .iter()
+        .filter(|s| s.state != TCP_LISTEN && s.state != TCP_CLOSE && settings.ephemeral(s.sport))
+    {
+        *per_src.entry((s.src, s.dst, s.dport)).or_default() += 1;
+    }
+    let total = settings.ephemeral_ports().max(1);
+    let mut out: HashMap<(IpAddr, u16), u32> = HashMap::new();
+    for ((_, dst, dport), n) in per_src {
+        let permille = (n as u64 * 1000 / total as u64) as u32;
+        let e = out.entry((dst, dport)).or_default();
+        *e = (*e).max(permille);
+    }
+    out
+}
+
 fn endpoint(addr: IpAddr, port: u16) -> String {
     match addr {
         IpAddr::V4(a) => format!("{a}:{port}"),

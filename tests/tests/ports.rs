@@ -51,6 +51,11 @@ fn ss(ns: &Netns) -> Vec<(String, String, String)> {
         .collect()
 }
 
+/// Servers on 127.0.0.1:8080 and :8081 in the namespace, run from `cg`, until dropped.
+fn serve(cg: &Cgroup, ns: &Netns) -> connguard_tests::Holder {
+    cg.hold_args(&["serve", &ns.path(), "8080", "8081"])
+}
+
 fn dest<'a>(r: &'a Value, dst: &str) -> &'a Value {
     r["destinations"]
         .as_array()
@@ -67,13 +72,19 @@ fn dest<'a>(r: &'a Value, dst: &str) -> &'a Value {
 fn exhausted_destination_is_named_with_exact_counts() {
     let ns = small_range_netns();
     let cg = Cgroup::new("ports");
-    let out = cg.probe(&["churn", &ns.path(), "150"]);
-    assert_eq!(out.categories["first_eaddrnotavail"], 101, "{out:?}");
-    assert_eq!((out.ok, out.errors("EADDRNOTAVAIL")), (100, 50), "{out:?}");
+    let _servers = serve(&cg, &ns);
+    let out = cg.probe(&["churn", &ns.path(), "127.0.0.1:8080", "150", "0"]);
+    // The 101st fails (about 1 run in 5 here a TIME_WAIT entry goes early and the 102nd
+    // does: the kernel's "near 101" of CASES 1); after the first, every one fails.
+    let first = out.categories["first_eaddrnotavail"];
+    assert!((101..=102).contains(&first), "{out:?}");
     assert_eq!(
-        out.categories["other_port_ok"], 1,
-        "the limit is per destination: {out:?}"
+        (out.ok, out.errors("EADDRNOTAVAIL")),
+        (first - 1, 151 - first),
+        "{out:?}"
     );
+    let other = cg.probe(&["churn", &ns.path(), "127.0.0.1:8081", "1", "0"]);
+    assert_eq!(other.ok, 1, "the limit is per destination: {other:?}");
 
     let r = ports_json(&ns);
     assert_eq!(
@@ -172,19 +183,15 @@ fn bind_before_connect_pool_is_reported_per_source_address() {
 fn with_the_daemon_rates_scopes_and_eaddrnotavail_are_attributed() {
     let ns = small_range_netns();
     let cg = Cgroup::new("portsd");
+    let server_cg = Cgroup::new("portsd-servers");
+    let _servers = serve(&server_cg, &ns);
     let d = Daemon::start(&format!(
         "[[scope]]\nname = \"client\"\ncgroup = \"{}\"\nmode = \"observe\"\n",
         cg.rel
     ));
-    let out = cg.probe(&["churn", &ns.path(), "150"]);
-    assert_eq!(
-        (
-            out.categories["first_eaddrnotavail"],
-            out.errors("EADDRNOTAVAIL")
-        ),
-        (101, 50),
-        "{out:?}"
-    );
+    let out = cg.probe(&["churn", &ns.path(), "127.0.0.1:8080", "150", "0"]);
+    let failed = out.errors("EADDRNOTAVAIL");
+    assert!((49..=50).contains(&failed), "{out:?}");
     // Rates come from samples every 0.5 s.
     std::thread::sleep(std::time::Duration::from_millis(1200));
     let r = ports_json_with(&ns, &d.socket.display().to_string());
@@ -198,7 +205,7 @@ fn with_the_daemon_rates_scopes_and_eaddrnotavail_are_attributed() {
     );
     assert_eq!(
         r["eaddrnotavail"],
-        serde_json::json!([{"scope": "client", "comm": "guard-probe", "count": 50}]),
+        serde_json::json!([{"scope": "client", "comm": "guard-probe", "count": failed}]),
         "{r}"
     );
     let w = r["warnings"].as_array().unwrap()[0].as_str().unwrap();
@@ -206,4 +213,41 @@ fn with_the_daemon_rates_scopes_and_eaddrnotavail_are_attributed() {
         w.contains("TIME_WAIT entries are created at") && w.contains("Held by scope(s) client."),
         "{w}"
     );
+}
+
+/// A port watermark of 0.8 in enforce mode: the churning scope is shed with its errno
+/// once 80 of 100 ports toward the destination are held, before the kernel runs out,
+/// and another scope still connects to the same destination.
+#[test]
+fn port_watermark_sheds_one_scope_and_keeps_headroom_for_others() {
+    let ns = small_range_netns();
+    let churner = Cgroup::new("wm-churner");
+    let other = Cgroup::new("wm-other");
+    let servers = Cgroup::new("wm-servers");
+    let _servers = serve(&servers, &ns);
+    let d = Daemon::start(&format!(
+        "[[scope]]\nname = \"churner\"\ncgroup = \"{}\"\nport_watermark = 0.8\n\n\
+         [[scope]]\nname = \"other\"\ncgroup = \"{}\"\n",
+        churner.rel, other.rel
+    ));
+    // 20 connections a second: the daemon re-reads the socket table every 0.5 s.
+    let out = churner.probe(&["churn", &ns.path(), "127.0.0.1:8080", "120", "20"]);
+    let first = out.categories["first_refused"];
+    assert!(
+        (81..=95).contains(&first),
+        "shed should start just past 80 held ports: {out:?}"
+    );
+    assert_eq!(
+        out.errors("EADDRNOTAVAIL"),
+        0,
+        "the watermark must act before the kernel runs out: {out:?}"
+    );
+    assert_eq!(out.ok + out.errors("ECONNREFUSED"), 120, "{out:?}");
+    let r = ports_json(&ns);
+    let held = dest(&r, "127.0.0.1:8080")["in_use"].as_u64().unwrap();
+    assert!(held < 100, "headroom left: {held} of 100 held");
+    let o = other.probe(&["churn", &ns.path(), "127.0.0.1:8080", "3", "0"]);
+    assert_eq!(o.ok, 3, "another scope still connects: {o:?}");
+    let s = d.scope("churner");
+    assert_eq!(s["shed"].as_u64(), Some(out.errors("ECONNREFUSED")), "{s}");
 }

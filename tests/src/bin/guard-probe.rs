@@ -19,7 +19,8 @@ const USAGE: &str = "usage: guard-probe connect ADDR COUNT CONCURRENCY
        guard-probe udp ADDR CYCLES
        guard-probe migrate ADDR CGROUP_DIR
        guard-probe tfo NETNS_PATH ADDR
-       guard-probe churn NETNS_PATH COUNT
+       guard-probe serve NETNS_PATH PORT...
+       guard-probe churn NETNS_PATH ADDR COUNT PER_SECOND
        guard-probe bind NETNS_PATH ADDR COUNT
        guard-probe mixed NETNS_PATH COUNT";
 
@@ -37,7 +38,14 @@ fn main() -> anyhow::Result<()> {
         "udp" => udp(arg(1)?.parse()?, num(2)?)?,
         "migrate" => migrate(arg(1)?.parse()?, arg(2)?)?,
         "tfo" => tfo(arg(1)?, arg(2)?.parse()?)?,
-        "churn" => churn(arg(1)?, num(2)?)?,
+        "serve" => {
+            enter_netns(arg(1)?)?;
+            for port in &args[2..] {
+                serve(port.parse()?)?;
+            }
+            hold(&Outcome::default(), Vec::new())
+        }
+        "churn" => churn(arg(1)?, arg(2)?.parse()?, num(3)?, num(4)?)?,
         "bind" => {
             enter_netns(arg(1)?)?;
             let addr: SocketAddr = arg(2)?.parse()?;
@@ -209,33 +217,41 @@ fn tfo(netns: &str, addr: SocketAddr) -> anyhow::Result<Outcome> {
     Ok(out.into_inner().unwrap())
 }
 
-/// CASES 1: inside NETNS_PATH, servers on 127.0.0.1:8080 and :8081; COUNT connections
-/// to :8080, each closed by the client first (leaving TIME_WAIT on the client side),
-/// then one to :8081. `categories` has `first_eaddrnotavail` (1-based attempt number,
-/// 0 if none) and `other_port_ok` (1 if :8081 still connected).
-fn churn(netns: &str, count: u64) -> anyhow::Result<Outcome> {
-    enter_netns(netns)?;
-    for port in [8080u16, 8081] {
-        let l = TcpListener::bind((Ipv4Addr::LOCALHOST, port))?;
-        thread::spawn(move || {
-            for mut c in l.incoming().flatten() {
-                // Wait for the client's FIN, then close: TIME_WAIT lands on the client.
+/// A server on 127.0.0.1:PORT that waits for each client's FIN, then closes: TIME_WAIT
+/// lands on the client side.
+fn serve(port: u16) -> anyhow::Result<()> {
+    let l = TcpListener::bind((Ipv4Addr::LOCALHOST, port))?;
+    thread::spawn(move || {
+        for mut c in l.incoming().flatten() {
+            thread::spawn(move || {
                 let _ = c.read(&mut [0u8; 1]);
-            }
-        });
-    }
+            });
+        }
+    });
+    Ok(())
+}
+
+/// Inside NETNS_PATH, COUNT connections to ADDR, each closed by the client first and
+/// after the server's FIN (leaving TIME_WAIT on the client side), PER_SECOND at most
+/// (0: as fast as possible). `categories` has the 1-based attempt number of the first
+/// EADDRNOTAVAIL and of the first ECONNREFUSED (0 if none).
+fn churn(netns: &str, target: SocketAddr, count: u64, per_second: u64) -> anyhow::Result<Outcome> {
+    enter_netns(netns)?;
     let out = Mutex::new(Outcome::default());
-    let target: SocketAddr = "127.0.0.1:8080".parse()?;
-    let mut first = 0;
+    let (mut first_eaddrnotavail, mut first_refused) = (0, 0);
+    let started_all = Instant::now();
     for i in 1..=count {
+        if per_second > 0 {
+            let due = started_all + Duration::from_secs_f64((i - 1) as f64 / per_second as f64);
+            thread::sleep(due.saturating_duration_since(Instant::now()));
+        }
         let s = tcp_socket(&target);
         let started = Instant::now();
         let r = s.connect(&target.into());
-        if first == 0
-            && r.as_ref()
-                .is_err_and(|e| e.raw_os_error() == Some(libc::EADDRNOTAVAIL))
-        {
-            first = i;
+        match r.as_ref().map_err(|e| e.raw_os_error()) {
+            Err(Some(libc::EADDRNOTAVAIL)) if first_eaddrnotavail == 0 => first_eaddrnotavail = i,
+            Err(Some(libc::ECONNREFUSED)) if first_refused == 0 => first_refused = i,
+            _ => {}
         }
         record(&out, &r, started);
         if r.is_ok() {
@@ -243,14 +259,10 @@ fn churn(netns: &str, count: u64) -> anyhow::Result<Outcome> {
             let _ = std::io::Read::read(&mut &s, &mut [0u8; 1]);
         }
     }
-    let other = TcpStream::connect("127.0.0.1:8081").map(|s| {
-        let _ = s.shutdown(std::net::Shutdown::Write);
-        let _ = std::io::Read::read(&mut &s, &mut [0u8; 1]);
-    });
     let mut out = out.into_inner().unwrap();
-    out.categories.insert("first_eaddrnotavail".into(), first);
     out.categories
-        .insert("other_port_ok".into(), other.is_ok() as u64);
+        .insert("first_eaddrnotavail".into(), first_eaddrnotavail);
+    out.categories.insert("first_refused".into(), first_refused);
     Ok(out)
 }
 
