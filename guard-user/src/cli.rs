@@ -1,7 +1,7 @@
 //! Command-line interface.
 use std::path::PathBuf;
 
-use clap::{Parser, Subcommand};
+use clap::{Args, Parser, Subcommand};
 
 pub const DEFAULT_SOCKET: &str = "/run/connguard/connguard.sock";
 
@@ -79,16 +79,14 @@ pub enum Command {
         /// Print JSON (the shape documented in README.md) instead of a table.
         #[arg(long)]
         json: bool,
-        /// A network namespace file, e.g. /run/netns/NAME.
-        #[arg(long, value_name = "PATH", conflicts_with = "pid")]
-        netns: Option<PathBuf>,
-        /// The network namespace of this process.
-        #[arg(long, value_name = "PID")]
-        pid: Option<u32>,
-        /// Control socket of a running daemon, which adds TIME_WAIT rates, the scopes
-        /// holding the ports and EADDRNOTAVAIL counts (skipped when none answers).
-        #[arg(long, value_name = "PATH", default_value = DEFAULT_SOCKET)]
-        socket: PathBuf,
+        #[command(flatten)]
+        netns: NetnsArgs,
+    },
+    /// A live view, refreshed every second: ports held per destination with bars, the
+    /// diagnosis, and the daemon's scopes. Quit with q.
+    Top {
+        #[command(flatten)]
+        netns: NetnsArgs,
     },
     /// Ask the running daemon to re-read its policy file.
     ///
@@ -97,4 +95,20 @@ pub enum Command {
         #[arg(long, value_name = "PATH", default_value = DEFAULT_SOCKET)]
         socket: PathBuf,
     },
+}
+
+/// Which network namespace to look at, and the daemon to ask.
+#[derive(Args)]
+pub struct NetnsArgs {
+    /// A network namespace file, e.g. /run/netns/NAME (default: this process's).
+    #[arg(long, value_name = "PATH", conflicts_with = "pid")]
+    pub netns: Option<PathBuf>,
+    /// The network namespace of this process.
+    #[arg(long, value_name = "PID")]
+    pub pid: Option<u32>,
+    /// Control socket of a running daemon, which adds TIME_WAIT rates, the scopes
+    /// holding the ports, EADDRNOTAVAIL counts and scope counters (skipped when none
+    /// answers).
+    #[arg(long, value_name = "PATH", default_value = DEFAULT_SOCKET)]
+    pub socket: PathBuf,
 }

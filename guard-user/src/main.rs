@@ -9,6 +9,7 @@ mod policy;
 mod ports;
 mod sockdiag;
 mod stats;
+mod top;
 
 use std::process::ExitCode;
 
@@ -24,6 +25,21 @@ fn main() -> ExitCode {
             eprintln!("connguard: {e:#}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// Enters the namespace the arguments name, if any; returns its name for reports.
+fn enter_netns(args: &cli::NetnsArgs) -> anyhow::Result<String> {
+    let path = args
+        .netns
+        .clone()
+        .or_else(|| args.pid.map(|p| format!("/proc/{p}/ns/net").into()));
+    match path {
+        Some(path) => {
+            netns::enter(&path)?;
+            Ok(path.display().to_string())
+        }
+        None => Ok("self".to_string()),
     }
 }
 
@@ -65,31 +81,18 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 print!("{}", stats::table(&serde_json::from_value(value)?));
             }
         }
-        Command::Ports {
-            json,
-            netns,
-            pid,
-            socket,
-        } => {
-            let path = netns.or_else(|| pid.map(|p| format!("/proc/{p}/ns/net").into()));
-            if let Some(path) = &path {
-                netns::enter(path)?;
-            }
-            let name = path.map_or("self".to_string(), |p| p.display().to_string());
-            let mut report = ports::report(
-                &name,
-                &ports::PortSettings::read()?,
-                &sockdiag::tcp_sockets()?,
-            );
-            // Rates and attribution come from a running daemon; without one they stay null.
-            if let Ok(text) = daemon::request(&socket, &format!("ports {}", netns::cookie()?)) {
-                ports::merge(&mut report, serde_json::from_str(&text)?);
-            }
+        Command::Ports { json, netns } => {
+            let name = enter_netns(&netns)?;
+            let report = ports::collect(&name, &netns.socket)?;
             if json {
                 println!("{}", serde_json::to_string(&report)?);
             } else {
                 print!("{}", ports::table(&report));
             }
+        }
+        Command::Top { netns } => {
+            let name = enter_netns(&netns)?;
+            top::run(&name, &netns.socket)?;
         }
         Command::Reload { socket } => {
             let reply: daemon::ReloadReply =

@@ -251,3 +251,90 @@ fn port_watermark_sheds_one_scope_and_keeps_headroom_for_others() {
     let s = d.scope("churner");
     assert_eq!(s["shed"].as_u64(), Some(out.errors("ECONNREFUSED")), "{s}");
 }
+
+/// `connguard top` in a real terminal (tmux): it shows the exhausted destination with
+/// its bar and the diagnosis, and quits on q.
+#[test]
+fn top_shows_the_exhausted_destination_in_a_terminal_and_quits_on_q() {
+    let ns = small_range_netns();
+    let cg = Cgroup::new("top");
+    let _servers = serve(&cg, &ns);
+    // Past the range: all 100 ports end up held, whatever entry leaves early.
+    let out = cg.probe(&["churn", &ns.path(), "127.0.0.1:8080", "110", "0"]);
+    assert!(out.errors("EADDRNOTAVAIL") > 0, "{out:?}");
+    let session = format!("connguard-top-{}", std::process::id());
+    struct Session(String);
+    impl Drop for Session {
+        fn drop(&mut self) {
+            let _ = Command::new("tmux")
+                .args(["kill-session", "-t", &self.0])
+                .status();
+        }
+    }
+    let _guard = Session(session.clone());
+    let top = format!(
+        "{} top --netns {} --socket /nonexistent/connguard.sock",
+        connguard_bin().display(),
+        ns.path()
+    );
+    let started = Command::new("tmux")
+        .args([
+            "new-session",
+            "-d",
+            "-s",
+            &session,
+            "-x",
+            "160",
+            "-y",
+            "40",
+            &top,
+        ])
+        .status()
+        .expect("tmux is missing: run `cargo xtask setup`");
+    assert!(started.success());
+    let screen = || {
+        let out = Command::new("tmux")
+            .args(["capture-pane", "-p", "-t", &session])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    let mut text = screen();
+    while !text.contains("100/100") && std::time::Instant::now() < until {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        text = screen();
+    }
+    assert!(
+        text.contains("ephemeral range 40000-40099 (100 ports), tcp_tw_reuse 0"),
+        "{text}"
+    );
+    let row = text
+        .lines()
+        .find(|l| l.contains("127.0.0.1:8080"))
+        .unwrap_or_else(|| panic!("{text}"));
+    assert!(
+        row.contains("████████████████████ 100/100") && row.contains(" 100 "),
+        "{row}"
+    );
+    assert!(text.contains("scopes (no daemon answers)"), "{text}");
+    assert!(text.contains("holds 100 of 100 ephemeral ports"), "{text}");
+    Command::new("tmux")
+        .args(["send-keys", "-t", &session, "q"])
+        .status()
+        .unwrap();
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(3);
+    while Command::new("tmux")
+        .args(["has-session", "-t", &session])
+        .status()
+        .unwrap()
+        .success()
+    {
+        assert!(
+            std::time::Instant::now() < until,
+            "top did not quit on q:\n{}",
+            screen()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}

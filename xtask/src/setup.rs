@@ -17,6 +17,7 @@ const PACKAGES: &[&str] = &[
     "iproute2",
     "nginx-light",
     "wrk",
+    "tmux",
 ];
 const BPF_LINKER_VERSION: &str = "0.13.0";
 

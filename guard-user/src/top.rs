@@ -1,0 +1,221 @@
+//! `connguard top`: a live terminal view (ratatui), refreshed every second. Works over
+//! ssh in any terminal; ratatui redraws only what changed, so it does not flicker.
+use std::{
+    path::Path,
+    time::{Duration, Instant},
+};
+
+use ratatui::{
+    Frame,
+    crossterm::event::{self, Event, KeyCode, KeyModifiers},
+    layout::{Constraint, Layout},
+    style::{Modifier, Style},
+    text::Line,
+    widgets::{Block, Paragraph, Row, Table, Wrap},
+};
+
+use crate::{
+    daemon,
+    ports::{self, PortsReport},
+    stats::Snapshot,
+};
+
+const REFRESH: Duration = Duration::from_secs(1);
+const BAR_WIDTH: usize = 20;
+
+struct View {
+    ports: Result<PortsReport, String>,
+    /// None without a daemon.
+    stats: Option<Snapshot>,
+    /// When it was gathered, as HH:MM:SS UTC.
+    at: String,
+}
+
+fn time_of_day() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+        % 86_400;
+    format!(
+        "{:02}:{:02}:{:02} UTC",
+        secs / 3600,
+        secs / 60 % 60,
+        secs % 60
+    )
+}
+
+pub fn run(netns: &str, socket: &Path) -> anyhow::Result<()> {
+    let mut terminal = ratatui::init();
+    let result = (|| -> anyhow::Result<()> {
+        let mut view = gather(netns, socket);
+        let mut next = Instant::now() + REFRESH;
+        loop {
+            terminal.draw(|f| draw(f, netns, &view))?;
+            let wait = next.saturating_duration_since(Instant::now());
+            if event::poll(wait)? {
+                if let Event::Key(k) = event::read()? {
+                    let ctrl_c =
+                        k.code == KeyCode::Char('c') && k.modifiers.contains(KeyModifiers::CONTROL);
+                    if k.code == KeyCode::Char('q') || ctrl_c {
+                        return Ok(());
+                    }
+                }
+                continue;
+            }
+            view = gather(netns, socket);
+            next = Instant::now() + REFRESH;
+        }
+    })();
+    ratatui::restore();
+    result
+}
+
+fn gather(netns: &str, socket: &Path) -> View {
+    View {
+        ports: ports::collect(netns, socket).map_err(|e| format!("{e:#}")),
+        stats: daemon::request(socket, "stats")
+            .ok()
+            .and_then(|t| serde_json::from_str(&t).ok()),
+        at: time_of_day(),
+    }
+}
+
+fn bar(ratio: f64) -> String {
+    let full = ((ratio.clamp(0.0, 1.0)) * BAR_WIDTH as f64).round() as usize;
+    format!("{}{}", "█".repeat(full), "·".repeat(BAR_WIDTH - full))
+}
+
+fn draw(f: &mut Frame, netns: &str, v: &View) {
+    let bold = Style::default().add_modifier(Modifier::BOLD);
+    let [header, dests, scopes, warnings] = Layout::vertical([
+        Constraint::Length(1),
+        Constraint::Percentage(45),
+        Constraint::Percentage(30),
+        Constraint::Min(3),
+    ])
+    .areas(f.area());
+
+    let head = match &v.ports {
+        Ok(r) => format!(
+            "connguard top — netns {netns} — ephemeral range {}-{} ({} ports), tcp_tw_reuse {} — {} — q quits",
+            r.ephemeral_range[0], r.ephemeral_range[1], r.ephemeral_ports, r.tcp_tw_reuse, v.at
+        ),
+        Err(e) => format!("connguard top — netns {netns} — {e}"),
+    };
+    f.render_widget(Paragraph::new(head).style(bold), header);
+
+    let rows: Vec<Row> = v
+        .ports
+        .as_ref()
+        .map(|r| {
+            r.destinations
+                .iter()
+                .map(|d| {
+                    Row::new(vec![
+                        d.src.clone(),
+                        d.dst.clone(),
+                        bar(d.ratio),
+                        format!("{}/{}", d.in_use, r.ephemeral_ports),
+                        d.time_wait.to_string(),
+                        d.active.to_string(),
+                        d.time_wait_per_s.map_or("-".into(), |x| format!("{x:.1}")),
+                        d.scopes.join(","),
+                    ])
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let widths = [
+        Constraint::Length(16),
+        Constraint::Length(24),
+        Constraint::Length(BAR_WIDTH as u16),
+        Constraint::Length(12),
+        Constraint::Length(9),
+        Constraint::Length(7),
+        Constraint::Length(7),
+        Constraint::Min(8),
+    ];
+    let table = Table::new(rows, widths)
+        .header(
+            Row::new([
+                "SOURCE",
+                "DESTINATION",
+                "PORTS HELD",
+                "IN_USE",
+                "TIME_WAIT",
+                "ACTIVE",
+                "TW/S",
+                "SCOPES",
+            ])
+            .style(bold),
+        )
+        .block(Block::bordered().title(" destinations by ports held "));
+    f.render_widget(table, dests);
+
+    let scope_rows: Vec<Row> = v
+        .stats
+        .as_ref()
+        .map(|s| {
+            s.scopes
+                .iter()
+                .map(|s| {
+                    let c = &s.counts;
+                    Row::new(vec![
+                        s.name.clone(),
+                        s.mode.clone(),
+                        c.active.to_string(),
+                        c.peak.to_string(),
+                        c.admitted.to_string(),
+                        c.shed.to_string(),
+                        c.would_shed.to_string(),
+                    ])
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let title = if v.stats.is_some() {
+        " scopes "
+    } else {
+        " scopes (no daemon answers) "
+    };
+    let scope_table = Table::new(
+        scope_rows,
+        [
+            Constraint::Min(12),
+            Constraint::Length(8),
+            Constraint::Length(8),
+            Constraint::Length(8),
+            Constraint::Length(10),
+            Constraint::Length(8),
+            Constraint::Length(10),
+        ],
+    )
+    .header(
+        Row::new([
+            "SCOPE",
+            "MODE",
+            "ACTIVE",
+            "PEAK",
+            "ADMITTED",
+            "SHED",
+            "WOULD_SHED",
+        ])
+        .style(bold),
+    )
+    .block(Block::bordered().title(title));
+    f.render_widget(scope_table, scopes);
+
+    let lines: Vec<Line> = match &v.ports {
+        Ok(r) if r.warnings.is_empty() => vec![Line::from(
+            "no destination or source address near exhaustion",
+        )],
+        Ok(r) => r.warnings.iter().map(|w| Line::from(w.as_str())).collect(),
+        Err(e) => vec![Line::from(e.as_str())],
+    };
+    f.render_widget(
+        Paragraph::new(lines)
+            .wrap(Wrap { trim: true })
+            .block(Block::bordered().title(" diagnosis ")),
+        warnings,
+    );
+}
