@@ -70,7 +70,7 @@ pub struct Accounting {
     time_waits: BpfHashMap<MapData, TimeWaitKey, u64>,
     eaddrnotavail: BpfHashMap<MapData, EaddrKey, u64>,
     port_use: BpfHashMap<MapData, PortUseKey, u32>,
-    written_port_use: std::collections::HashSet<PortUseKey>,
+    written_port_use: HashMap<PortUseKey, u32>,
     pub cgroup_root: PathBuf,
     gen_: u32,
     pub ids: Ids,
@@ -333,13 +333,31 @@ impl Accounting {
         }
         for stale in self
             .written_port_use
-            .iter()
+            .keys()
             .filter(|k| !entries.contains_key(k))
         {
             let _ = self.port_use.remove(stale);
         }
-        self.written_port_use = entries.into_keys().collect();
+        self.written_port_use = entries;
         Ok(())
+    }
+
+    /// What PORT_USE holds now, for stats.
+    pub fn watched_ports(&self) -> Vec<crate::stats::WatchedPort> {
+        let mut out: Vec<_> = self
+            .written_port_use
+            .iter()
+            .map(|(k, permille)| crate::stats::WatchedPort {
+                netns: k.netns,
+                dst: match unmapped(k.addr) {
+                    IpAddr::V4(a) => format!("{a}:{}", k.port),
+                    IpAddr::V6(a) => format!("[{a}]:{}", k.port),
+                },
+                ratio: *permille as f64 / 1000.0,
+            })
+            .collect();
+        out.sort_by(|a, b| b.ratio.total_cmp(&a.ratio).then(a.dst.cmp(&b.dst)));
+        out
     }
 
     /// Internal errors summed over CPUs (fail-open events).

@@ -94,22 +94,32 @@ impl Daemon {
         }
     }
 
-    /// Rates and attribution for the network namespace with this cookie.
-    fn ports(&self, netns: u64) -> ports::DaemonPorts {
-        let name = |id: u32| self.acct.ids.scope_name(id).unwrap_or("?").to_string();
-        let eaddrnotavail = self
-            .acct
+    fn scope_name(&self, id: u32) -> String {
+        self.acct.ids.scope_name(id).unwrap_or("?").to_string()
+    }
+
+    fn eaddrnotavail(&self) -> Vec<ports::EaddrnotavailCount> {
+        self.acct
             .eaddrnotavail()
             .into_iter()
             .map(|(k, count)| ports::EaddrnotavailCount {
-                scope: name(k.scope_id),
+                scope: self.scope_name(k.scope_id),
                 comm: String::from_utf8_lossy(&k.comm)
                     .trim_end_matches('\0')
                     .to_string(),
                 count,
             })
-            .collect();
-        ports::daemon_ports(netns, &self.tw_rates.rates(), name, eaddrnotavail)
+            .collect()
+    }
+
+    /// Rates and attribution for the network namespace with this cookie.
+    fn ports(&self, netns: u64) -> ports::DaemonPorts {
+        ports::daemon_ports(
+            netns,
+            &self.tw_rates.rates(),
+            |id| self.scope_name(id),
+            self.eaddrnotavail(),
+        )
     }
 
     fn snapshot(&mut self) -> Snapshot {
@@ -118,6 +128,8 @@ impl Daemon {
             scopes: stats::scopes(&mut self.acct),
             internal_errors: self.acct.internal_errors(),
             programs: loader::program_costs(&self.ebpf),
+            eaddrnotavail: self.eaddrnotavail(),
+            watched_ports: self.acct.watched_ports(),
         }
     }
 }

@@ -13,6 +13,7 @@ use serde::{Deserialize, Serialize};
 use crate::{
     accounting::{Accounting, unmapped},
     loader::ProgramCost,
+    ports::EaddrnotavailCount,
 };
 
 /// Destinations per scope that get their own Prometheus series; the rest are summed
@@ -28,6 +29,20 @@ pub struct Snapshot {
     pub internal_errors: u64,
     /// Per-program cost from the kernel's bpf_stats (`connguard run --bpf-stats`).
     pub programs: Vec<ProgramCost>,
+    /// connect() failures with EADDRNOTAVAIL, per scope and process name.
+    pub eaddrnotavail: Vec<EaddrnotavailCount>,
+    /// Destinations near a port watermark, as last read from the socket tables.
+    pub watched_ports: Vec<WatchedPort>,
+}
+
+/// Ports held toward a destination in a watched network namespace.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct WatchedPort {
+    /// Network namespace cookie (SO_NETNS_COOKIE).
+    pub netns: u64,
+    pub dst: String,
+    /// Ports held / ephemeral ports (the most over source addresses).
+    pub ratio: f64,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -69,6 +84,8 @@ pub struct ScopeStats {
     pub max_connections: Option<u64>,
     #[serde(flatten)]
     pub counts: Counts,
+    /// TIME_WAIT entries born on the scope's connections (total).
+    pub time_wait_created: u64,
     pub rules: Vec<RuleStats>,
     pub destinations: Vec<DestStats>,
 }
@@ -99,6 +116,7 @@ pub fn scopes(acct: &mut Accounting) -> Vec<ScopeStats> {
         return Vec::new();
     };
     let counters = acct.counters();
+    let time_waits = acct.time_waits();
     policy
         .scopes
         .iter()
@@ -159,6 +177,11 @@ pub fn scopes(acct: &mut Accounting) -> Vec<ScopeStats> {
                 .into(),
                 max_connections: s.max_connections,
                 counts,
+                time_wait_created: time_waits
+                    .iter()
+                    .filter(|(k, _)| k.scope_id == scope_id)
+                    .map(|(_, n)| n)
+                    .sum(),
                 rules,
                 destinations,
             }
@@ -294,6 +317,39 @@ pub fn prometheus(snap: &Snapshot) -> String {
             d_shed.get_or_create(&l).inc_by(rest.shed);
             d_would.get_or_create(&l).inc_by(rest.would_shed);
         }
+    }
+    let tw = counter(
+        &mut reg,
+        "scope_time_wait_created",
+        "TIME_WAIT entries born on the scope's connections",
+    );
+    let eaddr = counter(
+        &mut reg,
+        "eaddrnotavail",
+        "connect() failures with EADDRNOTAVAIL (no local port), per scope and process name",
+    );
+    let port_use = Family::<Labels, Gauge<f64, AtomicU64>>::default();
+    reg.register(
+        "port_use_ratio",
+        "Ports held toward a destination near a watermark / ephemeral ports",
+        port_use.clone(),
+    );
+    for s in &snap.scopes {
+        tw.get_or_create(&vec![("scope", s.name.clone())])
+            .inc_by(s.time_wait_created);
+    }
+    for e in &snap.eaddrnotavail {
+        eaddr
+            .get_or_create(&vec![("scope", e.scope.clone()), ("comm", e.comm.clone())])
+            .inc_by(e.count);
+    }
+    for w in &snap.watched_ports {
+        port_use
+            .get_or_create(&vec![
+                ("netns", w.netns.to_string()),
+                ("dst", w.dst.clone()),
+            ])
+            .set(w.ratio);
     }
     internal.inc_by(snap.internal_errors);
     generation.set(snap.policy.generation as i64);

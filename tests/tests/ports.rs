@@ -185,7 +185,7 @@ fn with_the_daemon_rates_scopes_and_eaddrnotavail_are_attributed() {
     let cg = Cgroup::new("portsd");
     let server_cg = Cgroup::new("portsd-servers");
     let _servers = serve(&server_cg, &ns);
-    let d = Daemon::start(&format!(
+    let d = Daemon::with_metrics(&format!(
         "[[scope]]\nname = \"client\"\ncgroup = \"{}\"\nmode = \"observe\"\n",
         cg.rel
     ));
@@ -208,6 +208,22 @@ fn with_the_daemon_rates_scopes_and_eaddrnotavail_are_attributed() {
         serde_json::json!([{"scope": "client", "comm": "guard-probe", "count": failed}]),
         "{r}"
     );
+    // Every connection left one TIME_WAIT entry, counted for its scope.
+    let s = d.scope("client");
+    assert_eq!(s["time_wait_created"].as_u64(), Some(out.ok), "{s}");
+    let metrics = d.metrics();
+    for line in [
+        format!(
+            "connguard_scope_time_wait_created_total{{scope=\"client\"}} {}",
+            out.ok
+        ),
+        format!("connguard_eaddrnotavail_total{{scope=\"client\",comm=\"guard-probe\"}} {failed}"),
+    ] {
+        assert!(
+            metrics.lines().any(|l| l == line),
+            "no line {line:?} in\n{metrics}"
+        );
+    }
     let w = r["warnings"].as_array().unwrap()[0].as_str().unwrap();
     assert!(
         w.contains("TIME_WAIT entries are created at") && w.contains("Held by scope(s) client."),
@@ -248,6 +264,14 @@ fn port_watermark_sheds_one_scope_and_keeps_headroom_for_others() {
     assert!(held < 100, "headroom left: {held} of 100 held");
     let o = other.probe(&["churn", &ns.path(), "127.0.0.1:8080", "3", "0"]);
     assert_eq!(o.ok, 3, "another scope still connects: {o:?}");
+    let stats = d.stats();
+    let watched = stats["watched_ports"].as_array().unwrap();
+    assert!(
+        watched
+            .iter()
+            .any(|w| w["dst"] == "127.0.0.1:8080" && w["ratio"].as_f64().unwrap() >= 0.8),
+        "{stats}"
+    );
     let s = d.scope("churner");
     assert_eq!(s["shed"].as_u64(), Some(out.errors("ECONNREFUSED")), "{s}");
 }
