@@ -528,6 +528,26 @@ per = "rule"
     }
 
     #[test]
+    fn port_watermarks_are_fractions_kept_in_thousandths() {
+        let p = parse(
+            "[[scope]]\nname = \"a\"\ncgroup = \"x\"\nport_watermark = 0.8\n[[scope.rule]]\nport_watermark = 1\n",
+            "p.toml",
+        )
+        .unwrap();
+        assert_eq!(
+            (
+                p.scopes[0].port_watermark,
+                p.scopes[0].rules[0].port_watermark
+            ),
+            (Some(800), Some(950))
+        );
+        assert_eq!(
+            err("[[scope]]\nname = \"a\"\ncgroup = \"x\"\nport_watermark = 1.5\n"),
+            "p.toml:4:18: port_watermark must be a fraction of the ephemeral range in (0, 1], like 0.8 (got 1.5)"
+        );
+    }
+
+    #[test]
     fn too_many_overlapping_rules_are_refused() {
         let mut text = String::from("[[scope]]\nname = \"a\"\ncgroup = \"x\"\n");
         for i in 0..=MAX_CANDIDATES {

@@ -72,7 +72,7 @@ fn dest<'a>(r: &'a Value, dst: &str) -> &'a Value {
 fn exhausted_destination_is_named_with_exact_counts() {
     let ns = small_range_netns();
     let cg = Cgroup::new("ports");
-    let _servers = serve(&cg, &ns);
+    let servers = serve(&cg, &ns);
     let out = cg.probe(&["churn", &ns.path(), "127.0.0.1:8080", "150", "0"]);
     // The 101st fails (about 1 run in 5 here a TIME_WAIT entry goes early and the 102nd
     // does: the kernel's "near 101" of CASES 1); after the first, every one fails.
@@ -85,6 +85,20 @@ fn exhausted_destination_is_named_with_exact_counts() {
     );
     let other = cg.probe(&["churn", &ns.path(), "127.0.0.1:8081", "1", "0"]);
     assert_eq!(other.ok, 1, "the limit is per destination: {other:?}");
+    // --pid names the same namespace as --netns.
+    let by_pid = Command::new(connguard_bin())
+        .args([
+            "ports",
+            "--json",
+            "--socket",
+            "/nonexistent/connguard.sock",
+            "--pid",
+        ])
+        .arg(servers.child.id().to_string())
+        .output()
+        .unwrap();
+    let by_pid: Value = serde_json::from_slice(&by_pid.stdout).unwrap();
+    assert_eq!(by_pid["destinations"], ports_json(&ns)["destinations"]);
 
     let r = ports_json(&ns);
     assert_eq!(
