@@ -539,7 +539,7 @@ per = "rule"
                 p.scopes[0].port_watermark,
                 p.scopes[0].rules[0].port_watermark
             ),
-            (Some(800), Some(950))
+            (Some(800), Some(1000))
         );
         assert_eq!(
             err("[[scope]]\nname = \"a\"\ncgroup = \"x\"\nport_watermark = 1.5\n"),
