@@ -393,11 +393,17 @@ pub fn diagnose(r: &PortsReport) -> Vec<String> {
                 d.src, d.dst
             );
         }
-        if let (Some(rate), Some(secs)) = (d.time_wait_per_s, d.seconds_to_exhaustion) {
-            let _ = write!(
-                w,
-                " TIME_WAIT entries are created at {rate:.1}/s: the range is exhausted in {secs:.0} s."
-            );
+        match (d.time_wait_per_s, d.seconds_to_exhaustion) {
+            (Some(rate), Some(secs)) if secs > 0.0 => {
+                let _ = write!(
+                    w,
+                    " TIME_WAIT entries are created at {rate:.1}/s: at that rate the range is exhausted in {secs:.1} s."
+                );
+            }
+            (Some(rate), _) if rate > 0.0 => {
+                let _ = write!(w, " TIME_WAIT entries are created at {rate:.1}/s.");
+            }
+            _ => {}
         }
         if !d.scopes.is_empty() {
             let _ = write!(w, " Held by scope(s) {}.", d.scopes.join(", "));
