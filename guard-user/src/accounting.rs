@@ -349,10 +349,7 @@ impl Accounting {
             .iter()
             .map(|(k, permille)| crate::stats::WatchedPort {
                 netns: k.netns,
-                dst: match unmapped(k.addr) {
-                    IpAddr::V4(a) => format!("{a}:{}", k.port),
-                    IpAddr::V6(a) => format!("[{a}]:{}", k.port),
-                },
+                dst: crate::ports::endpoint(unmapped(k.addr), k.port),
                 ratio: *permille as f64 / 1000.0,
             })
             .collect();

@@ -292,7 +292,8 @@ pub fn port_use(settings: &PortSettings, sockets: &[TcpSocket]) -> HashMap<(IpAd
     out
 }
 
-fn endpoint(addr: IpAddr, port: u16) -> String {
+/// `a.b.c.d:port`, or `[v6]:port`, as stats and reports write a destination.
+pub fn endpoint(addr: IpAddr, port: u16) -> String {
     match addr {
         IpAddr::V4(a) => format!("{a}:{port}"),
         IpAddr::V6(a) => format!("[{a}]:{port}"),

@@ -148,10 +148,7 @@ pub fn scopes(acct: &mut Accounting) -> Vec<ScopeStats> {
                 .map(|(k, c)| DestStats {
                     rule: (k.rule_id != NO_RULE)
                         .then(|| acct.ids.rule_name(k.rule_id).unwrap_or("?").to_string()),
-                    dst: match unmapped(k.addr) {
-                        std::net::IpAddr::V4(a) => format!("{a}:{}", k.port),
-                        std::net::IpAddr::V6(a) => format!("[{a}]:{}", k.port),
-                    },
+                    dst: crate::ports::endpoint(unmapped(k.addr), k.port),
                     counts: c.into(),
                 })
                 .collect();
