@@ -84,6 +84,10 @@ pub struct Accounting {
     /// Destination entries that had no active connection at the last `forget_idle`,
     /// with their totals (admitted + shed + would_shed) then.
     idle_seen: HashMap<CounterKey, u64>,
+    /// TIME_WAITS entries as seen at the last `forget_idle`.
+    tw_seen: HashMap<TimeWaitKey, u64>,
+    /// Counts of forgotten TIME_WAITS entries per scope, so that totals never go down.
+    tw_forgotten: HashMap<u32, u64>,
 }
 
 impl Accounting {
@@ -111,6 +115,8 @@ impl Accounting {
             idle_scopes: Vec::new(),
             idle_rules: Vec::new(),
             idle_seen: HashMap::new(),
+            tw_seen: HashMap::new(),
+            tw_forgotten: HashMap::new(),
         })
     }
 
@@ -313,6 +319,16 @@ impl Accounting {
             }
         }
         self.idle_seen = idle;
+        // TIME_WAIT birth counts that did not move: their rate is 0 and their scope
+        // no longer creates entries there.
+        let now = self.time_waits();
+        for (key, n) in &now {
+            if self.tw_seen.get(key) == Some(n) && self.time_waits.remove(key).is_ok() {
+                *self.tw_forgotten.entry(key.scope_id).or_default() += n;
+                forgotten += 1;
+            }
+        }
+        self.tw_seen = now;
         forgotten
     }
 
@@ -321,16 +337,25 @@ impl Accounting {
         self.time_waits.iter().filter_map(Result::ok).collect()
     }
 
+    /// TIME_WAIT entries born on a scope's connections since the daemon started.
+    pub fn time_wait_created(&self, scope_id: u32) -> u64 {
+        let live: u64 = self
+            .time_waits()
+            .iter()
+            .filter(|(k, _)| k.scope_id == scope_id)
+            .map(|(_, n)| n)
+            .sum();
+        live + self.tw_forgotten.get(&scope_id).copied().unwrap_or(0)
+    }
+
     /// connect() failures with EADDRNOTAVAIL by scope and process name (totals).
     pub fn eaddrnotavail(&self) -> Vec<(EaddrKey, u64)> {
         self.eaddrnotavail.iter().filter_map(Result::ok).collect()
     }
 
     /// Makes PORT_USE hold exactly these destinations (what the watermarks need).
+    /// Stale entries go first, so a failed insert can only leave one out (fail-open).
     pub fn set_port_use(&mut self, entries: HashMap<PortUseKey, u32>) -> anyhow::Result<()> {
-        for (key, permille) in &entries {
-            self.port_use.insert(key, permille, 0)?;
-        }
         for stale in self
             .written_port_use
             .keys()
@@ -338,8 +363,21 @@ impl Accounting {
         {
             let _ = self.port_use.remove(stale);
         }
-        self.written_port_use = entries;
-        Ok(())
+        self.written_port_use.clear();
+        let mut failed = None;
+        for (key, permille) in entries {
+            match self.port_use.insert(key, permille, 0) {
+                Ok(()) => {
+                    self.written_port_use.insert(key, permille);
+                }
+                Err(e) => failed = Some(e),
+            }
+        }
+        match failed {
+            Some(e) => Err(anyhow::Error::new(e)
+                .context("writing PORT_USE (the destinations left out are not watched)")),
+            None => Ok(()),
+        }
     }
 
     /// What PORT_USE holds now, for stats.

@@ -2,7 +2,7 @@
 //! SIGTERM/SIGINT. The control socket speaks one request line per connection
 //! (`stats`, `reload`, or `ports NETNS_COOKIE`) and answers with one JSON document.
 use std::{
-    collections::HashMap,
+    collections::{BTreeMap, BTreeSet, HashMap},
     io::{BufRead, BufReader, Write},
     os::unix::{fs::PermissionsExt, net::UnixListener},
     path::{Path, PathBuf},
@@ -114,10 +114,28 @@ impl Daemon {
 
     /// Rates and attribution for the network namespace with this cookie.
     fn ports(&self, netns: u64) -> ports::DaemonPorts {
+        let mut active: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+        for (k, c) in self.acct.counters() {
+            if k.level == guard_common::LEVEL_DST && c.active > 0 {
+                let dst = ports::endpoint(accounting::unmapped(k.addr), k.port);
+                active
+                    .entry(dst)
+                    .or_default()
+                    .insert(self.scope_name(k.scope_id));
+            }
+        }
+        let active = active
+            .into_iter()
+            .map(|(dst, scopes)| ports::ActiveScopes {
+                dst,
+                scopes: scopes.into_iter().collect(),
+            })
+            .collect();
         ports::daemon_ports(
             netns,
             &self.tw_rates.rates(),
             |id| self.scope_name(id),
+            active,
             self.eaddrnotavail(),
         )
     }
@@ -227,7 +245,13 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
                 d.tw_rates.sample(std::time::Instant::now(), counts);
                 drop(d);
                 if let Err(e) = watch_ports(&daemon) {
-                    log::warn!("port watermarks: {e:#}");
+                    // Fail-open: without a fresh reading, no destination stays shed.
+                    log::warn!("port watermarks: {e:#}; not watching until the next reading");
+                    let _ = daemon
+                        .lock()
+                        .expect("daemon lock")
+                        .acct
+                        .set_port_use(HashMap::new());
                 }
             }
             Err(mpsc::RecvTimeoutError::Disconnected) => break,
@@ -369,6 +393,8 @@ pub fn request(socket: &Path, what: &str) -> anyhow::Result<String> {
     let mut stream = std::os::unix::net::UnixStream::connect(socket).with_context(|| {
         format!("no connguard daemon answers on {} (is `connguard run` running? pass --socket if it uses another path)", socket.display())
     })?;
+    // A stalled daemon must not freeze the caller (`top` polls every second).
+    stream.set_read_timeout(Some(Duration::from_secs(5)))?;
     stream.write_all(format!("{what}\n").as_bytes())?;
     stream.shutdown(std::net::Shutdown::Write)?;
     let mut out = String::new();

@@ -77,10 +77,14 @@ impl PortSettings {
             && !self.reserved.iter().any(|&(a, b)| (a..=b).contains(&port))
     }
 
-    /// How many ports connect() can pick from (units: ports).
+    /// How many ports connect() can pick from (units: ports). __inet_hash_connect walks
+    /// an even number of ports from the low end (`remaining &= ~1`), so the last port of
+    /// an odd-sized range is never picked.
     pub fn ephemeral_ports(&self) -> u32 {
-        (self.range.0..=self.range.1)
-            .filter(|&p| self.ephemeral(p))
+        let span = self.range.1 as u32 + 1 - self.range.0 as u32;
+        let span = if span > 1 { span & !1 } else { span };
+        (0..span)
+            .filter(|i| self.ephemeral((self.range.0 as u32 + i) as u16))
             .count() as u32
     }
 }
@@ -96,6 +100,9 @@ pub struct PortsReport {
     pub ephemeral_ports: u32,
     /// net.ipv4.tcp_tw_reuse.
     pub tcp_tw_reuse: u8,
+    /// Ephemeral ports taken by bind() or listen() (on any address): connect() skips
+    /// them for every destination.
+    pub bound_ports: u32,
     /// Busiest first.
     pub destinations: Vec<DestinationPorts>,
     pub bound_sources: Vec<SourcePool>,
@@ -120,9 +127,15 @@ pub struct DestinationPorts {
     pub states: BTreeMap<String, u32>,
     /// in_use / ephemeral_ports.
     pub ratio: f64,
-    /// TIME_WAIT entries created per second (null without the daemon).
+    /// Ports connect() can still pick toward this destination from this source:
+    /// ephemeral_ports less bound_ports, active connections, and TIME_WAIT entries unless
+    /// tcp_tw_reuse lets connect() take them (1, or 2 between loopback addresses).
+    pub available: u32,
+    /// TIME_WAIT entries created per second by admitted connections, over the last 5 s
+    /// (null without the daemon, or when it saw none).
     pub time_wait_per_s: Option<f64>,
-    /// At that rate, seconds until in_use reaches ephemeral_ports (null without a rate).
+    /// At that rate, seconds until `available` reaches 0; null when the rate is unknown,
+    /// or when TIME_WAIT entries expire (after 60 s) faster than they fill the range.
     pub seconds_to_exhaustion: Option<f64>,
     /// Scopes whose admitted connections hold these ports (needs the daemon).
     pub scopes: Vec<String>,
@@ -151,8 +164,17 @@ pub struct EaddrnotavailCount {
 /// side (the `ports COOKIE` control request).
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct DaemonPorts {
+    /// Destinations with TIME_WAIT entries born within RATE_WINDOW.
     pub destinations: Vec<DaemonDestination>,
+    /// Destinations (any namespace, any source) with active admitted connections.
+    pub active: Vec<ActiveScopes>,
     pub eaddrnotavail: Vec<EaddrnotavailCount>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ActiveScopes {
+    pub dst: String,
+    pub scopes: Vec<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -208,10 +230,14 @@ pub fn daemon_ports(
     netns: u64,
     rates: &HashMap<TimeWaitKey, f64>,
     scope_name: impl Fn(u32) -> String,
+    active: Vec<ActiveScopes>,
     eaddrnotavail: Vec<EaddrnotavailCount>,
 ) -> DaemonPorts {
     let mut by_dest: BTreeMap<(String, String), (f64, BTreeSet<String>)> = BTreeMap::new();
-    for (k, rate) in rates.iter().filter(|(k, _)| k.netns == netns) {
+    for (k, rate) in rates
+        .iter()
+        .filter(|(k, rate)| k.netns == netns && **rate > 0.0)
+    {
         let e = by_dest
             .entry((
                 unmapped(k.src).to_string(),
@@ -231,6 +257,7 @@ pub fn daemon_ports(
                 scopes: scopes.into_iter().collect(),
             })
             .collect(),
+        active,
         eaddrnotavail,
     }
 }
@@ -253,43 +280,31 @@ pub fn collect(netns: &str, socket: &std::path::Path) -> anyhow::Result<PortsRep
 /// Adds the daemon's rates and attribution to a report, and diagnoses again.
 pub fn merge(r: &mut PortsReport, from: DaemonPorts) {
     for d in &mut r.destinations {
+        if let Some(a) = from.active.iter().find(|a| a.dst == d.dst) {
+            d.scopes = a.scopes.clone();
+        }
         let Some(m) = from
             .destinations
             .iter()
             .find(|m| m.src == d.src && m.dst == d.dst)
         else {
-            d.time_wait_per_s = Some(0.0);
             continue;
         };
+        for s in &m.scopes {
+            if !d.scopes.contains(s) {
+                d.scopes.push(s.clone());
+            }
+        }
         d.time_wait_per_s = Some(m.time_wait_per_s);
-        d.scopes = m.scopes.clone();
-        if m.time_wait_per_s > 0.0 {
-            let left = r.ephemeral_ports.saturating_sub(d.in_use);
-            d.seconds_to_exhaustion = Some(left as f64 / m.time_wait_per_s);
+        // TIME_WAIT entries live TCP_TIMEWAIT_LEN (60 s): at this rate the range fills
+        // only if the entries alive at once outnumber the ports left for them.
+        let room = r.ephemeral_ports.saturating_sub(r.bound_ports + d.active);
+        if m.time_wait_per_s * 60.0 >= room as f64 {
+            d.seconds_to_exhaustion = Some(d.available as f64 / m.time_wait_per_s);
         }
     }
     r.eaddrnotavail = from.eaddrnotavail;
     r.warnings = diagnose(r);
-}
-
-/// Ports held toward each destination (the most over source addresses), in
-/// thousandths of the ephemeral range: what port watermarks compare against.
-pub fn port_use(settings: &PortSettings, sockets: &[TcpSocket]) -> HashMap<(IpAddr, u16), u32> {
-    let mut per_src: HashMap<(IpAddr, IpAddr, u16), u32> = HashMap::new();
-    for s in sockets
-        .iter()
-        .filter(|s| s.state != TCP_LISTEN && s.state != TCP_CLOSE && settings.ephemeral(s.sport))
-    {
-        *per_src.entry((s.src, s.dst, s.dport)).or_default() += 1;
-    }
-    let total = settings.ephemeral_ports().max(1);
-    let mut out: HashMap<(IpAddr, u16), u32> = HashMap::new();
-    for ((_, dst, dport), n) in per_src {
-        let permille = (n as u64 * 1000 / total as u64) as u32;
-        let e = out.entry((dst, dport)).or_default();
-        *e = (*e).max(permille);
-    }
-    out
 }
 
 /// `a.b.c.d:port`, or `[v6]:port`, as stats and reports write a destination.
@@ -300,55 +315,94 @@ pub fn endpoint(addr: IpAddr, port: u16) -> String {
     }
 }
 
+/// Sockets toward one destination from one source address.
+#[derive(Default)]
+struct Tally {
+    time_wait: u32,
+    active: u32,
+    states: BTreeMap<String, u32>,
+}
+
+/// What a namespace's socket table says about its ephemeral ports.
+struct Census {
+    /// (source, destination, destination port) -> sockets.
+    destinations: BTreeMap<(IpAddr, IpAddr, u16), Tally>,
+    /// Ports taken by bind() or listen(), on any address.
+    bound: BTreeSet<u16>,
+    /// Source address -> (ephemeral ports held by any socket, sockets bound only).
+    pools: BTreeMap<IpAddr, (BTreeSet<u16>, u32)>,
+}
+
+fn census(settings: &PortSettings, sockets: &[TcpSocket]) -> Census {
+    let mut c = Census {
+        destinations: BTreeMap::new(),
+        bound: BTreeSet::new(),
+        pools: BTreeMap::new(),
+    };
+    for s in sockets.iter().filter(|s| settings.ephemeral(s.sport)) {
+        let pool = c.pools.entry(s.src).or_default();
+        pool.0.insert(s.sport);
+        if s.state == TCP_LISTEN || s.state == TCP_CLOSE {
+            // A bind bucket that connect() will not share (fastreuse >= 0).
+            c.bound.insert(s.sport);
+            pool.1 += (s.state == TCP_CLOSE) as u32;
+            continue;
+        }
+        let t = c.destinations.entry((s.src, s.dst, s.dport)).or_default();
+        if s.state == TCP_TIME_WAIT {
+            t.time_wait += 1;
+        } else {
+            t.active += 1;
+            *t.states.entry(state_name(s.state).to_string()).or_default() += 1;
+        }
+    }
+    c
+}
+
+/// Whether connect() from `src` to `dst` may take a port held in TIME_WAIT
+/// (net.ipv4.tcp_tw_reuse: 1 always, 2 between loopback addresses).
+fn tw_reusable(tw_reuse: u8, src: IpAddr, dst: IpAddr) -> bool {
+    tw_reuse == 1 || (tw_reuse == 2 && src.is_loopback() && dst.is_loopback())
+}
+
+/// Ports connect() can still pick toward a destination.
+fn available(settings: &PortSettings, bound: u32, src: IpAddr, dst: IpAddr, t: &Tally) -> u32 {
+    let tw = if tw_reusable(settings.tcp_tw_reuse, src, dst) {
+        0
+    } else {
+        t.time_wait
+    };
+    settings
+        .ephemeral_ports()
+        .saturating_sub(bound + t.active + tw)
+}
+
 /// The report for one namespace from its socket table and settings.
 pub fn report(netns: &str, settings: &PortSettings, sockets: &[TcpSocket]) -> PortsReport {
     let total = settings.ephemeral_ports().max(1);
     let ratio = |n: u32| n as f64 / total as f64;
-    let mut dests: BTreeMap<(IpAddr, String), DestinationPorts> = BTreeMap::new();
-    let mut pools: BTreeMap<IpAddr, (BTreeSet<u16>, u32)> = BTreeMap::new();
-    for s in sockets {
-        if s.state == TCP_LISTEN || !settings.ephemeral(s.sport) {
-            continue;
-        }
-        let pool = pools.entry(s.src).or_default();
-        pool.0.insert(s.sport);
-        if s.state == TCP_CLOSE {
-            // Bound, neither connected nor listening.
-            pool.1 += 1;
-            continue;
-        }
-        let dst = endpoint(s.dst, s.dport);
-        let d = dests
-            .entry((s.src, dst.clone()))
-            .or_insert_with(|| DestinationPorts {
-                src: s.src.to_string(),
-                dst,
-                in_use: 0,
-                time_wait: 0,
-                active: 0,
-                states: BTreeMap::new(),
-                ratio: 0.0,
-                time_wait_per_s: None,
-                seconds_to_exhaustion: None,
-                scopes: Vec::new(),
-            });
-        d.in_use += 1;
-        if s.state == TCP_TIME_WAIT {
-            d.time_wait += 1;
-        } else {
-            d.active += 1;
-            *d.states.entry(state_name(s.state).to_string()).or_default() += 1;
-        }
-    }
-    let mut destinations: Vec<DestinationPorts> = dests
-        .into_values()
-        .map(|mut d| {
-            d.ratio = ratio(d.in_use);
-            d
+    let c = census(settings, sockets);
+    let bound = c.bound.len() as u32;
+    let mut destinations: Vec<DestinationPorts> = c
+        .destinations
+        .iter()
+        .map(|((src, dst, dport), t)| DestinationPorts {
+            src: src.to_string(),
+            dst: endpoint(*dst, *dport),
+            in_use: t.time_wait + t.active,
+            time_wait: t.time_wait,
+            active: t.active,
+            states: t.states.clone(),
+            ratio: ratio(t.time_wait + t.active),
+            available: available(settings, bound, *src, *dst, t),
+            time_wait_per_s: None,
+            seconds_to_exhaustion: None,
+            scopes: Vec::new(),
         })
         .collect();
     destinations.sort_by(|a, b| b.in_use.cmp(&a.in_use).then(a.dst.cmp(&b.dst)));
-    let mut bound_sources: Vec<SourcePool> = pools
+    let mut bound_sources: Vec<SourcePool> = c
+        .pools
         .into_iter()
         .map(|(src, (ports, bound_inactive))| SourcePool {
             src: src.to_string(),
@@ -363,6 +417,7 @@ pub fn report(netns: &str, settings: &PortSettings, sockets: &[TcpSocket]) -> Po
         ephemeral_range: [settings.range.0, settings.range.1],
         ephemeral_ports: settings.ephemeral_ports(),
         tcp_tw_reuse: settings.tcp_tw_reuse,
+        bound_ports: bound,
         destinations,
         bound_sources,
         eaddrnotavail: Vec::new(),
@@ -372,11 +427,33 @@ pub fn report(netns: &str, settings: &PortSettings, sockets: &[TcpSocket]) -> Po
     r
 }
 
-/// Plain sentences for every destination or source pool past WARN_RATIO.
+/// Ports connect() can no longer pick toward each destination (the most over source
+/// addresses), in thousandths of the ephemeral range: what port watermarks compare
+/// against.
+pub fn port_use(settings: &PortSettings, sockets: &[TcpSocket]) -> HashMap<(IpAddr, u16), u32> {
+    let c = census(settings, sockets);
+    let total = settings.ephemeral_ports().max(1) as u64;
+    let mut out: HashMap<(IpAddr, u16), u32> = HashMap::new();
+    for ((src, dst, dport), t) in &c.destinations {
+        let taken = total - available(settings, c.bound.len() as u32, *src, *dst, t) as u64;
+        let e = out.entry((*dst, *dport)).or_default();
+        *e = (*e).max((taken * 1000 / total) as u32);
+    }
+    out
+}
+
+/// Plain sentences for every destination, and for the ports taken by bind(), past
+/// WARN_RATIO of the range.
 pub fn diagnose(r: &PortsReport) -> Vec<String> {
     let [lo, hi] = r.ephemeral_range;
+    let total = r.ephemeral_ports.max(1);
+    let taken = |available: u32| (total - available.min(total)) as f64 / total as f64;
     let mut out = Vec::new();
-    for d in r.destinations.iter().filter(|d| d.ratio >= WARN_RATIO) {
+    for d in r
+        .destinations
+        .iter()
+        .filter(|d| taken(d.available) >= WARN_RATIO)
+    {
         let mut w = format!(
             "{} -> {} holds {} of {} ephemeral ports ({:.0}%): {} in TIME_WAIT, {} active.",
             d.src,
@@ -387,21 +464,30 @@ pub fn diagnose(r: &PortsReport) -> Vec<String> {
             d.time_wait,
             d.active
         );
-        if d.in_use >= r.ephemeral_ports {
+        if r.bound_ports > 0 {
+            let _ = write!(
+                w,
+                " {} more are taken by bind() or listen().",
+                r.bound_ports
+            );
+        }
+        if d.available == 0 {
             let _ = write!(
                 w,
                 " New connections from {} to {} fail with EADDRNOTAVAIL.",
                 d.src, d.dst
             );
+        } else {
+            let _ = write!(w, " {} ports are left for new connections.", d.available);
         }
         match (d.time_wait_per_s, d.seconds_to_exhaustion) {
             (Some(rate), Some(secs)) if secs > 0.0 => {
                 let _ = write!(
                     w,
-                    " TIME_WAIT entries are created at {rate:.1}/s: at that rate the range is exhausted in {secs:.1} s."
+                    " TIME_WAIT entries are created at {rate:.1}/s: at that rate no port is left in {secs:.1} s."
                 );
             }
-            (Some(rate), _) if rate > 0.0 => {
+            (Some(rate), _) => {
                 let _ = write!(w, " TIME_WAIT entries are created at {rate:.1}/s.");
             }
             _ => {}
@@ -412,44 +498,28 @@ pub fn diagnose(r: &PortsReport) -> Vec<String> {
         let _ = write!(
             w,
             " Remedies: reuse connections (keep-alive, a connection pool) instead of one per request; \
-             widen net.ipv4.ip_local_port_range (now {lo}-{hi}); "
+             widen net.ipv4.ip_local_port_range (now {lo}-{hi})"
         );
-        if r.tcp_tw_reuse == 1 {
-            w.push_str("tcp_tw_reuse is already 1.");
-        } else {
+        if d.time_wait > 0 && r.tcp_tw_reuse != 1 {
             let _ = write!(
                 w,
-                "set net.ipv4.tcp_tw_reuse=1 (now {}) so new connections may take ports in TIME_WAIT.",
+                "; set net.ipv4.tcp_tw_reuse=1 (now {}) so new connections may take ports in TIME_WAIT",
                 r.tcp_tw_reuse
             );
         }
+        w.push('.');
         out.push(w);
     }
-    // A source pool is its own problem when sockets were bound before connecting, or
-    // when its ports are spread over destinations; otherwise the destination says it.
-    let busiest = |src: &str| {
-        r.destinations
-            .iter()
-            .filter(|d| d.src == src)
-            .map(|d| d.in_use)
-            .max()
-            .unwrap_or(0)
-    };
-    for p in r
-        .bound_sources
-        .iter()
-        .filter(|p| p.ratio >= WARN_RATIO && (p.bound_inactive > 0 || p.in_use > busiest(&p.src)))
-    {
+    if taken(total - r.bound_ports.min(total)) >= WARN_RATIO {
+        let bound_only: u32 = r.bound_sources.iter().map(|p| p.bound_inactive).sum();
         out.push(format!(
-            "Source address {} has {} of {} ephemeral ports in use ({:.0}%), {} of them bound but unconnected: \
-             bind() to this address without a port then fails with EADDRINUSE. Remedies: set \
-             IP_BIND_ADDRESS_NO_PORT before bind() so that connect() picks the port per destination; \
-             reuse connections.",
-            p.src,
-            p.in_use,
+            "{} of {} ephemeral ports ({:.0}%) are taken by bind() or listen(), {bound_only} of them bound \
+             but unconnected: connect() skips them for every destination, and bind() to an address \
+             without a port runs out. Remedies: set IP_BIND_ADDRESS_NO_PORT before bind() so that \
+             connect() picks the port per destination; close sockets bound and never used.",
+            r.bound_ports,
             r.ephemeral_ports,
-            p.ratio * 100.0,
-            p.bound_inactive
+            r.bound_ports as f64 / total as f64 * 100.0
         ));
     }
     out
@@ -460,13 +530,18 @@ pub fn table(r: &PortsReport) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "netns {}: ephemeral range {}-{} ({} ports), tcp_tw_reuse {}",
-        r.netns, r.ephemeral_range[0], r.ephemeral_range[1], r.ephemeral_ports, r.tcp_tw_reuse
+        "netns {}: ephemeral range {}-{} ({} ports), tcp_tw_reuse {}, {} taken by bind()/listen()",
+        r.netns,
+        r.ephemeral_range[0],
+        r.ephemeral_range[1],
+        r.ephemeral_ports,
+        r.tcp_tw_reuse,
+        r.bound_ports
     );
     let _ = writeln!(
         out,
-        "\n{:<40} {:<46} {:>7} {:>7} {:>10} {:>7} {:>10}",
-        "SOURCE", "DESTINATION", "IN_USE", "RATIO", "TIME_WAIT", "ACTIVE", "TW/S"
+        "\n{:<24} {:<32} {:>7} {:>7} {:>10} {:>7} {:>6} {:>8}",
+        "SOURCE", "DESTINATION", "IN_USE", "RATIO", "TIME_WAIT", "ACTIVE", "LEFT", "TW/S"
     );
     for d in &r.destinations {
         let rate = d
@@ -474,13 +549,14 @@ pub fn table(r: &PortsReport) -> String {
             .map_or("-".to_string(), |v| format!("{v:.1}"));
         let _ = writeln!(
             out,
-            "{:<40} {:<46} {:>7} {:>6.0}% {:>10} {:>7} {:>10}",
+            "{:<24} {:<32} {:>7} {:>6.0}% {:>10} {:>7} {:>6} {:>8}",
             d.src,
             d.dst,
             d.in_use,
             d.ratio * 100.0,
             d.time_wait,
             d.active,
+            d.available,
             rate
         );
     }
@@ -562,12 +638,81 @@ mod tests {
             .map(|p| (p.src.as_str(), p.in_use, p.bound_inactive))
             .collect();
         assert_eq!(pools, [("127.0.0.1", 4, 0), ("10.0.0.1", 1, 1)]);
-        // 127.0.0.1's pool is full because its busiest destination is: one warning.
+        // The port bound on 10.0.0.1 is lost to every connect().
+        assert_eq!(r.bound_ports, 1);
+        let avail: Vec<_> = r.destinations.iter().map(|d| d.available).collect();
+        assert_eq!(avail, [0, 2]);
         assert_eq!(r.warnings.len(), 1, "{:?}", r.warnings);
         assert!(r.warnings[0].starts_with(
             "127.0.0.1 -> 127.0.0.1:8080 holds 4 of 4 ephemeral ports (100%): 3 in TIME_WAIT, 1 active. \
+             1 more are taken by bind() or listen(). \
              New connections from 127.0.0.1 to 127.0.0.1:8080 fail with EADDRNOTAVAIL."
         ));
         assert!(r.warnings[0].contains("set net.ipv4.tcp_tw_reuse=1 (now 0)"));
+    }
+
+    #[test]
+    fn tw_reuse_frees_time_wait_ports_and_odd_ranges_lose_their_last_port() {
+        // 40000-40004 is 5 ports, of which connect() walks 4.
+        let s = PortSettings::parse("40000 40004", "", "2").unwrap();
+        assert_eq!(s.ephemeral_ports(), 4);
+        let socks: Vec<_> = (0..4)
+            .map(|i| sock(TCP_TIME_WAIT, "127.0.0.1", 40000 + i, "127.0.0.1", 8080))
+            .collect();
+        let loopback = report("self", &s, &socks);
+        assert_eq!(
+            (
+                loopback.destinations[0].in_use,
+                loopback.destinations[0].available
+            ),
+            (4, 4)
+        );
+        assert!(
+            loopback.warnings.is_empty(),
+            "tcp_tw_reuse=2 reuses loopback TIME_WAIT: {:?}",
+            loopback.warnings
+        );
+        let socks: Vec<_> = (0..4)
+            .map(|i| sock(TCP_TIME_WAIT, "10.0.0.1", 40000 + i, "10.0.0.2", 8080))
+            .collect();
+        let remote = report("self", &s, &socks);
+        assert_eq!(
+            remote.destinations[0].available, 0,
+            "2 does not cover other addresses"
+        );
+        assert_eq!(
+            port_use(&s, &socks)[&("10.0.0.2".parse().unwrap(), 8080)],
+            1000
+        );
+    }
+
+    #[test]
+    fn forecast_only_when_time_wait_outlives_the_room() {
+        let s = PortSettings::parse("40000 40099", "", "0").unwrap();
+        let socks: Vec<_> = (0..50)
+            .map(|i| sock(TCP_TIME_WAIT, "10.0.0.1", 40000 + i, "10.0.0.2", 80))
+            .collect();
+        let with_rate = |rate: f64| {
+            let mut r = report("self", &s, &socks);
+            let from = DaemonPorts {
+                destinations: vec![DaemonDestination {
+                    src: "10.0.0.1".into(),
+                    dst: "10.0.0.2:80".into(),
+                    time_wait_per_s: rate,
+                    scopes: vec!["web".into()],
+                }],
+                ..Default::default()
+            };
+            merge(&mut r, from);
+            r.destinations.remove(0)
+        };
+        // 1/s keeps 60 entries alive at most: the 100 ports never run out.
+        assert_eq!(with_rate(1.0).seconds_to_exhaustion, None);
+        // 10/s fills the 50 ports left in 5 s.
+        let d = with_rate(10.0);
+        assert_eq!(
+            (d.seconds_to_exhaustion, d.scopes.as_slice()),
+            (Some(5.0), &["web".to_string()][..])
+        );
     }
 }

@@ -13,8 +13,8 @@ use netlink_packet_sock_diag::{
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_SOCK_DIAG};
 
 /// Pseudo-state that asks for sockets bound to a port but neither listening nor
-/// connected (TCP_BOUND_INACTIVE, include/net/tcp_states.h; dumped since Linux 6.5).
-/// The kernel reports them in state TCP_CLOSE.
+/// connected (TCP_BOUND_INACTIVE, include/net/tcp_states.h; checked on 6.18, older
+/// kernels ignore the bit). The kernel reports them in state TCP_CLOSE.
 pub const TCP_BOUND_INACTIVE: u8 = 13;
 pub const TCP_CLOSE: u8 = 7;
 pub const TCP_TIME_WAIT: u8 = 6;
@@ -99,7 +99,8 @@ fn dump(family: u8, out: &mut Vec<TcpSocket>) -> anyhow::Result<()> {
             if message.header.length == 0 {
                 break;
             }
-            offset += message.header.length as usize;
+            // Messages start on 4-byte boundaries (NLMSG_ALIGN).
+            offset += (message.header.length as usize + 3) & !3;
         }
     }
 }
@@ -126,7 +127,6 @@ pub fn state_name(state: u8) -> &'static str {
         9 => "LAST-ACK",
         10 => "LISTEN",
         11 => "CLOSING",
-        13 => "BOUND-INACTIVE",
         _ => "UNKNOWN",
     }
 }

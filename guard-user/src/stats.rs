@@ -116,7 +116,6 @@ pub fn scopes(acct: &mut Accounting) -> Vec<ScopeStats> {
         return Vec::new();
     };
     let counters = acct.counters();
-    let time_waits = acct.time_waits();
     policy
         .scopes
         .iter()
@@ -174,11 +173,7 @@ pub fn scopes(acct: &mut Accounting) -> Vec<ScopeStats> {
                 .into(),
                 max_connections: s.max_connections,
                 counts,
-                time_wait_created: time_waits
-                    .iter()
-                    .filter(|(k, _)| k.scope_id == scope_id)
-                    .map(|(_, n)| n)
-                    .sum(),
+                time_wait_created: acct.time_wait_created(scope_id),
                 rules,
                 destinations,
             }
