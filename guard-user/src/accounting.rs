@@ -226,6 +226,11 @@ impl Accounting {
         Ok(())
     }
 
+    /// The scope id governing a cgroup now, if any.
+    pub fn scope_of_cgroup(&self, cgroup_id: u64) -> Option<u32> {
+        self.written_scopes.get(&cgroup_id).map(|c| c.scope_id)
+    }
+
     /// Number of cgroups the policy governs now.
     pub fn governed_cgroups(&self) -> usize {
         self.written_scopes.len()

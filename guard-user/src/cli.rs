@@ -82,6 +82,15 @@ pub enum Command {
         #[command(flatten)]
         netns: NetnsArgs,
     },
+    /// Show listeners: accept queue against the effective backlog, SYN_RECV entries,
+    /// owning process and scope, and the namespace's overflow counters.
+    Listeners {
+        /// Print JSON (the shape documented in README.md) instead of a table.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        netns: NetnsArgs,
+    },
     /// A live view, refreshed every second: ports held per destination with bars, the
     /// diagnosis, and the daemon's scopes. Quit with q.
     Top {

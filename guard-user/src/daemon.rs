@@ -1,6 +1,7 @@
 //! `connguard run`: attach, apply the policy, then serve stats and reloads until
 //! SIGTERM/SIGINT. The control socket speaks one request line per connection
-//! (`stats`, `reload`, or `ports NETNS_COOKIE`) and answers with one JSON document.
+//! (`stats`, `reload`, `ports NETNS_COOKIE` or `scope CGROUP_ID`) and answers with one
+//! JSON document.
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap},
     io::{BufRead, BufReader, Write},
@@ -361,6 +362,10 @@ fn serve_control(listener: UnixListener, daemon: Arc<Mutex<Daemon>>) {
                 ("stats", None) => serde_json::to_string(&d.snapshot()),
                 ("reload", None) => serde_json::to_string(&d.reload()),
                 ("ports", Some(Ok(netns))) => serde_json::to_string(&d.ports(netns)),
+                ("scope", Some(Ok(cgroup_id))) => {
+                    let scope = d.acct.scope_of_cgroup(cgroup_id).map(|id| d.scope_name(id));
+                    Ok(serde_json::json!({ "scope": scope }).to_string())
+                }
                 _ => Ok(
                     serde_json::json!({ "error": format!("unknown request {:?}", line.trim()) })
                         .to_string(),

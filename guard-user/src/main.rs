@@ -3,6 +3,7 @@ mod accounting;
 mod cgroup;
 mod cli;
 mod daemon;
+mod listeners;
 mod loader;
 mod netns;
 mod policy;
@@ -88,6 +89,33 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 println!("{}", serde_json::to_string(&report)?);
             } else {
                 print!("{}", ports::table(&report));
+            }
+        }
+        Command::Listeners { json, netns } => {
+            let name = enter_netns(&netns)?;
+            let mut report = listeners::report(
+                &name,
+                &sockdiag::tcp_sockets()?,
+                listeners::read_counters()?,
+            );
+            // The scope of each owning process's cgroup, when a daemon answers.
+            if let Ok(root) = cgroup::cgroup2_mount() {
+                for l in &mut report.listeners {
+                    let Some(cg) = &l.cgroup else { continue };
+                    let Ok(id) = cgroup::cgroup_id(&root.join(cg)) else {
+                        continue;
+                    };
+                    if let Ok(text) = daemon::request(&netns.socket, &format!("scope {id}"))
+                        && let Ok(v) = serde_json::from_str::<serde_json::Value>(&text)
+                    {
+                        l.scope = v["scope"].as_str().map(str::to_string);
+                    }
+                }
+            }
+            if json {
+                println!("{}", serde_json::to_string(&report)?);
+            } else {
+                print!("{}", listeners::table(&report));
             }
         }
         Command::Top { netns } => {

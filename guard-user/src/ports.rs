@@ -596,6 +596,9 @@ mod tests {
             sport,
             dst: dst.parse().unwrap(),
             dport,
+            recv_queue: 0,
+            send_queue: 0,
+            inode: 0,
         }
     }
 

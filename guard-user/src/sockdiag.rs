@@ -17,6 +17,7 @@ use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_SOCK_DIAG};
 /// kernels ignore the bit). The kernel reports them in state TCP_CLOSE.
 pub const TCP_BOUND_INACTIVE: u8 = 13;
 pub const TCP_CLOSE: u8 = 7;
+pub const TCP_SYN_RECV: u8 = 3;
 pub const TCP_TIME_WAIT: u8 = 6;
 pub const TCP_LISTEN: u8 = 10;
 
@@ -30,6 +31,14 @@ pub struct TcpSocket {
     pub sport: u16,
     pub dst: IpAddr,
     pub dport: u16,
+    /// For a listener: connections waiting in the accept queue; otherwise bytes queued
+    /// to read.
+    pub recv_queue: u32,
+    /// For a listener: the effective backlog, min(listen() backlog, net.core.somaxconn);
+    /// otherwise bytes queued to send.
+    pub send_queue: u32,
+    /// Inode of the socket (0 for TIME_WAIT and SYN_RECV entries).
+    pub inode: u32,
 }
 
 /// Every TCP socket of the current network namespace, IPv4 and IPv6, in every state
@@ -90,6 +99,9 @@ fn dump(family: u8, out: &mut Vec<TcpSocket>) -> anyhow::Result<()> {
                         sport: id.source_port,
                         dst: plain(id.destination_address),
                         dport: id.destination_port,
+                        recv_queue: r.header.recv_queue,
+                        send_queue: r.header.send_queue,
+                        inode: r.header.inode,
                     });
                 }
                 NetlinkPayload::Done(_) => return Ok(()),

@@ -22,6 +22,8 @@ const USAGE: &str = "usage: guard-probe connect ADDR COUNT CONCURRENCY
        guard-probe serve NETNS_PATH PORT...
        guard-probe churn NETNS_PATH ADDR COUNT PER_SECOND
        guard-probe bind NETNS_PATH ADDR COUNT
+       guard-probe listen NETNS_PATH ADDR BACKLOG
+       guard-probe open NETNS_PATH ADDR COUNT
        guard-probe mixed NETNS_PATH COUNT";
 
 fn main() -> anyhow::Result<()> {
@@ -46,6 +48,41 @@ fn main() -> anyhow::Result<()> {
             hold(&Outcome::default(), Vec::new())
         }
         "churn" => churn(arg(1)?, arg(2)?.parse()?, num(3)?, num(4)?)?,
+        // A listener that never accepts.
+        "listen" => {
+            enter_netns(arg(1)?)?;
+            let addr: SocketAddr = arg(2)?.parse()?;
+            let s = tcp_socket(&addr);
+            s.set_reuse_address(true)?;
+            s.bind(&addr.into())?;
+            s.listen(num(3)? as i32)?;
+            hold(
+                &Outcome {
+                    ok: 1,
+                    attempts: 1,
+                    ..Default::default()
+                },
+                vec![s],
+            )
+        }
+        // COUNT connects, each given 500 ms; prints the outcome, then holds them all.
+        "open" => {
+            enter_netns(arg(1)?)?;
+            let addr: SocketAddr = arg(2)?.parse()?;
+            let out = Mutex::new(Outcome::default());
+            let mut held = Vec::new();
+            for _ in 0..num(3)? {
+                let s = tcp_socket(&addr);
+                let started = Instant::now();
+                record(
+                    &out,
+                    &s.connect_timeout(&addr.into(), Duration::from_millis(500)),
+                    started,
+                );
+                held.push(s);
+            }
+            hold(&out.into_inner().unwrap(), held)
+        }
         "bind" => {
             enter_netns(arg(1)?)?;
             let addr: SocketAddr = arg(2)?.parse()?;

@@ -1,0 +1,263 @@
+//! Listeners and their queues: which listener is saturated, and by whom.
+//!
+//! A listener's accept queue holds established connections not yet accept()ed; it is
+//! full once it holds more than the effective backlog, min(listen() backlog,
+//! net.core.somaxconn) (sk_acceptq_is_full, include/net/sock.h), so it holds backlog + 1.
+//! Then the kernel drops new SYNs and final ACKs silently (ListenOverflows and
+//! ListenDrops grow, per network namespace), and clients wait on SYN retransmits.
+//! sock_diag reports a listener's queue length as Recv-Q and its backlog as Send-Q
+//! (net/ipv4/tcp_diag.c), and half-open connections as SYN_RECV entries.
+use std::{collections::BTreeMap, fmt::Write, path::Path};
+
+use anyhow::Context;
+use serde::{Deserialize, Serialize};
+
+use crate::{
+    ports::endpoint,
+    sockdiag::{TCP_LISTEN, TCP_SYN_RECV, TcpSocket},
+};
+
+/// TcpExt counters of /proc/net/netstat shown with the listeners (all per namespace).
+pub const COUNTERS: &[&str] = &[
+    "ListenOverflows",
+    "ListenDrops",
+    "TCPReqQFullDrop",
+    "TCPReqQFullDoCookies",
+    "SyncookiesSent",
+    "TCPSynRetrans",
+];
+
+/// `connguard listeners --json`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ListenersReport {
+    pub netns: String,
+    /// Fullest first.
+    pub listeners: Vec<Listener>,
+    /// The namespace's TcpExt counters (totals since the namespace was created), as
+    /// `nstat -az` shows them.
+    pub counters: BTreeMap<String, u64>,
+    pub warnings: Vec<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Listener {
+    pub netns: String,
+    /// `a.b.c.d:port` or `[v6]:port` (0.0.0.0 or :: for every address).
+    pub addr: String,
+    /// Owning process as `comm[pid]`, when one holds the socket.
+    pub process: Option<String>,
+    /// Its cgroup, below the cgroup2 mount.
+    pub cgroup: Option<String>,
+    /// Its scope (asked from the daemon; null without one or outside every scope).
+    pub scope: Option<String>,
+    /// Connections waiting to be accept()ed.
+    pub accept_queue: u32,
+    /// Effective backlog: min(listen() backlog, net.core.somaxconn).
+    pub backlog: u32,
+    /// Half-open connections (SYN received, SYN-ACK sent).
+    pub syn_recv: u32,
+    /// Overflows of this listener; null: the kernel counts them per namespace only
+    /// (`counters.ListenOverflows`).
+    pub overflows: Option<u64>,
+    /// SYNs answered with RST by connguard (listener shedding is not built yet: 0).
+    pub rst_shed: u64,
+    /// "full" when the queue holds more than the backlog (new SYNs are dropped), else "ok".
+    pub state: String,
+}
+
+/// The listeners of the calling thread's namespace.
+pub fn report(
+    netns: &str,
+    sockets: &[TcpSocket],
+    counters: BTreeMap<String, u64>,
+) -> ListenersReport {
+    let owners = socket_owners();
+    let mut listeners: Vec<Listener> = sockets
+        .iter()
+        .filter(|s| s.state == TCP_LISTEN)
+        .map(|l| {
+            let syn_recv = sockets
+                .iter()
+                .filter(|s| {
+                    s.state == TCP_SYN_RECV
+                        && s.sport == l.sport
+                        && (l.src.is_unspecified() || s.src == l.src)
+                })
+                .count() as u32;
+            let owner = owners.get(&l.inode);
+            Listener {
+                netns: netns.to_string(),
+                addr: endpoint(l.src, l.sport),
+                process: owner.map(|o| format!("{}[{}]", o.comm, o.pid)),
+                cgroup: owner.and_then(|o| o.cgroup.clone()),
+                scope: None,
+                accept_queue: l.recv_queue,
+                backlog: l.send_queue,
+                syn_recv,
+                overflows: None,
+                rst_shed: 0,
+                state: if l.recv_queue > l.send_queue {
+                    "full"
+                } else {
+                    "ok"
+                }
+                .into(),
+            }
+        })
+        .collect();
+    listeners.sort_by(|a, b| {
+        let fill = |l: &Listener| l.accept_queue as f64 / l.backlog.max(1) as f64;
+        fill(b).total_cmp(&fill(a)).then(a.addr.cmp(&b.addr))
+    });
+    let mut r = ListenersReport {
+        netns: netns.to_string(),
+        listeners,
+        counters,
+        warnings: Vec::new(),
+    };
+    r.warnings = r
+        .listeners
+        .iter()
+        .filter(|l| l.state == "full")
+        .map(|l| {
+            format!(
+                "{} ({}) has {} connections waiting to be accepted, past its backlog of {}: new SYNs are \
+                 dropped and clients wait on SYN retransmits (1 s, 3 s, 7 s). ListenOverflows is {} in this \
+                 namespace. Remedies: accept faster (more workers, a shorter critical path); raise the \
+                 listen() backlog and net.core.somaxconn for bursts; set an accept_queue_watermark so \
+                 clients are refused at once instead of waiting.",
+                l.addr,
+                l.process.as_deref().unwrap_or("no process"),
+                l.accept_queue,
+                l.backlog,
+                r.counters.get("ListenOverflows").copied().unwrap_or(0)
+            )
+        })
+        .collect();
+    r
+}
+
+/// The namespace's TcpExt counters from /proc/thread-self/net/netstat (the calling
+/// thread's namespace).
+pub fn read_counters() -> anyhow::Result<BTreeMap<String, u64>> {
+    let text = std::fs::read_to_string("/proc/thread-self/net/netstat")
+        .context("reading /proc/thread-self/net/netstat")?;
+    Ok(parse_netstat(&text))
+}
+
+/// The COUNTERS of the TcpExt lines of a /proc/net/netstat text (a line of names, then
+/// a line of values).
+pub fn parse_netstat(text: &str) -> BTreeMap<String, u64> {
+    let lines: Vec<&str> = text.lines().filter(|l| l.starts_with("TcpExt:")).collect();
+    let mut out = BTreeMap::new();
+    if let [names, values] = lines[..] {
+        for (name, value) in names
+            .split_whitespace()
+            .zip(values.split_whitespace())
+            .skip(1)
+        {
+            if COUNTERS.contains(&name) {
+                out.insert(name.to_string(), value.parse().unwrap_or(0));
+            }
+        }
+    }
+    out
+}
+
+struct Owner {
+    pid: u32,
+    comm: String,
+    cgroup: Option<String>,
+}
+
+/// Socket inode -> the first process holding it (from /proc/PID/fd, as `ss -p` does).
+fn socket_owners() -> BTreeMap<u32, Owner> {
+    let mut out = BTreeMap::new();
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return out;
+    };
+    for entry in procs.flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(fds) = std::fs::read_dir(entry.path().join("fd")) else {
+            continue;
+        };
+        for fd in fds.flatten() {
+            let Ok(link) = std::fs::read_link(fd.path()) else {
+                continue;
+            };
+            let link = link.to_string_lossy();
+            let Some(inode) = link
+                .strip_prefix("socket:[")
+                .and_then(|s| s.strip_suffix(']'))
+            else {
+                continue;
+            };
+            let Ok(inode) = inode.parse::<u32>() else {
+                continue;
+            };
+            out.entry(inode).or_insert_with(|| Owner {
+                pid,
+                comm: std::fs::read_to_string(entry.path().join("comm"))
+                    .map(|c| c.trim().to_string())
+                    .unwrap_or_default(),
+                cgroup: cgroup_of(&entry.path()),
+            });
+        }
+    }
+    out
+}
+
+/// The cgroup v2 path of a process, from /proc/PID/cgroup ("0::/path").
+fn cgroup_of(proc_dir: &Path) -> Option<String> {
+    let text = std::fs::read_to_string(proc_dir.join("cgroup")).ok()?;
+    text.lines()
+        .find_map(|l| l.strip_prefix("0::"))
+        .map(|p| p.trim_start_matches('/').to_string())
+}
+
+/// The readable form of `connguard listeners`.
+pub fn table(r: &ListenersReport) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "netns {}", r.netns);
+    let _ = writeln!(
+        out,
+        "\n{:<28} {:>8} {:>8} {:>9} {:<6} {:<24} {:<16}",
+        "LISTENER", "QUEUE", "BACKLOG", "SYN_RECV", "STATE", "PROCESS", "SCOPE"
+    );
+    for l in &r.listeners {
+        let _ = writeln!(
+            out,
+            "{:<28} {:>8} {:>8} {:>9} {:<6} {:<24} {:<16}",
+            l.addr,
+            l.accept_queue,
+            l.backlog,
+            l.syn_recv,
+            l.state,
+            l.process.as_deref().unwrap_or("-"),
+            l.scope.as_deref().unwrap_or("-")
+        );
+    }
+    let counters: Vec<String> = r.counters.iter().map(|(k, v)| format!("{k} {v}")).collect();
+    let _ = writeln!(out, "\nnamespace counters: {}", counters.join(", "));
+    for w in &r.warnings {
+        let _ = writeln!(out, "\nWARNING: {w}");
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn netstat_counters_are_read_by_name() {
+        let text = "TcpExt: SyncookiesSent ListenOverflows ListenDrops Other\nTcpExt: 4 7 9 1\nIpExt: A\nIpExt: 2\n";
+        let c = parse_netstat(text);
+        assert_eq!(c.get("ListenOverflows"), Some(&7));
+        assert_eq!(c.get("ListenDrops"), Some(&9));
+        assert_eq!(c.get("SyncookiesSent"), Some(&4));
+        assert_eq!(c.get("Other"), None);
+    }
+}

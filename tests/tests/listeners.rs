@@ -1,0 +1,96 @@
+//! Listener accept-queue exhaustion, detected (issue 4, CASES 3).
+use std::process::Command;
+
+use connguard_tests::{Cgroup, Daemon, Netns, connguard_bin};
+use serde_json::Value;
+
+/// `nstat -asz NAME` in the namespace: the counter's absolute value.
+fn nstat(ns: &Netns, name: &str) -> u64 {
+    let out = Command::new("ip")
+        .args(["netns", "exec", &ns.name, "nstat", "-asz", name])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.lines()
+        .find(|l| l.starts_with(name))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in nstat output {text:?}"))
+}
+
+/// CASES 3: somaxconn 1 and listen(1000), never accepting: the queue holds backlog + 1,
+/// so 2 connects complete and the 3rd waits; the listener is shown 2 of 1, full, with
+/// its process and scope, and the overflow counters equal nstat's.
+#[test]
+fn full_accept_queue_is_named_with_backlog_process_and_scope() {
+    let ns = Netns::new("cglisten");
+    ns.exec("ip", &["link", "set", "lo", "up"]);
+    ns.exec("sysctl", &["-qw", "net.core.somaxconn=1"]);
+    let server = Cgroup::new("listen-server");
+    let client = Cgroup::new("listen-client");
+    let d = Daemon::start(&format!(
+        "[[scope]]\nname = \"api\"\ncgroup = \"{}\"\nmode = \"observe\"\n",
+        server.rel
+    ));
+    let listener = server.hold_args(&["listen", &ns.path(), "127.0.0.1:8090", "1000"]);
+    let before = nstat(&ns, "TcpExtListenOverflows");
+    let clients = client.hold_args(&["open", &ns.path(), "127.0.0.1:8090", "3"]);
+    assert_eq!(
+        (clients.outcome.ok, clients.outcome.attempts),
+        (2, 3),
+        "{:?}",
+        clients.outcome
+    );
+
+    // SYN retransmits may land while we read: bracket the reading with nstat's.
+    let (overflows_before, drops_before) = (
+        nstat(&ns, "TcpExtListenOverflows"),
+        nstat(&ns, "TcpExtListenDrops"),
+    );
+    let out = Command::new(connguard_bin())
+        .args(["listeners", "--json", "--netns", &ns.path(), "--socket"])
+        .arg(&d.socket)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let l = &r["listeners"][0];
+    assert_eq!(l["addr"], "127.0.0.1:8090", "{r}");
+    assert_eq!(
+        (
+            l["accept_queue"].as_u64(),
+            l["backlog"].as_u64(),
+            l["state"].as_str()
+        ),
+        (Some(2), Some(1), Some("full")),
+        "{l}"
+    );
+    assert_eq!(
+        l["process"],
+        format!("guard-probe[{}]", listener.child.id()),
+        "{l}"
+    );
+    assert_eq!(
+        (l["cgroup"].as_str(), l["scope"].as_str()),
+        (Some(server.rel.as_str()), Some("api")),
+        "{l}"
+    );
+    // The 3rd client's SYNs were dropped: the counters grew, and equal nstat's.
+    let overflows = r["counters"]["ListenOverflows"].as_u64().unwrap();
+    assert!(overflows > before, "{r}");
+    assert_eq!(overflows, nstat(&ns, "TcpExtListenOverflows"));
+    assert_eq!(
+        r["counters"]["ListenDrops"].as_u64().unwrap(),
+        nstat(&ns, "TcpExtListenDrops")
+    );
+    let w = r["warnings"][0].as_str().unwrap();
+    assert!(w.starts_with("127.0.0.1:8090 (guard-probe["), "{w}");
+    assert!(
+        w.contains("has 2 connections waiting to be accepted, past its backlog of 1"),
+        "{w}"
+    );
+}
