@@ -81,12 +81,20 @@ fn full_accept_queue_is_named_with_backlog_process_and_scope() {
     );
     // The 3rd client's SYNs were dropped: the counters grew, and equal nstat's.
     let overflows = r["counters"]["ListenOverflows"].as_u64().unwrap();
+    let drops = r["counters"]["ListenDrops"].as_u64().unwrap();
     assert!(overflows > before, "{r}");
-    assert_eq!(overflows, nstat(&ns, "TcpExtListenOverflows"));
-    assert_eq!(
-        r["counters"]["ListenDrops"].as_u64().unwrap(),
-        nstat(&ns, "TcpExtListenDrops")
-    );
+    for (ours, lo, hi) in [
+        (overflows, overflows_before, overflows_after),
+        (drops, drops_before, drops_after),
+    ] {
+        assert!(
+            (lo..=hi).contains(&ours),
+            "{ours} outside nstat's {lo}..={hi}"
+        );
+        if lo == hi {
+            assert_eq!(ours, lo);
+        }
+    }
     let w = r["warnings"][0].as_str().unwrap();
     assert!(w.starts_with("127.0.0.1:8090 (guard-probe["), "{w}");
     assert!(
