@@ -52,6 +52,10 @@ fn full_accept_queue_is_named_with_backlog_process_and_scope() {
         .arg(&d.socket)
         .output()
         .unwrap();
+    let (overflows_after, drops_after) = (
+        nstat(&ns, "TcpExtListenOverflows"),
+        nstat(&ns, "TcpExtListenDrops"),
+    );
     assert!(
         out.status.success(),
         "{}",
