@@ -91,8 +91,8 @@ pub enum Command {
         #[command(flatten)]
         netns: NetnsArgs,
     },
-    /// A live view, refreshed every second: ports held per destination with bars, the
-    /// diagnosis, and the daemon's scopes. Quit with q.
+    /// A live view, refreshed every second: ports held per destination and listeners'
+    /// accept queues with bars, the daemon's scopes, and the diagnosis. Quit with q.
     Top {
         #[command(flatten)]
         netns: NetnsArgs,

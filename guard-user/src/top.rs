@@ -1,5 +1,7 @@
-//! `connguard top`: a live terminal view (ratatui), refreshed every second. Works over
-//! ssh in any terminal; ratatui redraws only what changed, so it does not flicker.
+//! `connguard top`: a live terminal view (ratatui), refreshed every second: ports held
+//! per destination, listeners and their accept queues, the daemon's scopes, and the
+//! diagnosis. Works over ssh in any terminal; ratatui redraws only what changed, so it
+//! does not flicker.
 use std::{
     path::Path,
     time::{Duration, Instant},
@@ -16,6 +18,7 @@ use ratatui::{
 
 use crate::{
     daemon,
+    listeners::{self, Listener},
     ports::{self, PortsReport},
     stats::Snapshot,
 };
@@ -25,6 +28,7 @@ const BAR_WIDTH: usize = 20;
 
 struct View {
     ports: Result<PortsReport, String>,
+    listeners: Vec<Listener>,
     /// None without a daemon.
     stats: Option<Snapshot>,
     /// When it was gathered, as HH:MM:SS UTC.
@@ -73,6 +77,16 @@ pub fn run(netns: &str, socket: &Path) -> anyhow::Result<()> {
 fn gather(netns: &str, socket: &Path) -> View {
     View {
         ports: ports::collect(netns, socket).map_err(|e| format!("{e:#}")),
+        listeners: crate::sockdiag::tcp_sockets()
+            .map(|socks| {
+                listeners::report(
+                    netns,
+                    &socks,
+                    listeners::read_counters().unwrap_or_default(),
+                )
+                .listeners
+            })
+            .unwrap_or_default(),
         stats: daemon::request(socket, "stats")
             .ok()
             .and_then(|t| serde_json::from_str(&t).ok()),
@@ -87,13 +101,53 @@ fn bar(ratio: f64) -> String {
 
 fn draw(f: &mut Frame, netns: &str, v: &View) {
     let bold = Style::default().add_modifier(Modifier::BOLD);
-    let [header, dests, scopes, warnings] = Layout::vertical([
+    let [header, dests, lists, scopes, warnings] = Layout::vertical([
         Constraint::Length(1),
-        Constraint::Percentage(45),
-        Constraint::Percentage(30),
+        Constraint::Percentage(35),
+        Constraint::Percentage(20),
+        Constraint::Percentage(20),
         Constraint::Min(3),
     ])
     .areas(f.area());
+
+    let listener_rows: Vec<Row> = v
+        .listeners
+        .iter()
+        .map(|l| {
+            Row::new(vec![
+                l.addr.clone(),
+                bar(l.accept_queue as f64 / l.backlog.max(1) as f64),
+                format!("{}/{}", l.accept_queue, l.backlog),
+                l.syn_recv.to_string(),
+                l.state.clone(),
+                l.process.clone().unwrap_or_else(|| "-".into()),
+            ])
+        })
+        .collect();
+    let listener_table = Table::new(
+        listener_rows,
+        [
+            Constraint::Length(24),
+            Constraint::Length(BAR_WIDTH as u16),
+            Constraint::Length(12),
+            Constraint::Length(9),
+            Constraint::Length(6),
+            Constraint::Min(10),
+        ],
+    )
+    .header(
+        Row::new([
+            "LISTENER",
+            "ACCEPT QUEUE",
+            "QUEUE",
+            "SYN_RECV",
+            "STATE",
+            "PROCESS",
+        ])
+        .style(bold),
+    )
+    .block(Block::bordered().title(" listeners "));
+    f.render_widget(listener_table, lists);
 
     let head = match &v.ports {
         Ok(r) => format!(

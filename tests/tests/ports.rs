@@ -395,6 +395,15 @@ fn top_shows_the_exhausted_destination_in_a_terminal_and_quits_on_q() {
         "{row}"
     );
     assert!(text.contains("scopes (no daemon answers)"), "{text}");
+    // The servers' listeners, with their accept queues (nothing waiting).
+    let listener = text
+        .lines()
+        .find(|l| l.contains("127.0.0.1:8081"))
+        .unwrap_or_else(|| panic!("{text}"));
+    assert!(
+        listener.contains(" ok ") && listener.contains("guard-probe["),
+        "{listener}"
+    );
     assert!(text.contains("holds 100 of 100 ephemeral ports"), "{text}");
     Command::new("tmux")
         .args(["send-keys", "-t", &session, "q"])
