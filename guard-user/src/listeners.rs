@@ -124,8 +124,7 @@ pub fn report(
                 "{} ({}) has {} connections waiting to be accepted, past its backlog of {}: new SYNs are \
                  dropped and clients wait on SYN retransmits (1 s, 3 s, 7 s). ListenOverflows is {} in this \
                  namespace. Remedies: accept faster (more workers, a shorter critical path); raise the \
-                 listen() backlog and net.core.somaxconn for bursts; set an accept_queue_watermark so \
-                 clients are refused at once instead of waiting.",
+                 listen() backlog and net.core.somaxconn for bursts.",
                 l.addr,
                 l.process.as_deref().unwrap_or("no process"),
                 l.accept_queue,
