@@ -229,6 +229,26 @@ pub struct EaddrKey {
     pub comm: [u8; 16],
 }
 
+/// Key of `LISTENERS_SHED`: a listener's port (host byte order) and address (network
+/// order, IPv4 IPv4-mapped; all zeros for a listener on every address).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ListenerKey {
+    pub port: u16,
+    pub _pad: u16,
+    pub addr: [u8; 16],
+}
+
+/// Value of `LISTENERS_SHED`: present while the listener's queue is past its watermark.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ListenerShed {
+    /// Index of the listener policy; keys RST_SHED and WOULD_RST.
+    pub listener_id: u32,
+    /// MODE_OBSERVE or MODE_ENFORCE.
+    pub mode: u32,
+}
+
 #[cfg(feature = "user")]
 mod pod {
     use super::*;
@@ -240,5 +260,7 @@ mod pod {
     unsafe impl aya::Pod for Counter {}
     unsafe impl aya::Pod for TimeWaitKey {}
     unsafe impl aya::Pod for PortUseKey {}
+    unsafe impl aya::Pod for ListenerKey {}
+    unsafe impl aya::Pod for ListenerShed {}
     unsafe impl aya::Pod for EaddrKey {}
 }

@@ -12,6 +12,7 @@
 
 mod accounting;
 mod connect;
+mod listener;
 mod maps;
 mod release;
 mod set_state;

@@ -9,8 +9,8 @@ use aya_ebpf::{
     maps::{Array, HashMap, LpmTrie, PerCpuArray},
 };
 use guard_common::{
-    Candidates, CgroupKey, Counter, CounterKey, EaddrKey, PortUseKey, RuleAddrKey, STAT_COUNT,
-    ScopeConf, SockState, TimeWaitKey,
+    Candidates, CgroupKey, Counter, CounterKey, EaddrKey, ListenerKey, ListenerShed, PortUseKey,
+    RuleAddrKey, STAT_COUNT, ScopeConf, SockState, TimeWaitKey,
 };
 
 /// Element 0: the policy generation (0 or 1) that the programs read.
@@ -44,6 +44,17 @@ pub static EADDRNOTAVAIL: HashMap<EaddrKey, u64> =
 /// Thousandths of the ephemeral range held toward a destination, for port watermarks.
 #[map]
 pub static PORT_USE: HashMap<PortUseKey, u32> = HashMap::with_max_entries(65536, BPF_F_NO_PREALLOC);
+
+/// Listeners whose accept queue is past its watermark, kept by the daemon.
+#[map]
+pub static LISTENERS_SHED: HashMap<ListenerKey, ListenerShed> =
+    HashMap::with_max_entries(4096, BPF_F_NO_PREALLOC);
+
+/// SYNs answered with RST, and SYNs observe mode would have answered, per listener id.
+#[map]
+pub static RST_SHED: HashMap<u32, u64> = HashMap::with_max_entries(4096, BPF_F_NO_PREALLOC);
+#[map]
+pub static WOULD_RST: HashMap<u32, u64> = HashMap::with_max_entries(4096, BPF_F_NO_PREALLOC);
 
 /// Per-socket state, in the socket itself: no size limit and nothing to clean up.
 #[btf_map]

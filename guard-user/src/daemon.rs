@@ -20,8 +20,8 @@ use guard_common::PortUseKey;
 
 use crate::{
     accounting::{self, Accounting},
-    cgroup, loader, netns,
-    policy::{self, Policy},
+    cgroup, listeners, loader, netns,
+    policy::{self, ListenerPolicy, Policy},
     ports, sockdiag,
     stats::{self, PolicyStatus, Snapshot},
 };
@@ -48,6 +48,7 @@ pub struct ReloadReply {
 
 struct Daemon {
     acct: Accounting,
+    guard: listeners::ListenerGuard,
     tw_rates: ports::TimeWaitRates,
     ebpf: aya::Ebpf,
     status: PolicyStatus,
@@ -76,6 +77,7 @@ impl Daemon {
             });
         match result {
             Ok(what) => {
+                self.attach_listeners();
                 self.status.generation += 1;
                 self.status.last_error = None;
                 log::info!(
@@ -149,6 +151,23 @@ impl Daemon {
             programs: loader::program_costs(&self.ebpf),
             eaddrnotavail: self.eaddrnotavail(),
             watched_ports: self.acct.watched_ports(),
+            listeners: self.guard.stats(&self.listener_policies()),
+        }
+    }
+
+    fn listener_policies(&self) -> Vec<ListenerPolicy> {
+        self.acct
+            .policy
+            .as_ref()
+            .map(|p| p.listeners.clone())
+            .unwrap_or_default()
+    }
+
+    /// Attaches the listener guard in namespaces the policy names for the first time.
+    fn attach_listeners(&mut self) {
+        let policies = self.listener_policies();
+        if let Err(e) = self.guard.attach(&mut self.ebpf, &policies) {
+            log::error!("listener guard: {e:#}");
         }
     }
 }
@@ -177,6 +196,7 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
     };
     let mut ebpf = loader::load_and_attach(&root)?;
     let mut acct = Accounting::new(&mut ebpf, root.clone())?;
+    let guard = listeners::ListenerGuard::new(&mut ebpf)?;
     let what = policy::describe(&policy);
     let source = policy.source.clone();
     acct.apply(policy)?;
@@ -186,6 +206,7 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
     tw_rates.sample(std::time::Instant::now(), acct.time_waits());
     let daemon = Arc::new(Mutex::new(Daemon {
         acct,
+        guard,
         tw_rates,
         ebpf,
         status: PolicyStatus {
@@ -196,6 +217,11 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
         policy_path: opts.policy.clone(),
     }));
 
+    daemon.lock().expect("daemon lock").attach_listeners();
+    {
+        let daemon = daemon.clone();
+        thread::spawn(move || watch_listeners(&daemon));
+    }
     let (tx, rx) = mpsc::channel::<i32>();
     let mut signals = signal_hook::iterator::Signals::new([SIGHUP, SIGTERM, SIGINT])?;
     thread::spawn(move || {
@@ -260,6 +286,27 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
     }
     let _ = std::fs::remove_file(&opts.socket);
     Ok(())
+}
+
+/// How often listener queues are read: shedding starts and stops within this (plus
+/// the read).
+const LISTENER_POLL: Duration = Duration::from_millis(50);
+
+/// Keeps LISTENERS_SHED current from the listeners' socket tables, forever. The tables
+/// are read without holding the daemon lock.
+fn watch_listeners(daemon: &Mutex<Daemon>) {
+    loop {
+        thread::sleep(LISTENER_POLL);
+        let policies = daemon.lock().expect("daemon lock").listener_policies();
+        let entries = if policies.is_empty() {
+            HashMap::new()
+        } else {
+            listeners::over_watermark(&policies)
+        };
+        if let Err(e) = daemon.lock().expect("daemon lock").guard.set(entries) {
+            log::warn!("listener guard: {e:#}");
+        }
+    }
 }
 
 /// Keeps PORT_USE current for the network namespaces of the processes of scopes with a

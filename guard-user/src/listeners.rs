@@ -7,12 +7,19 @@
 //! ListenDrops grow, per network namespace), and clients wait on SYN retransmits.
 //! sock_diag reports a listener's queue length as Recv-Q and its backlog as Send-Q
 //! (net/ipv4/tcp_diag.c), and half-open connections as SYN_RECV entries.
-use std::{collections::BTreeMap, fmt::Write, path::Path};
+use std::{
+    collections::{BTreeMap, BTreeSet, HashMap},
+    fmt::Write,
+    path::Path,
+};
 
 use anyhow::Context;
 use serde::{Deserialize, Serialize};
 
+use guard_common::{ListenerKey, ListenerShed, MODE_ENFORCE};
+
 use crate::{
+    policy::ListenerPolicy,
     ports::endpoint,
     sockdiag::{TCP_LISTEN, TCP_SYN_RECV, TcpSocket},
 };
@@ -44,6 +51,8 @@ pub struct Listener {
     pub netns: String,
     /// `a.b.c.d:port` or `[v6]:port` (0.0.0.0 or :: for every address).
     pub addr: String,
+    /// The port alone, host order.
+    pub port: u16,
     /// Owning process as `comm[pid]`, when one holds the socket.
     pub process: Option<String>,
     /// Its cgroup, below the cgroup2 mount.
@@ -59,7 +68,7 @@ pub struct Listener {
     /// Overflows of this listener; null: the kernel counts them per namespace only
     /// (`counters.ListenOverflows`).
     pub overflows: Option<u64>,
-    /// SYNs answered with RST by connguard (listener shedding is not built yet: 0).
+    /// SYNs answered with RST by connguard's guard for this port (from the daemon).
     pub rst_shed: u64,
     /// "full" when the queue holds more than the backlog (new SYNs are dropped), else "ok".
     pub state: String,
@@ -88,6 +97,7 @@ pub fn report(
             Listener {
                 netns: netns.to_string(),
                 addr: endpoint(l.src, l.sport),
+                port: l.sport,
                 process: owner.map(|o| format!("{}[{}]", o.comm, o.pid)),
                 cgroup: owner.and_then(|o| o.cgroup.clone()),
                 scope: None,
@@ -259,4 +269,218 @@ mod tests {
         assert_eq!(c.get("SyncookiesSent"), Some(&4));
         assert_eq!(c.get("Other"), None);
     }
+}
+
+/// The daemon's side of listener guards: attaches the tc program in the listeners'
+/// namespaces and keeps LISTENERS_SHED current.
+pub struct ListenerGuard {
+    shed: aya::maps::HashMap<aya::maps::MapData, ListenerKey, ListenerShed>,
+    rst: aya::maps::HashMap<aya::maps::MapData, u32, u64>,
+    would: aya::maps::HashMap<aya::maps::MapData, u32, u64>,
+    written: HashMap<ListenerKey, ListenerShed>,
+    /// Namespaces (policy netns paths, "" for the daemon's own) already attached.
+    attached: BTreeSet<String>,
+}
+
+/// Live state of one `[[listener]]` policy, for `stats`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ListenerStats {
+    pub name: String,
+    /// The policy's netns file, or "self".
+    pub netns: String,
+    /// The policy's ports, as inclusive [first, last] ranges.
+    pub ports: Vec<[u16; 2]>,
+    pub mode: String,
+    /// True while its accept queue is past the watermark.
+    pub shedding: bool,
+    /// SYNs answered with RST (enforce mode).
+    pub rst_shed: u64,
+    /// SYNs observe mode would have answered with RST.
+    pub would_rst: u64,
+}
+
+impl ListenerGuard {
+    pub fn new(ebpf: &mut aya::Ebpf) -> anyhow::Result<Self> {
+        let mut take = |name: &str| {
+            ebpf.take_map(name)
+                .with_context(|| format!("map {name} missing from the eBPF object"))
+        };
+        Ok(ListenerGuard {
+            shed: aya::maps::HashMap::try_from(take("LISTENERS_SHED")?)?,
+            rst: aya::maps::HashMap::try_from(take("RST_SHED")?)?,
+            would: aya::maps::HashMap::try_from(take("WOULD_RST")?)?,
+            written: HashMap::new(),
+            attached: BTreeSet::new(),
+        })
+    }
+
+    /// Attaches the RST program to every interface (loopback included) of each listener
+    /// namespace not attached yet. Links live as long as the daemon.
+    pub fn attach(
+        &mut self,
+        ebpf: &mut aya::Ebpf,
+        policies: &[ListenerPolicy],
+    ) -> anyhow::Result<()> {
+        for p in policies {
+            let key = p
+                .netns
+                .as_ref()
+                .map_or(String::new(), |n| n.display().to_string());
+            if self.attached.contains(&key) {
+                continue;
+            }
+            let prog: &mut aya::programs::SchedClassifier = ebpf
+                .program_mut(crate::loader::LISTENER_PROGRAM)
+                .context("listener program missing")?
+                .try_into()?;
+            let netns = p.netns.clone();
+            // setns() moves only the calling thread: attach from a thread of its own.
+            let n = std::thread::scope(|s| {
+                s.spawn(|| -> anyhow::Result<usize> {
+                    if let Some(ns) = &netns {
+                        crate::netns::enter(ns)?;
+                    }
+                    let mut n = 0;
+                    for iface in interfaces()? {
+                        crate::loader::attach_tc_ingress(prog, &iface)
+                            .with_context(|| format!("attaching the listener guard to {iface}"))?;
+                        n += 1;
+                    }
+                    Ok(n)
+                })
+                .join()
+                .map_err(|_| anyhow::anyhow!("attaching in {key:?} panicked"))?
+            })?;
+            log::info!(
+                "listener guard attached to {n} interface(s) in netns {}",
+                if key.is_empty() { "self" } else { &key }
+            );
+            self.attached.insert(key);
+        }
+        Ok(())
+    }
+
+    /// Makes LISTENERS_SHED hold exactly these listeners; stale entries go first.
+    pub fn set(&mut self, entries: HashMap<ListenerKey, ListenerShed>) -> anyhow::Result<()> {
+        for stale in self.written.keys().filter(|k| !entries.contains_key(k)) {
+            let _ = self.shed.remove(stale);
+        }
+        self.written.clear();
+        for (k, v) in entries {
+            self.shed.insert(k, v, 0)?;
+            self.written.insert(k, v);
+        }
+        Ok(())
+    }
+
+    pub fn stats(&self, policies: &[ListenerPolicy]) -> Vec<ListenerStats> {
+        policies
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let id = i as u32;
+                ListenerStats {
+                    name: p.name.clone(),
+                    netns: p
+                        .netns
+                        .as_ref()
+                        .map_or("self".into(), |n| n.display().to_string()),
+                    ports: p.ports.iter().map(|r| [r.first, r.last]).collect(),
+                    mode: if p.mode == MODE_ENFORCE {
+                        "enforce"
+                    } else {
+                        "observe"
+                    }
+                    .into(),
+                    shedding: self.written.values().any(|v| v.listener_id == id),
+                    rst_shed: self.rst.get(&id, 0).unwrap_or(0),
+                    would_rst: self.would.get(&id, 0).unwrap_or(0),
+                }
+            })
+            .collect()
+    }
+}
+
+/// The interfaces of the calling thread's network namespace.
+fn interfaces() -> anyhow::Result<Vec<String>> {
+    let dev = std::fs::read_to_string("/proc/thread-self/net/dev")
+        .context("reading /proc/thread-self/net/dev")?;
+    Ok(dev
+        .lines()
+        .skip(2)
+        .filter_map(|l| l.split_once(':').map(|(n, _)| n.trim().to_string()))
+        .collect())
+}
+
+/// The listeners past their watermark, read from the socket tables of the policies'
+/// namespaces. A namespace that cannot be read leaves its listeners out (fail-open).
+pub fn over_watermark(policies: &[ListenerPolicy]) -> HashMap<ListenerKey, ListenerShed> {
+    let mut out = HashMap::new();
+    let namespaces: BTreeSet<Option<&Path>> = policies.iter().map(|p| p.netns.as_deref()).collect();
+    for ns in namespaces {
+        let sockets = std::thread::scope(|s| {
+            s.spawn(|| -> anyhow::Result<Vec<TcpSocket>> {
+                if let Some(ns) = ns {
+                    crate::netns::enter(ns)?;
+                }
+                crate::sockdiag::tcp_sockets()
+            })
+            .join()
+        });
+        let Ok(Ok(sockets)) = sockets else {
+            log::debug!("listener guard: cannot read the socket table of {ns:?}");
+            continue;
+        };
+        for (id, p) in policies
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| p.netns.as_deref() == ns)
+        {
+            for l in sockets.iter().filter(|l| {
+                l.state == TCP_LISTEN
+                    && p.ports
+                        .iter()
+                        .any(|r| (r.first..=r.last).contains(&l.sport))
+                    && p.addr.is_none_or(|a| a == l.src)
+            }) {
+                let syn_recv = syn_recv_of(&sockets, l);
+                let queue_over = p
+                    .accept_queue_watermark
+                    .is_some_and(|w| l.recv_queue as u64 * 1000 >= w as u64 * l.send_queue as u64);
+                let syn_over = p.max_syn_recv.is_some_and(|m| syn_recv >= m);
+                if queue_over || syn_over {
+                    let addr = if l.src.is_unspecified() {
+                        [0; 16]
+                    } else {
+                        crate::accounting::mapped_addr(l.src)
+                    };
+                    let key = ListenerKey {
+                        port: l.sport,
+                        _pad: 0,
+                        addr,
+                    };
+                    out.insert(
+                        key,
+                        ListenerShed {
+                            listener_id: id as u32,
+                            mode: p.mode,
+                        },
+                    );
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Half-open connections toward a listener.
+fn syn_recv_of(sockets: &[TcpSocket], l: &TcpSocket) -> u32 {
+    sockets
+        .iter()
+        .filter(|s| {
+            s.state == TCP_SYN_RECV
+                && s.sport == l.sport
+                && (l.src.is_unspecified() || s.src == l.src)
+        })
+        .count() as u32
 }

@@ -4,7 +4,10 @@ use std::{ffi::CString, fs::File, path::Path};
 use anyhow::{Context, bail};
 use aya::{
     Btf, Ebpf, EbpfLoader,
-    programs::{BtfTracePoint, CgroupAttachMode, CgroupSock, CgroupSockAddr, SockOps},
+    programs::{
+        BtfTracePoint, CgroupAttachMode, CgroupSock, CgroupSockAddr, SchedClassifier, SockOps,
+        TcAttachType,
+    },
     util::KernelVersion,
 };
 use serde::{Deserialize, Serialize};
@@ -21,6 +24,8 @@ static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/gu
 const CGROUP_SOCK_ADDR: &[&str] = &["connect4", "connect6"];
 const CGROUP_SOCK: &[&str] = &["sock_create", "sock_release"];
 const SOCK_OPS: &[&str] = &["sock_state"];
+/// tc ingress program of listener guards, attached per namespace by listeners.rs.
+pub const LISTENER_PROGRAM: &str = "listener_shed";
 /// (program, BTF tracepoint)
 const TP_BTF: &[(&str, &str)] = &[("sock_set_state", "inet_sock_set_state")];
 
@@ -99,6 +104,9 @@ pub fn load_and_attach(cgroup_root: &Path) -> anyhow::Result<Ebpf> {
         prog.attach(&cgroup, CgroupAttachMode::Single)
             .with_context(|| format!("attaching {name} to {}", cgroup_root.display()))?;
     }
+    let prog: &mut SchedClassifier = program(&mut ebpf, LISTENER_PROGRAM)?.try_into()?;
+    prog.load()
+        .with_context(|| format!("loading {LISTENER_PROGRAM}"))?;
     let btf = Btf::from_sys_fs().context("reading kernel BTF from /sys/kernel/btf/vmlinux")?;
     for (name, tracepoint) in TP_BTF {
         let prog: &mut BtfTracePoint = program(&mut ebpf, name)?.try_into()?;
@@ -108,6 +116,17 @@ pub fn load_and_attach(cgroup_root: &Path) -> anyhow::Result<Ebpf> {
             .with_context(|| format!("attaching {name} to {tracepoint}"))?;
     }
     Ok(ebpf)
+}
+
+/// Attaches a loaded tc program to an interface's ingress: tcx on Linux 6.6+, a clsact
+/// qdisc before.
+pub fn attach_tc_ingress(prog: &mut SchedClassifier, iface: &str) -> anyhow::Result<()> {
+    if !KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0)) {
+        // Already there is fine.
+        let _ = aya::programs::tc::qdisc_add_clsact(iface);
+    }
+    prog.attach(iface, TcAttachType::Ingress)?;
+    Ok(())
 }
 
 fn program<'a>(ebpf: &'a mut Ebpf, name: &str) -> anyhow::Result<&'a mut aya::programs::Program> {

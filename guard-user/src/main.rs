@@ -112,6 +112,19 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                     }
                 }
             }
+            // RSTs sent by the daemon's guards, per port.
+            if let Ok(text) = daemon::request(&netns.socket, "stats")
+                && let Ok(snap) = serde_json::from_str::<stats::Snapshot>(&text)
+            {
+                for l in &mut report.listeners {
+                    l.rst_shed = snap
+                        .listeners
+                        .iter()
+                        .filter(|g| g.ports.iter().any(|[a, b]| (*a..=*b).contains(&l.port)))
+                        .map(|g| g.rst_shed)
+                        .sum();
+                }
+            }
             if json {
                 println!("{}", serde_json::to_string(&report)?);
             } else {

@@ -17,6 +17,23 @@ pub struct Policy {
     /// File name, or DEFAULT_SOURCE.
     pub source: String,
     pub scopes: Vec<Scope>,
+    pub listeners: Vec<ListenerPolicy>,
+}
+
+/// A listener guard: shed SYNs with RSTs while the accept queue is past a watermark.
+#[derive(Debug, Clone)]
+pub struct ListenerPolicy {
+    pub name: String,
+    pub ports: Vec<PortRange>,
+    /// The listener's address; None = any.
+    pub addr: Option<IpAddr>,
+    /// Network namespace file; None = the daemon's own.
+    pub netns: Option<std::path::PathBuf>,
+    /// Shed from this accept queue length, in thousandths of the effective backlog.
+    pub accept_queue_watermark: Option<u32>,
+    /// Shed from this many SYN_RECV entries.
+    pub max_syn_recv: Option<u32>,
+    pub mode: u32,
 }
 
 #[derive(Debug, Clone)]
@@ -95,7 +112,21 @@ pub const ERRNOS: &[(&str, i32)] = &[
 struct RawPolicy {
     #[serde(default)]
     scope: Vec<Spanned<RawScope>>,
-    listener: Option<Spanned<toml::Value>>,
+    #[serde(default)]
+    listener: Vec<Spanned<RawListener>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawListener {
+    name: Spanned<String>,
+    ports: Vec<Spanned<PortSpec>>,
+    addr: Option<Spanned<String>>,
+    netns: Option<Spanned<String>>,
+    scope: Option<Spanned<String>>,
+    accept_queue_watermark: Option<Spanned<f64>>,
+    max_syn_recv: Option<Spanned<i64>>,
+    mode: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize)]
@@ -154,12 +185,7 @@ pub fn parse(text: &str, file: &str) -> Result<Policy, PolicyError> {
     };
     let raw: RawPolicy = toml::from_str(text)
         .map_err(|e| at(e.span().unwrap_or(0..0), e.message().trim().to_string()))?;
-    if let Some(l) = raw.listener {
-        return Err(at(
-            l.span(),
-            "listener guards are not supported by this version".into(),
-        ));
-    }
+    let listeners = parse_listeners(raw.listener, &at)?;
     let mut names = HashSet::new();
     let mut scopes = Vec::new();
     for s in raw.scope {
@@ -179,17 +205,7 @@ pub fn parse(text: &str, file: &str) -> Result<Policy, PolicyError> {
             .build()
             .map(|g: Glob| g.compile_matcher())
             .map_err(|e| at(s.cgroup.span(), format!("bad cgroup pattern: {}", e.kind())))?;
-        let mode = match s.mode.as_ref().map(|m| m.get_ref().as_str()) {
-            None | Some("enforce") => MODE_ENFORCE,
-            Some("observe") => MODE_OBSERVE,
-            Some(other) => {
-                let span = s.mode.as_ref().map(|m| m.span()).unwrap_or(span.clone());
-                return Err(at(
-                    span,
-                    format!("mode must be \"enforce\" or \"observe\", not {other:?}"),
-                ));
-            }
-        };
+        let mode = parse_mode(&s.mode, &at)?;
         let errno = match &s.errno {
             None => libc::ECONNREFUSED,
             Some(e) => ERRNOS
@@ -237,7 +253,106 @@ pub fn parse(text: &str, file: &str) -> Result<Policy, PolicyError> {
     Ok(Policy {
         source: file.to_string(),
         scopes,
+        listeners,
     })
+}
+
+fn parse_mode(
+    mode: &Option<Spanned<String>>,
+    at: &impl Fn(Range<usize>, String) -> PolicyError,
+) -> Result<u32, PolicyError> {
+    match mode {
+        None => Ok(MODE_ENFORCE),
+        Some(m) if m.get_ref() == "enforce" => Ok(MODE_ENFORCE),
+        Some(m) if m.get_ref() == "observe" => Ok(MODE_OBSERVE),
+        Some(m) => Err(at(
+            m.span(),
+            format!(
+                "mode must be \"enforce\" or \"observe\", not {:?}",
+                m.get_ref()
+            ),
+        )),
+    }
+}
+
+fn parse_listeners(
+    raw: Vec<Spanned<RawListener>>,
+    at: &impl Fn(Range<usize>, String) -> PolicyError,
+) -> Result<Vec<ListenerPolicy>, PolicyError> {
+    let mut names = HashSet::new();
+    let mut out = Vec::new();
+    for l in raw {
+        let span = l.span();
+        let l = l.into_inner();
+        let name = l.name.get_ref().trim().to_string();
+        if name.is_empty() || !names.insert(name.clone()) {
+            return Err(at(
+                l.name.span(),
+                format!("listener name {name:?} is empty or used twice"),
+            ));
+        }
+        if let Some(s) = &l.scope {
+            return Err(at(
+                s.span(),
+                "listener scope = is not supported yet; name the listener's netns".into(),
+            ));
+        }
+        if l.ports.is_empty() {
+            return Err(at(span, format!("listener {name:?} needs ports")));
+        }
+        let mut ports = Vec::new();
+        for p in &l.ports {
+            ports.push(parse_ports(p.get_ref()).map_err(|reason| at(p.span(), reason))?);
+        }
+        let addr =
+            match &l.addr {
+                None => None,
+                Some(a) => Some(a.get_ref().trim().parse::<IpAddr>().map_err(|_| {
+                    at(a.span(), format!("{:?} is not an IP address", a.get_ref()))
+                })?),
+            };
+        let accept_queue_watermark = match &l.accept_queue_watermark {
+            None => None,
+            Some(w) if *w.get_ref() > 0.0 && *w.get_ref() <= 1.0 => {
+                Some((w.get_ref() * 1000.0).round() as u32)
+            }
+            Some(w) => {
+                return Err(at(
+                    w.span(),
+                    format!(
+                        "accept_queue_watermark must be a fraction of the backlog in (0, 1], like 0.8 (got {})",
+                        w.get_ref()
+                    ),
+                ));
+            }
+        };
+        let max_syn_recv = match &l.max_syn_recv {
+            None => None,
+            Some(n) if *n.get_ref() >= 1 => Some(*n.get_ref() as u32),
+            Some(n) => {
+                return Err(at(
+                    n.span(),
+                    format!("max_syn_recv must be at least 1 (got {})", n.get_ref()),
+                ));
+            }
+        };
+        if accept_queue_watermark.is_none() && max_syn_recv.is_none() {
+            return Err(at(
+                span,
+                format!("listener {name:?} needs accept_queue_watermark or max_syn_recv"),
+            ));
+        }
+        out.push(ListenerPolicy {
+            name,
+            ports,
+            addr,
+            netns: l.netns.map(|n| n.into_inner().into()),
+            accept_queue_watermark,
+            max_syn_recv,
+            mode: parse_mode(&l.mode, at)?,
+        });
+    }
+    Ok(out)
 }
 
 fn parse_rule(

@@ -33,6 +33,8 @@ pub struct Snapshot {
     pub eaddrnotavail: Vec<EaddrnotavailCount>,
     /// Destinations near a port watermark, as last read from the socket tables.
     pub watched_ports: Vec<WatchedPort>,
+    /// `[[listener]]` guards.
+    pub listeners: Vec<crate::listeners::ListenerStats>,
 }
 
 /// Ports held toward a destination in a watched network namespace.

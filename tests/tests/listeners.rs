@@ -106,3 +106,104 @@ fn full_accept_queue_is_named_with_backlog_process_and_scope() {
         "{w}"
     );
 }
+
+/// A server netns and a client netns joined by a veth pair: 192.0.2.1 and 192.0.2.2.
+fn veth_pair() -> (Netns, Netns) {
+    let server = Netns::new("cgsrv");
+    let client = Netns::new("cgcli");
+    server.exec(
+        "ip",
+        &["link", "add", "vs", "type", "veth", "peer", "name", "vc"],
+    );
+    server.exec("ip", &["link", "set", "vc", "netns", &client.name]);
+    server.exec("ip", &["addr", "add", "192.0.2.1/24", "dev", "vs"]);
+    client.exec("ip", &["addr", "add", "192.0.2.2/24", "dev", "vc"]);
+    for (ns, dev) in [(&server, "vs"), (&client, "vc")] {
+        ns.exec("ip", &["link", "set", "lo", "up"]);
+        ns.exec("ip", &["link", "set", dev, "up"]);
+    }
+    (server, client)
+}
+
+fn guard_policy(server: &Netns, mode: &str) -> String {
+    format!(
+        "[[listener]]\nname = \"api\"\nports = [\"8080\"]\nnetns = \"{}\"\naccept_queue_watermark = 0.8\nmode = \"{mode}\"\n",
+        server.path()
+    )
+}
+
+/// listen(fd, 8), never accepting, 50 clients over a veth pair, one every 100 ms: the
+/// queue fills to the watermark (7 of 8), every later client gets ECONNREFUSED at once
+/// from a RST, the RST count equals the refusals, and once the server accepts, new
+/// connections succeed again within 1 s.
+#[test]
+fn saturated_listener_answers_syns_with_rst_until_it_drains() {
+    let (server, client) = veth_pair();
+    let server_cg = Cgroup::new("rst-server");
+    let client_cg = Cgroup::new("rst-client");
+    let d = Daemon::start(&guard_policy(&server, "enforce"));
+    // Accepts everything after 7 s.
+    let _listener = server_cg.hold_args(&["listen", &server.path(), "192.0.2.1:8080", "8", "7000"]);
+    let burst = client_cg.hold_args(&[
+        "open",
+        &client.path(),
+        "192.0.2.1:8080",
+        "50",
+        "100",
+        "5000",
+    ]);
+    let o = &burst.outcome;
+    assert_eq!(
+        (o.ok, o.errors("ECONNREFUSED"), o.attempts),
+        (7, 43, 50),
+        "{o:?}"
+    );
+    assert!(
+        o.max_error_us < 50_000,
+        "slowest refusal took {} µs",
+        o.max_error_us
+    );
+    let stats = d.stats();
+    assert_eq!(stats["listeners"][0]["rst_shed"], 43, "{stats}");
+    let out = Command::new(connguard_bin())
+        .args(["listeners", "--json", "--netns", &server.path(), "--socket"])
+        .arg(&d.socket)
+        .output()
+        .unwrap();
+    let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let l = &r["listeners"][0];
+    assert_eq!(
+        (
+            l["accept_queue"].as_u64(),
+            l["backlog"].as_u64(),
+            l["rst_shed"].as_u64()
+        ),
+        (Some(7), Some(8), Some(43)),
+        "{l}"
+    );
+    // The server starts accepting at 7 s: within 1 s of that, connections succeed.
+    std::thread::sleep(std::time::Duration::from_millis(
+        7000u64.saturating_sub(5000) + 1000,
+    ));
+    let after = client_cg.hold_args(&["open", &client.path(), "192.0.2.1:8080", "5", "0", "1000"]);
+    assert_eq!(after.outcome.ok, 5, "{:?}", after.outcome);
+}
+
+/// Observe mode sends no RST: clients past the queue wait, and would-be RSTs are counted.
+#[test]
+fn observe_mode_sends_no_rst_and_counts_them() {
+    let (server, client) = veth_pair();
+    let server_cg = Cgroup::new("obs-server");
+    let client_cg = Cgroup::new("obs-client");
+    let d = Daemon::start(&guard_policy(&server, "observe"));
+    let _listener = server_cg.hold_args(&["listen", &server.path(), "192.0.2.1:8080", "8"]);
+    let burst =
+        client_cg.hold_args(&["open", &client.path(), "192.0.2.1:8080", "12", "100", "300"]);
+    let o = &burst.outcome;
+    assert_eq!(o.errors("ECONNREFUSED"), 0, "{o:?}");
+    assert_eq!(o.ok, 9, "the queue holds backlog + 1: {o:?}");
+    let stats = d.stats();
+    let g = &stats["listeners"][0];
+    assert_eq!(g["rst_shed"], 0, "{stats}");
+    assert!(g["would_rst"].as_u64().unwrap() >= 3, "{stats}");
+}

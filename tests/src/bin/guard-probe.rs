@@ -22,8 +22,8 @@ const USAGE: &str = "usage: guard-probe connect ADDR COUNT CONCURRENCY
        guard-probe serve NETNS_PATH PORT...
        guard-probe churn NETNS_PATH ADDR COUNT PER_SECOND
        guard-probe bind NETNS_PATH ADDR COUNT
-       guard-probe listen NETNS_PATH ADDR BACKLOG
-       guard-probe open NETNS_PATH ADDR COUNT
+       guard-probe listen NETNS_PATH ADDR BACKLOG [ACCEPT_AFTER_MS]
+       guard-probe open NETNS_PATH ADDR COUNT [INTERVAL_MS TIMEOUT_MS]
        guard-probe mixed NETNS_PATH COUNT";
 
 fn main() -> anyhow::Result<()> {
@@ -49,6 +49,7 @@ fn main() -> anyhow::Result<()> {
         }
         "churn" => churn(arg(1)?, arg(2)?.parse()?, num(3)?, num(4)?)?,
         // A listener that never accepts.
+        // A listener that accepts nothing, or everything after ACCEPT_AFTER_MS.
         "listen" => {
             enter_netns(arg(1)?)?;
             let addr: SocketAddr = arg(2)?.parse()?;
@@ -56,6 +57,15 @@ fn main() -> anyhow::Result<()> {
             s.set_reuse_address(true)?;
             s.bind(&addr.into())?;
             s.listen(num(3)? as i32)?;
+            if let Some(ms) = args.get(4).map(|a| a.parse::<u64>()).transpose()? {
+                let l: TcpListener = s.try_clone()?.into();
+                thread::spawn(move || {
+                    thread::sleep(Duration::from_millis(ms));
+                    for c in l.incoming().flatten() {
+                        std::mem::forget(c);
+                    }
+                });
+            }
             hold(
                 &Outcome {
                     ok: 1,
@@ -65,21 +75,21 @@ fn main() -> anyhow::Result<()> {
                 vec![s],
             )
         }
-        // COUNT connects, each given 500 ms; prints the outcome, then holds them all.
+        // COUNT connects, one every INTERVAL_MS (default 0), each given TIMEOUT_MS
+        // (default 500); prints the outcome, then holds them all.
         "open" => {
             enter_netns(arg(1)?)?;
             let addr: SocketAddr = arg(2)?.parse()?;
+            let interval = Duration::from_millis(args.get(4).map_or(Ok(0), |a| a.parse())?);
+            let timeout = Duration::from_millis(args.get(5).map_or(Ok(500), |a| a.parse())?);
             let out = Mutex::new(Outcome::default());
             let mut held = Vec::new();
             for _ in 0..num(3)? {
                 let s = tcp_socket(&addr);
                 let started = Instant::now();
-                record(
-                    &out,
-                    &s.connect_timeout(&addr.into(), Duration::from_millis(500)),
-                    started,
-                );
+                record(&out, &s.connect_timeout(&addr.into(), timeout), started);
                 held.push(s);
+                thread::sleep(interval);
             }
             hold(&out.into_inner().unwrap(), held)
         }
