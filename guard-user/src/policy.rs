@@ -663,6 +663,34 @@ per = "rule"
     }
 
     #[test]
+    fn listener_guards_parse_and_name_their_errors() {
+        let p = parse(
+            "[[listener]]\nname = \"api\"\nports = [\"8080\", 9000]\naddr = \"10.0.0.5\"\nnetns = \"/run/netns/api\"\naccept_queue_watermark = 0.8\nmode = \"observe\"\n",
+            "p.toml",
+        )
+        .unwrap();
+        let l = &p.listeners[0];
+        assert_eq!(
+            (
+                l.name.as_str(),
+                l.ports.len(),
+                l.accept_queue_watermark,
+                l.max_syn_recv,
+                l.mode
+            ),
+            ("api", 2, Some(800), None, MODE_OBSERVE)
+        );
+        assert_eq!(
+            err("[[listener]]\nname = \"api\"\nports = [\"8080\"]\n"),
+            "p.toml:1:1: listener \"api\" needs accept_queue_watermark or max_syn_recv"
+        );
+        assert_eq!(
+            err("[[listener]]\nname = \"api\"\nports = [\"8080\"]\naccept_queue_watermark = 2.0\n"),
+            "p.toml:4:26: accept_queue_watermark must be a fraction of the backlog in (0, 1], like 0.8 (got 2)"
+        );
+    }
+
+    #[test]
     fn too_many_overlapping_rules_are_refused() {
         let mut text = String::from("[[scope]]\nname = \"a\"\ncgroup = \"x\"\n");
         for i in 0..=MAX_CANDIDATES {

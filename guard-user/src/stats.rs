@@ -345,6 +345,27 @@ pub fn prometheus(snap: &Snapshot) -> String {
             ])
             .set(w.ratio);
     }
+    let rst = counter(
+        &mut reg,
+        "listener_rst_shed",
+        "SYNs answered with RST by a listener guard",
+    );
+    let would_rst = counter(
+        &mut reg,
+        "listener_would_rst",
+        "SYNs a listener guard in observe mode would have answered with RST",
+    );
+    let shedding = gauge(
+        &mut reg,
+        "listener_shedding",
+        "1 while the listener's accept queue is past its watermark",
+    );
+    for l in &snap.listeners {
+        let labels = vec![("listener", l.name.clone())];
+        rst.get_or_create(&labels).inc_by(l.rst_shed);
+        would_rst.get_or_create(&labels).inc_by(l.would_rst);
+        shedding.get_or_create(&labels).set(l.shedding as i64);
+    }
     internal.inc_by(snap.internal_errors);
     generation.set(snap.policy.generation as i64);
     policy_error.set(snap.policy.last_error.is_some() as i64);

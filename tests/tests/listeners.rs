@@ -132,6 +132,49 @@ fn guard_policy(server: &Netns, mode: &str) -> String {
     )
 }
 
+/// Without a guard, clients past a full queue wait on SYN retransmits (1 s and more).
+#[test]
+fn without_the_guard_clients_past_the_queue_wait_over_a_second() {
+    let (server, client) = veth_pair();
+    let server_cg = Cgroup::new("noguard-server");
+    let client_cg = Cgroup::new("noguard-client");
+    let _listener = server_cg.hold_args(&["listen", &server.path(), "192.0.2.1:8080", "8"]);
+    let burst = client_cg.hold_args(&["open", &client.path(), "192.0.2.1:8080", "11", "0", "1500"]);
+    let o = &burst.outcome;
+    assert_eq!(
+        (o.ok, o.errors("TIMEOUT")),
+        (9, 2),
+        "the queue holds backlog + 1: {o:?}"
+    );
+    assert!(o.max_error_us >= 1_000_000, "{o:?}");
+}
+
+/// The guard in one namespace over loopback (RST sent back through lo), IPv4 and IPv6,
+/// with SYN cookies off and always on: 20 clients against listen(8), 7 admitted.
+#[test]
+fn loopback_ipv4_and_ipv6_with_and_without_syncookies() {
+    for (addr, syncookies) in [("127.0.0.1:8080", "0"), ("[::1]:8080", "2")] {
+        let ns = Netns::new("cglo");
+        ns.exec("ip", &["link", "set", "lo", "up"]);
+        ns.exec(
+            "sysctl",
+            &["-qw", &format!("net.ipv4.tcp_syncookies={syncookies}")],
+        );
+        let cg = Cgroup::new("lo-guard");
+        let d = Daemon::start(&guard_policy(&ns, "enforce"));
+        let _listener = cg.hold_args(&["listen", &ns.path(), addr, "8"]);
+        let burst = cg.hold_args(&["open", &ns.path(), addr, "20", "100", "3000"]);
+        let o = &burst.outcome;
+        assert_eq!(
+            (o.ok, o.errors("ECONNREFUSED")),
+            (7, 13),
+            "{addr} syncookies={syncookies}: {o:?}"
+        );
+        assert!(o.max_error_us < 50_000, "{o:?}");
+        assert_eq!(d.stats()["listeners"][0]["rst_shed"], 13);
+    }
+}
+
 /// listen(fd, 8), never accepting, 50 clients over a veth pair, one every 100 ms: the
 /// queue fills to the watermark (7 of 8), every later client gets ECONNREFUSED at once
 /// from a RST, the RST count equals the refusals, and once the server accepts, new
@@ -141,7 +184,7 @@ fn saturated_listener_answers_syns_with_rst_until_it_drains() {
     let (server, client) = veth_pair();
     let server_cg = Cgroup::new("rst-server");
     let client_cg = Cgroup::new("rst-client");
-    let d = Daemon::start(&guard_policy(&server, "enforce"));
+    let d = Daemon::with_metrics(&guard_policy(&server, "enforce"));
     // Accepts everything after 7 s.
     let _listener = server_cg.hold_args(&["listen", &server.path(), "192.0.2.1:8080", "8", "7000"]);
     let burst = client_cg.hold_args(&[
@@ -165,6 +208,12 @@ fn saturated_listener_answers_syns_with_rst_until_it_drains() {
     );
     let stats = d.stats();
     assert_eq!(stats["listeners"][0]["rst_shed"], 43, "{stats}");
+    let metrics = d.metrics();
+    let line = "connguard_listener_rst_shed_total{listener=\"api\"} 43";
+    assert!(
+        metrics.lines().any(|l| l == line),
+        "no {line:?} in\n{metrics}"
+    );
     let out = Command::new(connguard_bin())
         .args(["listeners", "--json", "--netns", &server.path(), "--socket"])
         .arg(&d.socket)

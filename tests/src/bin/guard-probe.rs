@@ -127,6 +127,10 @@ fn errno_name(e: &std::io::Error) -> String {
         (libc::EINPROGRESS, "EINPROGRESS"),
         (libc::ECONNRESET, "ECONNRESET"),
     ];
+    if e.raw_os_error().is_none() && e.kind() == std::io::ErrorKind::TimedOut {
+        // connect_timeout() ran out: the kernel had not answered yet.
+        return "TIMEOUT".into();
+    }
     let code = e.raw_os_error().unwrap_or(0);
     names
         .iter()
