@@ -299,7 +299,7 @@ fn watch_listeners(daemon: &Mutex<Daemon>) {
         thread::sleep(LISTENER_POLL);
         let policies = daemon.lock().expect("daemon lock").listener_policies();
         let entries = if policies.is_empty() {
-            HashMap::new()
+            Default::default()
         } else {
             listeners::over_watermark(&policies)
         };

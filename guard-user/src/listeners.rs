@@ -278,8 +278,20 @@ pub struct ListenerGuard {
     rst: aya::maps::HashMap<aya::maps::MapData, u32, u64>,
     would: aya::maps::HashMap<aya::maps::MapData, u32, u64>,
     written: HashMap<ListenerKey, ListenerShed>,
+    readings: Vec<QueueReading>,
     /// Namespaces (policy netns paths, "" for the daemon's own) already attached.
     attached: BTreeSet<String>,
+}
+
+/// One guarded listener socket's queues at the last reading (units: connections).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct QueueReading {
+    #[serde(skip)]
+    pub listener_id: u32,
+    pub addr: String,
+    pub accept_queue: u32,
+    pub backlog: u32,
+    pub syn_recv: u32,
 }
 
 /// Live state of one `[[listener]]` policy, for `stats`.
@@ -297,6 +309,8 @@ pub struct ListenerStats {
     pub rst_shed: u64,
     /// SYNs observe mode would have answered with RST.
     pub would_rst: u64,
+    /// The matching listener sockets at the last reading (every 50 ms).
+    pub queues: Vec<QueueReading>,
 }
 
 impl ListenerGuard {
@@ -310,6 +324,7 @@ impl ListenerGuard {
             rst: aya::maps::HashMap::try_from(take("RST_SHED")?)?,
             would: aya::maps::HashMap::try_from(take("WOULD_RST")?)?,
             written: HashMap::new(),
+            readings: Vec::new(),
             attached: BTreeSet::new(),
         })
     }
@@ -361,7 +376,11 @@ impl ListenerGuard {
     }
 
     /// Makes LISTENERS_SHED hold exactly these listeners; stale entries go first.
-    pub fn set(&mut self, entries: HashMap<ListenerKey, ListenerShed>) -> anyhow::Result<()> {
+    pub fn set(
+        &mut self,
+        (entries, readings): (HashMap<ListenerKey, ListenerShed>, Vec<QueueReading>),
+    ) -> anyhow::Result<()> {
+        self.readings = readings;
         for stale in self.written.keys().filter(|k| !entries.contains_key(k)) {
             let _ = self.shed.remove(stale);
         }
@@ -395,6 +414,12 @@ impl ListenerGuard {
                     shedding: self.written.values().any(|v| v.listener_id == id),
                     rst_shed: self.rst.get(&id, 0).unwrap_or(0),
                     would_rst: self.would.get(&id, 0).unwrap_or(0),
+                    queues: self
+                        .readings
+                        .iter()
+                        .filter(|r| r.listener_id == id)
+                        .cloned()
+                        .collect(),
                 }
             })
             .collect()
@@ -414,8 +439,11 @@ fn interfaces() -> anyhow::Result<Vec<String>> {
 
 /// The listeners past their watermark, read from the socket tables of the policies'
 /// namespaces. A namespace that cannot be read leaves its listeners out (fail-open).
-pub fn over_watermark(policies: &[ListenerPolicy]) -> HashMap<ListenerKey, ListenerShed> {
+pub fn over_watermark(
+    policies: &[ListenerPolicy],
+) -> (HashMap<ListenerKey, ListenerShed>, Vec<QueueReading>) {
     let mut out = HashMap::new();
+    let mut readings = Vec::new();
     let namespaces: BTreeSet<Option<&Path>> = policies.iter().map(|p| p.netns.as_deref()).collect();
     for ns in namespaces {
         let sockets = std::thread::scope(|s| {
@@ -444,6 +472,13 @@ pub fn over_watermark(policies: &[ListenerPolicy]) -> HashMap<ListenerKey, Liste
                     && p.addr.is_none_or(|a| a == l.src)
             }) {
                 let syn_recv = syn_recv_of(&sockets, l);
+                readings.push(QueueReading {
+                    listener_id: id as u32,
+                    addr: endpoint(l.src, l.sport),
+                    accept_queue: l.recv_queue,
+                    backlog: l.send_queue,
+                    syn_recv,
+                });
                 let queue_over = p
                     .accept_queue_watermark
                     .is_some_and(|w| l.recv_queue as u64 * 1000 >= w as u64 * l.send_queue as u64);
@@ -470,7 +505,7 @@ pub fn over_watermark(policies: &[ListenerPolicy]) -> HashMap<ListenerKey, Liste
             }
         }
     }
-    out
+    (out, readings)
 }
 
 /// Half-open connections toward a listener.

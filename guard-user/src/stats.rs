@@ -360,7 +360,28 @@ pub fn prometheus(snap: &Snapshot) -> String {
         "listener_shedding",
         "1 while the listener's accept queue is past its watermark",
     );
+    let queue = gauge(
+        &mut reg,
+        "listener_accept_queue",
+        "Connections waiting to be accepted (guarded listeners)",
+    );
+    let backlog = gauge(
+        &mut reg,
+        "listener_backlog",
+        "Effective backlog, min(listen() backlog, somaxconn) (guarded listeners)",
+    );
+    let syn_recv = gauge(
+        &mut reg,
+        "listener_syn_recv",
+        "Half-open connections (guarded listeners)",
+    );
     for l in &snap.listeners {
+        for q in &l.queues {
+            let labels = vec![("listener", l.name.clone()), ("addr", q.addr.clone())];
+            queue.get_or_create(&labels).set(q.accept_queue as i64);
+            backlog.get_or_create(&labels).set(q.backlog as i64);
+            syn_recv.get_or_create(&labels).set(q.syn_recv as i64);
+        }
         let labels = vec![("listener", l.name.clone())];
         rst.get_or_create(&labels).inc_by(l.rst_shed);
         would_rst.get_or_create(&labels).inc_by(l.would_rst);

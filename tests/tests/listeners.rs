@@ -208,12 +208,26 @@ fn saturated_listener_answers_syns_with_rst_until_it_drains() {
     );
     let stats = d.stats();
     assert_eq!(stats["listeners"][0]["rst_shed"], 43, "{stats}");
-    let metrics = d.metrics();
-    let line = "connguard_listener_rst_shed_total{listener=\"api\"} 43";
-    assert!(
-        metrics.lines().any(|l| l == line),
-        "no {line:?} in\n{metrics}"
+    let q = &stats["listeners"][0]["queues"][0];
+    assert_eq!(
+        (
+            q["addr"].as_str(),
+            q["accept_queue"].as_u64(),
+            q["backlog"].as_u64()
+        ),
+        (Some("192.0.2.1:8080"), Some(7), Some(8)),
+        "{stats}"
     );
+    let metrics = d.metrics();
+    for line in [
+        "connguard_listener_rst_shed_total{listener=\"api\"} 43",
+        "connguard_listener_accept_queue{listener=\"api\",addr=\"192.0.2.1:8080\"} 7",
+    ] {
+        assert!(
+            metrics.lines().any(|l| l == line),
+            "no {line:?} in\n{metrics}"
+        );
+    }
     let out = Command::new(connguard_bin())
         .args(["listeners", "--json", "--netns", &server.path(), "--socket"])
         .arg(&d.socket)
@@ -255,4 +269,45 @@ fn observe_mode_sends_no_rst_and_counts_them() {
     let g = &stats["listeners"][0];
     assert_eq!(g["rst_shed"], 0, "{stats}");
     assert!(g["would_rst"].as_u64().unwrap() >= 3, "{stats}");
+}
+
+/// An established connection to the listener exchanges data all through the shedding.
+#[test]
+fn established_connections_exchange_data_while_new_ones_are_shed() {
+    let (server, client) = veth_pair();
+    let server_cg = Cgroup::new("talk-server");
+    let client_cg = Cgroup::new("talk-client");
+    let d = Daemon::start(&guard_policy(&server, "enforce"));
+    let _listener = server_cg.hold_args(&["echo1", &server.path(), "192.0.2.1:8080", "8"]);
+    let (path, probe) = (
+        client.path(),
+        client_cg.command(connguard_tests::probe_bin()),
+    );
+    let talker = std::thread::spawn(move || {
+        let mut probe = probe;
+        probe
+            .args(["talk", &path, "192.0.2.1:8080", "30", "100"])
+            .output()
+            .unwrap()
+    });
+    // Let the talker's connection be the one accepted.
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let burst = client_cg.hold_args(&[
+        "open",
+        &client.path(),
+        "192.0.2.1:8080",
+        "20",
+        "100",
+        "3000",
+    ]);
+    assert_eq!(
+        (burst.outcome.ok, burst.outcome.errors("ECONNREFUSED")),
+        (7, 13),
+        "{:?}",
+        burst.outcome
+    );
+    let talk = talker.join().unwrap();
+    let talk: connguard_tests::Outcome = serde_json::from_slice(&talk.stdout).unwrap();
+    assert_eq!((talk.ok, talk.attempts), (30, 30), "{talk:?}");
+    assert_eq!(d.stats()["listeners"][0]["rst_shed"], 13);
 }

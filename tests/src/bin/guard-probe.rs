@@ -24,6 +24,8 @@ const USAGE: &str = "usage: guard-probe connect ADDR COUNT CONCURRENCY
        guard-probe bind NETNS_PATH ADDR COUNT
        guard-probe listen NETNS_PATH ADDR BACKLOG [ACCEPT_AFTER_MS]
        guard-probe open NETNS_PATH ADDR COUNT [INTERVAL_MS TIMEOUT_MS]
+       guard-probe echo1 NETNS_PATH ADDR BACKLOG
+       guard-probe talk NETNS_PATH ADDR ROUNDS INTERVAL_MS
        guard-probe mixed NETNS_PATH COUNT";
 
 fn main() -> anyhow::Result<()> {
@@ -92,6 +94,53 @@ fn main() -> anyhow::Result<()> {
                 thread::sleep(interval);
             }
             hold(&out.into_inner().unwrap(), held)
+        }
+        // A listener that accepts one connection, echoes on it, and accepts no other.
+        "echo1" => {
+            enter_netns(arg(1)?)?;
+            let addr: SocketAddr = arg(2)?.parse()?;
+            let s = tcp_socket(&addr);
+            s.set_reuse_address(true)?;
+            s.bind(&addr.into())?;
+            s.listen(num(3)? as i32)?;
+            let l: TcpListener = s.try_clone()?.into();
+            thread::spawn(move || {
+                if let Ok((mut c, _)) = l.accept() {
+                    let mut buf = [0u8; 64];
+                    while let Ok(n) = c.read(&mut buf) {
+                        if n == 0 || c.write_all(&buf[..n]).is_err() {
+                            break;
+                        }
+                    }
+                }
+            });
+            hold(
+                &Outcome {
+                    ok: 1,
+                    attempts: 1,
+                    ..Default::default()
+                },
+                vec![s],
+            )
+        }
+        // One connection, ROUNDS request/response exchanges, one every INTERVAL_MS.
+        "talk" => {
+            enter_netns(arg(1)?)?;
+            let addr: SocketAddr = arg(2)?.parse()?;
+            let mut out = Outcome::default();
+            let mut c = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
+            c.set_read_timeout(Some(Duration::from_secs(1)))?;
+            for _ in 0..num(3)? {
+                out.attempts += 1;
+                let mut buf = [0u8; 1];
+                match c.write_all(b"x").and_then(|()| c.read_exact(&mut buf)) {
+                    Ok(()) if buf == *b"x" => out.ok += 1,
+                    Ok(()) => *out.errors.entry("wrong echo".into()).or_default() += 1,
+                    Err(e) => *out.errors.entry(errno_name(&e)).or_default() += 1,
+                }
+                thread::sleep(Duration::from_millis(num(4)?));
+            }
+            out
         }
         "bind" => {
             enter_netns(arg(1)?)?;
