@@ -329,8 +329,9 @@ impl ListenerGuard {
         })
     }
 
-    /// Attaches the RST program to every interface (loopback included) of each listener
-    /// namespace not attached yet. Links live as long as the daemon.
+    /// Attaches the RST program to the interfaces of each listener namespace not attached
+    /// yet (the policy's `interfaces`, or all, loopback included). Links live as long as
+    /// the daemon; the first policy naming a namespace chooses its interfaces.
     pub fn attach(
         &mut self,
         ebpf: &mut aya::Ebpf,
@@ -356,7 +357,8 @@ impl ListenerGuard {
                         crate::netns::enter(ns)?;
                     }
                     let mut n = 0;
-                    for iface in interfaces()? {
+                    let chosen = |i: &String| p.interfaces.is_empty() || p.interfaces.contains(i);
+                    for iface in interfaces()?.into_iter().filter(chosen) {
                         crate::loader::attach_tc_ingress(prog, &iface)
                             .with_context(|| format!("attaching the listener guard to {iface}"))?;
                         n += 1;

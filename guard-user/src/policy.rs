@@ -29,6 +29,8 @@ pub struct ListenerPolicy {
     pub addr: Option<IpAddr>,
     /// Network namespace file; None = the daemon's own.
     pub netns: Option<std::path::PathBuf>,
+    /// Interfaces to guard in that namespace; empty = all of them, loopback included.
+    pub interfaces: Vec<String>,
     /// Shed from this accept queue length, in thousandths of the effective backlog.
     pub accept_queue_watermark: Option<u32>,
     /// Shed from this many SYN_RECV entries.
@@ -123,6 +125,8 @@ struct RawListener {
     ports: Vec<Spanned<PortSpec>>,
     addr: Option<Spanned<String>>,
     netns: Option<Spanned<String>>,
+    #[serde(default)]
+    interfaces: Vec<String>,
     scope: Option<Spanned<String>>,
     accept_queue_watermark: Option<Spanned<f64>>,
     max_syn_recv: Option<Spanned<i64>>,
@@ -347,6 +351,7 @@ fn parse_listeners(
             ports,
             addr,
             netns: l.netns.map(|n| n.into_inner().into()),
+            interfaces: l.interfaces,
             accept_queue_watermark,
             max_syn_recv,
             mode: parse_mode(&l.mode, at)?,
@@ -517,7 +522,12 @@ fn line_col(text: &str, offset: usize) -> (usize, usize) {
 /// A one-line summary of a policy, for logs and `connguard check`.
 pub fn describe(p: &Policy) -> String {
     let rules: usize = p.scopes.iter().map(|s| s.rules.len()).sum();
-    format!("{} scope(s), {} rule(s)", p.scopes.len(), rules)
+    format!(
+        "{} scope(s), {} rule(s), {} listener guard(s)",
+        p.scopes.len(),
+        rules,
+        p.listeners.len()
+    )
 }
 
 #[cfg(test)]
