@@ -229,8 +229,11 @@ pub struct EaddrKey {
     pub comm: [u8; 16],
 }
 
-/// Key of `LISTENERS_SHED`: a listener's port (host byte order) and address (network
-/// order, IPv4 IPv4-mapped; all zeros for a listener on every address).
+/// Key of `LISTENERS_SHED`: a listening socket as the kernel's lookup finds it for a
+/// SYN: its bound port (host byte order) and bound address (network order, IPv4
+/// IPv4-mapped; all zeros for 0.0.0.0 or ::). The key has no network namespace: in tc,
+/// bpf_get_netns_cookie() reports the namespace of the socket that sent the packet (the
+/// client's, across a veth), not the listener's; so guarded namespaces share keys.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ListenerKey {

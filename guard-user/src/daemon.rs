@@ -285,6 +285,13 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
         }
     }
     let _ = std::fs::remove_file(&opts.socket);
+    // Links detach when the process exits; clsact filters (kernels before 6.6) stay, so
+    // leave them nothing to shed.
+    let _ = daemon
+        .lock()
+        .expect("daemon lock")
+        .guard
+        .set(Default::default());
     Ok(())
 }
 
@@ -297,11 +304,16 @@ const LISTENER_POLL: Duration = Duration::from_millis(50);
 fn watch_listeners(daemon: &Mutex<Daemon>) {
     loop {
         thread::sleep(LISTENER_POLL);
-        let policies = daemon.lock().expect("daemon lock").listener_policies();
+        let (policies, ids) = {
+            let mut d = daemon.lock().expect("daemon lock");
+            let policies = d.listener_policies();
+            let ids = d.guard.ids_of(&policies);
+            (policies, ids)
+        };
         let entries = if policies.is_empty() {
             Default::default()
         } else {
-            listeners::over_watermark(&policies)
+            listeners::over_watermark(&policies, |name| ids[name])
         };
         if let Err(e) = daemon.lock().expect("daemon lock").guard.set(entries) {
             log::warn!("listener guard: {e:#}");

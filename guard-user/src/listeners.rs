@@ -85,14 +85,7 @@ pub fn report(
         .iter()
         .filter(|s| s.state == TCP_LISTEN)
         .map(|l| {
-            let syn_recv = sockets
-                .iter()
-                .filter(|s| {
-                    s.state == TCP_SYN_RECV
-                        && s.sport == l.sport
-                        && (l.src.is_unspecified() || s.src == l.src)
-                })
-                .count() as u32;
+            let syn_recv = syn_recv_of(sockets, l);
             let owner = owners.get(&l.inode);
             Listener {
                 netns: netns.to_string(),
@@ -281,6 +274,8 @@ pub struct ListenerGuard {
     readings: Vec<QueueReading>,
     /// Namespaces (policy netns paths, "" for the daemon's own) already attached.
     attached: BTreeSet<String>,
+    /// Listener name -> id of its RST_SHED and WOULD_RST counters, stable across reloads.
+    ids: HashMap<String, u32>,
 }
 
 /// One guarded listener socket's queues at the last reading (units: connections).
@@ -326,6 +321,7 @@ impl ListenerGuard {
             written: HashMap::new(),
             readings: Vec::new(),
             attached: BTreeSet::new(),
+            ids: HashMap::new(),
         })
     }
 
@@ -351,30 +347,57 @@ impl ListenerGuard {
                 .try_into()?;
             let netns = p.netns.clone();
             // setns() moves only the calling thread: attach from a thread of its own.
-            let n = std::thread::scope(|s| {
-                s.spawn(|| -> anyhow::Result<usize> {
+            let attached = std::thread::scope(|s| {
+                s.spawn(|| -> anyhow::Result<Vec<String>> {
                     if let Some(ns) = &netns {
                         crate::netns::enter(ns)?;
                     }
-                    let mut n = 0;
-                    let chosen = |i: &String| p.interfaces.is_empty() || p.interfaces.contains(i);
-                    for iface in interfaces()?.into_iter().filter(chosen) {
-                        crate::loader::attach_tc_ingress(prog, &iface)
-                            .with_context(|| format!("attaching the listener guard to {iface}"))?;
-                        n += 1;
+                    let all = interfaces()?;
+                    if let Some(missing) = p.interfaces.iter().find(|i| !all.contains(i)) {
+                        anyhow::bail!("no interface {missing:?}");
                     }
-                    Ok(n)
+                    let chosen: Vec<String> = all
+                        .into_iter()
+                        .filter(|i| p.interfaces.is_empty() || p.interfaces.contains(i))
+                        .collect();
+                    for iface in &chosen {
+                        crate::loader::attach_tc_ingress(prog, iface)
+                            .with_context(|| format!("attaching the listener guard to {iface}"))?;
+                    }
+                    Ok(chosen)
                 })
                 .join()
                 .map_err(|_| anyhow::anyhow!("attaching in {key:?} panicked"))?
-            })?;
-            log::info!(
-                "listener guard attached to {n} interface(s) in netns {}",
-                if key.is_empty() { "self" } else { &key }
-            );
-            self.attached.insert(key);
+            });
+            let shown = if key.is_empty() { "self" } else { key.as_str() };
+            match attached {
+                Ok(ifaces) => {
+                    log::info!(
+                        "listener guard attached to {} in netns {shown}",
+                        ifaces.join(", ")
+                    );
+                    self.attached.insert(key);
+                }
+                // The other namespaces still get theirs; this one is tried again at the
+                // next reload.
+                Err(e) => log::error!("listener guard {:?} in netns {shown}: {e:#}", p.name),
+            }
         }
         Ok(())
+    }
+
+    /// The stable counter id of a listener policy.
+    pub fn id(&mut self, name: &str) -> u32 {
+        let next = self.ids.len() as u32;
+        *self.ids.entry(name.to_string()).or_insert(next)
+    }
+
+    /// Ids for every policy, for over_watermark().
+    pub fn ids_of(&mut self, policies: &[ListenerPolicy]) -> HashMap<String, u32> {
+        policies
+            .iter()
+            .map(|p| (p.name.clone(), self.id(&p.name)))
+            .collect()
     }
 
     /// Makes LISTENERS_SHED hold exactly these listeners; stale entries go first.
@@ -394,12 +417,11 @@ impl ListenerGuard {
         Ok(())
     }
 
-    pub fn stats(&self, policies: &[ListenerPolicy]) -> Vec<ListenerStats> {
+    pub fn stats(&mut self, policies: &[ListenerPolicy]) -> Vec<ListenerStats> {
         policies
             .iter()
-            .enumerate()
-            .map(|(i, p)| {
-                let id = i as u32;
+            .map(|p| {
+                let id = self.id(&p.name);
                 ListenerStats {
                     name: p.name.clone(),
                     netns: p
@@ -443,12 +465,13 @@ fn interfaces() -> anyhow::Result<Vec<String>> {
 /// namespaces. A namespace that cannot be read leaves its listeners out (fail-open).
 pub fn over_watermark(
     policies: &[ListenerPolicy],
+    ids: impl Fn(&str) -> u32,
 ) -> (HashMap<ListenerKey, ListenerShed>, Vec<QueueReading>) {
     let mut out = HashMap::new();
     let mut readings = Vec::new();
     let namespaces: BTreeSet<Option<&Path>> = policies.iter().map(|p| p.netns.as_deref()).collect();
     for ns in namespaces {
-        let sockets = std::thread::scope(|s| {
+        let read = std::thread::scope(|s| {
             s.spawn(|| -> anyhow::Result<Vec<TcpSocket>> {
                 if let Some(ns) = ns {
                     crate::netns::enter(ns)?;
@@ -457,15 +480,12 @@ pub fn over_watermark(
             })
             .join()
         });
-        let Ok(Ok(sockets)) = sockets else {
+        let Ok(Ok(sockets)) = read else {
             log::debug!("listener guard: cannot read the socket table of {ns:?}");
             continue;
         };
-        for (id, p) in policies
-            .iter()
-            .enumerate()
-            .filter(|(_, p)| p.netns.as_deref() == ns)
-        {
+        for p in policies.iter().filter(|p| p.netns.as_deref() == ns) {
+            let id = ids(&p.name);
             for l in sockets.iter().filter(|l| {
                 l.state == TCP_LISTEN
                     && p.ports
@@ -475,15 +495,17 @@ pub fn over_watermark(
             }) {
                 let syn_recv = syn_recv_of(&sockets, l);
                 readings.push(QueueReading {
-                    listener_id: id as u32,
+                    listener_id: id,
                     addr: endpoint(l.src, l.sport),
                     accept_queue: l.recv_queue,
                     backlog: l.send_queue,
                     syn_recv,
                 });
+                // A backlog of 0 still queues one connection: compare against 1.
+                let backlog = l.send_queue.max(1) as u64;
                 let queue_over = p
                     .accept_queue_watermark
-                    .is_some_and(|w| l.recv_queue as u64 * 1000 >= w as u64 * l.send_queue as u64);
+                    .is_some_and(|w| l.recv_queue as u64 * 1000 >= w as u64 * backlog);
                 let syn_over = p.max_syn_recv.is_some_and(|m| syn_recv >= m);
                 if queue_over || syn_over {
                     let addr = if l.src.is_unspecified() {
@@ -499,7 +521,7 @@ pub fn over_watermark(
                     out.insert(
                         key,
                         ListenerShed {
-                            listener_id: id as u32,
+                            listener_id: id,
                             mode: p.mode,
                         },
                     );

@@ -70,8 +70,10 @@ pub fn ensure_mounts() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Loads and attaches everything. Dropping the returned object detaches it all, which
-/// is what makes a stopped or killed daemon fail open.
+/// Loads and attaches everything. The attachments are bpf_links, which the kernel drops
+/// when the process exits, stopped or killed: that is what makes connguard fail open.
+/// (Listener guards on kernels before 6.6 use clsact filters, which outlive the process;
+/// a stopping daemon empties their map.)
 pub fn load_and_attach(cgroup_root: &Path) -> anyhow::Result<Ebpf> {
     let has_set_retval =
         KernelVersion::current().map_or(true, |v| v >= KernelVersion::new(5, 18, 0));

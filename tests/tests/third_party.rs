@@ -20,7 +20,9 @@ fn wrk_with_300_connections_gets_50_and_the_rest_shed() {
         n(dst, "shed"),
         "wrk's connect errors are the sheds: {r:?} {s}"
     );
-    assert_eq!(n(dst, "shed"), 250, "{s}");
+    // 300 connections, 50 admitted: at least 250 refused (wrk reconnects now and then,
+    // and each reconnect past the budget is refused too, and counted by both).
+    assert!(n(dst, "shed") >= 250, "{s}");
     assert!(
         r.requests > 1000,
         "the 50 admitted connections carry traffic: {r:?}"
