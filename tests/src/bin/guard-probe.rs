@@ -53,14 +53,8 @@ fn main() -> anyhow::Result<()> {
         // A listener that never accepts.
         // A listener that accepts nothing, or everything after ACCEPT_AFTER_MS.
         "listen" => {
-            enter_netns(arg(1)?)?;
-            let addr: SocketAddr = arg(2)?.parse()?;
-            let s = tcp_socket(&addr);
-            s.set_reuse_address(true)?;
-            s.bind(&addr.into())?;
-            s.listen(num(3)? as i32)?;
+            let (s, l) = listener(arg(1)?, arg(2)?, num(3)?)?;
             if let Some(ms) = args.get(4).map(|a| a.parse::<u64>()).transpose()? {
-                let l: TcpListener = s.try_clone()?.into();
                 thread::spawn(move || {
                     thread::sleep(Duration::from_millis(ms));
                     for c in l.incoming().flatten() {
@@ -68,14 +62,7 @@ fn main() -> anyhow::Result<()> {
                     }
                 });
             }
-            hold(
-                &Outcome {
-                    ok: 1,
-                    attempts: 1,
-                    ..Default::default()
-                },
-                vec![s],
-            )
+            hold(&Outcome::default(), vec![s])
         }
         // COUNT connects, one every INTERVAL_MS (default 0), each given TIMEOUT_MS
         // (default 500); prints the outcome, then holds them all.
@@ -97,13 +84,7 @@ fn main() -> anyhow::Result<()> {
         }
         // A listener that accepts one connection, echoes on it, and accepts no other.
         "echo1" => {
-            enter_netns(arg(1)?)?;
-            let addr: SocketAddr = arg(2)?.parse()?;
-            let s = tcp_socket(&addr);
-            s.set_reuse_address(true)?;
-            s.bind(&addr.into())?;
-            s.listen(num(3)? as i32)?;
-            let l: TcpListener = s.try_clone()?.into();
+            let (s, l) = listener(arg(1)?, arg(2)?, num(3)?)?;
             thread::spawn(move || {
                 if let Ok((mut c, _)) = l.accept() {
                     let mut buf = [0u8; 64];
@@ -114,14 +95,7 @@ fn main() -> anyhow::Result<()> {
                     }
                 }
             });
-            hold(
-                &Outcome {
-                    ok: 1,
-                    attempts: 1,
-                    ..Default::default()
-                },
-                vec![s],
-            )
+            hold(&Outcome::default(), vec![s])
         }
         // One connection, ROUNDS request/response exchanges, one every INTERVAL_MS.
         "talk" => {
@@ -364,6 +338,19 @@ fn churn(netns: &str, target: SocketAddr, count: u64, per_second: u64) -> anyhow
         .insert("first_eaddrnotavail".into(), first_eaddrnotavail);
     out.categories.insert("first_refused".into(), first_refused);
     Ok(out)
+}
+
+/// Inside NETNS_PATH, a socket listening on ADDR with BACKLOG, and the same socket as a
+/// std listener for accepting.
+fn listener(netns: &str, addr: &str, backlog: u64) -> anyhow::Result<(Socket, TcpListener)> {
+    enter_netns(netns)?;
+    let addr: SocketAddr = addr.parse()?;
+    let s = tcp_socket(&addr);
+    s.set_reuse_address(true)?;
+    s.bind(&addr.into())?;
+    s.listen(backlog as i32)?;
+    let l = s.try_clone()?.into();
+    Ok((s, l))
 }
 
 /// Moves this (still single-threaded) process into the network namespace at `path`.
