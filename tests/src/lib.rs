@@ -164,17 +164,20 @@ impl Drop for Cgroup {
     }
 }
 
-/// guard-probe, built by cargo beside the test binaries (target/*/guard-probe).
+/// guard-probe: beside the test binaries (target/*/deps/..), or the release build that
+/// `cargo xtask build` makes (for xtask's demo and bench).
 pub fn probe_bin() -> PathBuf {
     let exe = std::env::current_exe().expect("current_exe");
-    let bin = exe
+    let beside_tests = exe
         .parent()
         .and_then(Path::parent)
-        .expect("target dir")
-        .join("guard-probe");
+        .map(|d| d.join("guard-probe"));
+    let bin = beside_tests
+        .filter(|b| b.exists())
+        .unwrap_or_else(|| release_dir().join("guard-probe"));
     assert!(
         bin.exists(),
-        "{} is missing: run the tests with cargo",
+        "{} is missing: run `cargo xtask build`",
         bin.display()
     );
     bin

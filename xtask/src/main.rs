@@ -1,4 +1,5 @@
 //! `cargo xtask`: set-up, build, run, test and demo for connguard.
+mod bench;
 mod demo;
 mod setup;
 
@@ -37,6 +38,13 @@ enum Task {
     /// A short before/after story: wrk with 300 connections against nginx, without and
     /// with a connguard budget of 50.
     Demo,
+    /// Measure connguard's cost side by side with no guard and with nftables, in
+    /// interleaved rounds; prints a markdown table, writes target/bench.json.
+    Bench {
+        /// 3 rounds and fewer connections instead of 10 rounds.
+        #[arg(long)]
+        quick: bool,
+    },
 }
 
 fn main() -> anyhow::Result<()> {
@@ -57,6 +65,10 @@ fn main() -> anyhow::Result<()> {
                 &["test", "--release", "--workspace", "--", "--test-threads=1"],
                 &args,
             )
+        }
+        Task::Bench { quick } => {
+            build()?;
+            bench::run(quick)
         }
         Task::Demo => {
             build()?;

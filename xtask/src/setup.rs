@@ -18,6 +18,7 @@ const PACKAGES: &[&str] = &[
     "nginx-light",
     "wrk",
     "tmux",
+    "nftables",
 ];
 const BPF_LINKER_VERSION: &str = "0.13.0";
 

@@ -25,6 +25,8 @@ const USAGE: &str = "usage: guard-probe connect ADDR COUNT CONCURRENCY
        guard-probe listen NETNS_PATH ADDR BACKLOG [ACCEPT_AFTER_MS]
        guard-probe open NETNS_PATH ADDR COUNT [INTERVAL_MS TIMEOUT_MS]
        guard-probe echo1 NETNS_PATH ADDR BACKLOG
+       guard-probe spray NETNS_PATH COUNT PORT
+       guard-probe shedlat NETNS_PATH ADDR COUNT
        guard-probe talk NETNS_PATH ADDR ROUNDS INTERVAL_MS
        guard-probe mixed NETNS_PATH COUNT";
 
@@ -50,6 +52,53 @@ fn main() -> anyhow::Result<()> {
             hold(&Outcome::default(), Vec::new())
         }
         "churn" => churn(arg(1)?, arg(2)?.parse()?, num(3)?, num(4)?)?,
+        // COUNT connects to distinct loopback addresses (127.x.y.z) on a closed PORT: each
+        // is refused by the kernel, and each is a new destination for connguard.
+        "spray" => {
+            enter_netns(arg(1)?)?;
+            let port = num(3)? as u16;
+            let out = Mutex::new(Outcome::default());
+            for i in 0..num(2)? {
+                let ip = Ipv4Addr::new(
+                    127,
+                    1 + (i / 65025) as u8,
+                    ((i / 255) % 255) as u8,
+                    (i % 255) as u8 + 1,
+                );
+                let addr = SocketAddr::from((ip, port));
+                let s = tcp_socket(&addr);
+                let started = Instant::now();
+                record(&out, &s.connect(&addr.into()), started);
+            }
+            out.into_inner().unwrap()
+        }
+        // COUNT connects to ADDR, one at a time; `categories` has p50_ns and p99_ns of the
+        // time connect() took to fail.
+        "shedlat" => {
+            enter_netns(arg(1)?)?;
+            let addr: SocketAddr = arg(2)?.parse()?;
+            let out = Mutex::new(Outcome::default());
+            let mut us = Vec::new();
+            for _ in 0..num(3)? {
+                let s = tcp_socket(&addr);
+                let started = Instant::now();
+                let r = s.connect(&addr.into());
+                if r.is_err() {
+                    us.push(started.elapsed().as_nanos() as u64);
+                }
+                record(&out, &r, started);
+            }
+            us.sort_unstable();
+            let mut out = out.into_inner().unwrap();
+            let pct = |p: usize| {
+                us.get((us.len() * p / 100).min(us.len().saturating_sub(1)))
+                    .copied()
+                    .unwrap_or(0)
+            };
+            out.categories.insert("p50_ns".into(), pct(50));
+            out.categories.insert("p99_ns".into(), pct(99));
+            out
+        }
         // A listener that never accepts.
         // A listener that accepts nothing, or everything after ACCEPT_AFTER_MS.
         "listen" => {
