@@ -347,20 +347,12 @@ fn watch_ports(daemon: &Mutex<Daemon>) -> anyhow::Result<()> {
             .map(|(_, dir)| dir)
             .collect();
         for ns in cgroup::netns_of(dirs.iter().map(PathBuf::as_path)) {
-            // setns() moves only the calling thread: read each namespace from its own.
-            let read = thread::scope(|s| {
-                s.spawn(|| -> anyhow::Result<_> {
-                    netns::enter(&ns)?;
-                    let settings = ports::PortSettings::read()?;
-                    Ok((
-                        netns::cookie()?,
-                        ports::port_use(&settings, &sockdiag::tcp_sockets()?),
-                    ))
-                })
-                .join()
-                .map_err(|_| {
-                    anyhow::anyhow!("reading the socket table of {} panicked", ns.display())
-                })?
+            let read = netns::within(Some(&ns), || {
+                let settings = ports::PortSettings::read()?;
+                Ok((
+                    netns::cookie()?,
+                    ports::port_use(&settings, &sockdiag::tcp_sockets()?),
+                ))
             });
             let (cookie, used) = match read {
                 Ok(r) => r,

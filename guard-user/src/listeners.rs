@@ -345,29 +345,20 @@ impl ListenerGuard {
                 .program_mut(crate::loader::LISTENER_PROGRAM)
                 .context("listener program missing")?
                 .try_into()?;
-            let netns = p.netns.clone();
-            // setns() moves only the calling thread: attach from a thread of its own.
-            let attached = std::thread::scope(|s| {
-                s.spawn(|| -> anyhow::Result<Vec<String>> {
-                    if let Some(ns) = &netns {
-                        crate::netns::enter(ns)?;
-                    }
-                    let all = interfaces()?;
-                    if let Some(missing) = p.interfaces.iter().find(|i| !all.contains(i)) {
-                        anyhow::bail!("no interface {missing:?}");
-                    }
-                    let chosen: Vec<String> = all
-                        .into_iter()
-                        .filter(|i| p.interfaces.is_empty() || p.interfaces.contains(i))
-                        .collect();
-                    for iface in &chosen {
-                        crate::loader::attach_tc_ingress(prog, iface)
-                            .with_context(|| format!("attaching the listener guard to {iface}"))?;
-                    }
-                    Ok(chosen)
-                })
-                .join()
-                .map_err(|_| anyhow::anyhow!("attaching in {key:?} panicked"))?
+            let attached = crate::netns::within(p.netns.as_deref(), || {
+                let all = interfaces()?;
+                if let Some(missing) = p.interfaces.iter().find(|i| !all.contains(i)) {
+                    anyhow::bail!("no interface {missing:?}");
+                }
+                let chosen: Vec<String> = all
+                    .into_iter()
+                    .filter(|i| p.interfaces.is_empty() || p.interfaces.contains(i))
+                    .collect();
+                for iface in &chosen {
+                    crate::loader::attach_tc_ingress(prog, iface)
+                        .with_context(|| format!("attaching the listener guard to {iface}"))?;
+                }
+                Ok(chosen)
             });
             let shown = if key.is_empty() { "self" } else { key.as_str() };
             match attached {
@@ -471,16 +462,7 @@ pub fn over_watermark(
     let mut readings = Vec::new();
     let namespaces: BTreeSet<Option<&Path>> = policies.iter().map(|p| p.netns.as_deref()).collect();
     for ns in namespaces {
-        let read = std::thread::scope(|s| {
-            s.spawn(|| -> anyhow::Result<Vec<TcpSocket>> {
-                if let Some(ns) = ns {
-                    crate::netns::enter(ns)?;
-                }
-                crate::sockdiag::tcp_sockets()
-            })
-            .join()
-        });
-        let Ok(Ok(sockets)) = read else {
+        let Ok(sockets) = crate::netns::within(ns, crate::sockdiag::tcp_sockets) else {
             log::debug!("listener guard: cannot read the socket table of {ns:?}");
             continue;
         };

@@ -19,6 +19,24 @@ pub fn enter(path: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Runs `f` in the network namespace at `path` (None: the caller's own), on a thread of
+/// its own: setns() moves only the calling thread, and the caller stays where it is.
+pub fn within<T: Send>(
+    path: Option<&Path>,
+    f: impl FnOnce() -> anyhow::Result<T> + Send,
+) -> anyhow::Result<T> {
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            if let Some(path) = path {
+                enter(path)?;
+            }
+            f()
+        })
+        .join()
+        .map_err(|_| anyhow::anyhow!("work in network namespace {path:?} panicked"))?
+    })
+}
+
 /// The cookie of the calling thread's network namespace (SO_NETNS_COOKIE, Linux 5.14+),
 /// which eBPF programs see as bpf_get_netns_cookie().
 pub fn cookie() -> anyhow::Result<u64> {

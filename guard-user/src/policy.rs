@@ -195,7 +195,12 @@ pub fn parse(text: &str, file: &str) -> Result<Policy, PolicyError> {
     for s in raw.scope {
         let span = s.span();
         let s = s.into_inner();
-        let port_watermark = watermark(&s.port_watermark, &at)?;
+        let port_watermark = fraction(
+            &s.port_watermark,
+            "port_watermark",
+            "the ephemeral range",
+            &at,
+        )?;
         let name = s.name.get_ref().trim().to_string();
         if name.is_empty() {
             return Err(at(s.name.span(), "scope name must not be empty".into()));
@@ -228,7 +233,7 @@ pub fn parse(text: &str, file: &str) -> Result<Policy, PolicyError> {
                     )
                 })?,
         };
-        let max_connections = budget(&s.max_connections, &at)?;
+        let max_connections = at_least_one(&s.max_connections, "max_connections", &at)?;
         let mut rule_names = HashSet::new();
         let mut rules = Vec::new();
         for (i, r) in s.rule.into_iter().enumerate() {
@@ -315,31 +320,13 @@ fn parse_listeners(
                     at(a.span(), format!("{:?} is not an IP address", a.get_ref()))
                 })?),
             };
-        let accept_queue_watermark = match &l.accept_queue_watermark {
-            None => None,
-            Some(w) if *w.get_ref() > 0.0 && *w.get_ref() <= 1.0 => {
-                Some((w.get_ref() * 1000.0).round() as u32)
-            }
-            Some(w) => {
-                return Err(at(
-                    w.span(),
-                    format!(
-                        "accept_queue_watermark must be a fraction of the backlog in (0, 1], like 0.8 (got {})",
-                        w.get_ref()
-                    ),
-                ));
-            }
-        };
-        let max_syn_recv = match &l.max_syn_recv {
-            None => None,
-            Some(n) if *n.get_ref() >= 1 => Some(*n.get_ref() as u32),
-            Some(n) => {
-                return Err(at(
-                    n.span(),
-                    format!("max_syn_recv must be at least 1 (got {})", n.get_ref()),
-                ));
-            }
-        };
+        let accept_queue_watermark = fraction(
+            &l.accept_queue_watermark,
+            "accept_queue_watermark",
+            "the backlog",
+            at,
+        )?;
+        let max_syn_recv = at_least_one(&l.max_syn_recv, "max_syn_recv", at)?.map(|n| n as u32);
         if accept_queue_watermark.is_none() && max_syn_recv.is_none() {
             return Err(at(
                 span,
@@ -366,7 +353,12 @@ fn parse_rule(
     span: Range<usize>,
     at: &impl Fn(Range<usize>, String) -> PolicyError,
 ) -> Result<Rule, PolicyError> {
-    let port_watermark = watermark(&r.port_watermark, at)?;
+    let port_watermark = fraction(
+        &r.port_watermark,
+        "port_watermark",
+        "the ephemeral range",
+        at,
+    )?;
     let name = match &r.name {
         Some(n) if n.get_ref().trim().is_empty() => {
             return Err(at(n.span(), "rule name must not be empty".into()));
@@ -402,7 +394,7 @@ fn parse_rule(
             ));
         }
     };
-    let max_connections = budget(&r.max_connections, at)?;
+    let max_connections = at_least_one(&r.max_connections, "max_connections", at)?;
     Ok(Rule {
         name,
         dst,
@@ -414,8 +406,11 @@ fn parse_rule(
 }
 
 /// A fraction of the ephemeral range, kept in thousandths.
-fn watermark(
+/// A fraction in (0, 1] of `of`, kept in thousandths (at least 1).
+fn fraction(
     v: &Option<Spanned<f64>>,
+    key: &str,
+    of: &str,
     at: &impl Fn(Range<usize>, String) -> PolicyError,
 ) -> Result<Option<u32>, PolicyError> {
     match v {
@@ -426,15 +421,17 @@ fn watermark(
         Some(w) => Err(at(
             w.span(),
             format!(
-                "port_watermark must be a fraction of the ephemeral range in (0, 1], like 0.8 (got {})",
+                "{key} must be a fraction of {of} in (0, 1], like 0.8 (got {})",
                 w.get_ref()
             ),
         )),
     }
 }
 
-fn budget(
+/// A count of at least 1; leaving the key out means none.
+fn at_least_one(
     v: &Option<Spanned<i64>>,
+    key: &str,
     at: &impl Fn(Range<usize>, String) -> PolicyError,
 ) -> Result<Option<u64>, PolicyError> {
     match v {
@@ -443,7 +440,7 @@ fn budget(
         Some(n) => Err(at(
             n.span(),
             format!(
-                "max_connections must be at least 1 (got {}); leave it out for no budget",
+                "{key} must be at least 1 (got {}); leave it out for no budget",
                 n.get_ref()
             ),
         )),
