@@ -53,11 +53,12 @@ impl Ids {
             .map(|(name, _)| name.as_str())
     }
 
-    pub fn rule_name(&self, id: u32) -> Option<&str> {
+    /// Rule id -> rule name, for every rule named so far.
+    pub fn rule_names(&self) -> HashMap<u32, &str> {
         self.rules
             .iter()
-            .find(|(_, v)| **v == id)
-            .map(|((_, r), _)| r.as_str())
+            .map(|((_, r), id)| (*id, r.as_str()))
+            .collect()
     }
 }
 
@@ -342,15 +343,14 @@ impl Accounting {
         self.time_waits.iter().filter_map(Result::ok).collect()
     }
 
-    /// TIME_WAIT entries born on a scope's connections since the daemon started.
-    pub fn time_wait_created(&self, scope_id: u32) -> u64 {
-        let live: u64 = self
-            .time_waits()
-            .iter()
-            .filter(|(k, _)| k.scope_id == scope_id)
-            .map(|(_, n)| n)
-            .sum();
-        live + self.tw_forgotten.get(&scope_id).copied().unwrap_or(0)
+    /// TIME_WAIT entries born on each scope's connections since the daemon started, by
+    /// scope id.
+    pub fn time_wait_created(&self) -> HashMap<u32, u64> {
+        let mut out = self.tw_forgotten.clone();
+        for (k, n) in self.time_waits() {
+            *out.entry(k.scope_id).or_default() += n;
+        }
+        out
     }
 
     /// connect() failures with EADDRNOTAVAIL by scope and process name (totals).

@@ -1,8 +1,10 @@
 //! What the daemon reports: the JSON snapshot (DESIGN.md), the table of
 //! `connguard stats`, and Prometheus text.
-use std::{fmt::Write, sync::atomic::AtomicU64};
+use std::{collections::HashMap, fmt::Write, sync::atomic::AtomicU64};
 
-use guard_common::{Counter, LEVEL_DST, LEVEL_RULE, LEVEL_SCOPE, MODE_ENFORCE, NO_RULE};
+use guard_common::{
+    Counter, CounterKey, LEVEL_DST, LEVEL_RULE, LEVEL_SCOPE, MODE_ENFORCE, NO_RULE,
+};
 use prometheus_client::{
     encoding::text::encode,
     metrics::{counter::Counter as PromCounter, family::Family, gauge::Gauge},
@@ -117,70 +119,84 @@ pub fn scopes(acct: &mut Accounting) -> Vec<ScopeStats> {
     let Some(policy) = acct.policy.clone() else {
         return Vec::new();
     };
-    let counters = acct.counters();
-    policy
-        .scopes
-        .iter()
-        .map(|s| {
-            let scope_id = acct.ids.scope(&s.name);
-            let mine = || counters.iter().filter(move |(k, _)| k.scope_id == scope_id);
-            let counts = mine()
-                .find(|(k, _)| k.level == LEVEL_SCOPE)
-                .map(|(_, c)| c.into())
-                .unwrap_or_default();
-            let rules = s
-                .rules
-                .iter()
-                .map(|r| {
-                    let id = acct.ids.rule(&s.name, &r.name);
-                    RuleStats {
-                        name: r.name.clone(),
-                        max_connections: r.max_connections,
-                        per: if r.per_endpoint { "endpoint" } else { "rule" }.into(),
-                        counts: mine()
-                            .find(|(k, _)| k.level == LEVEL_RULE && k.rule_id == id)
-                            .map(|(_, c)| c.into())
-                            .unwrap_or_default(),
-                    }
-                })
-                .collect();
-            let mut destinations: Vec<DestStats> = mine()
-                .filter(|(k, _)| k.level == LEVEL_DST)
-                .map(|(k, c)| DestStats {
-                    rule: (k.rule_id != NO_RULE)
-                        .then(|| acct.ids.rule_name(k.rule_id).unwrap_or("?").to_string()),
-                    dst: crate::ports::endpoint(unmapped(k.addr), k.port),
-                    counts: c.into(),
-                })
-                .collect();
-            destinations.sort_by(|a, b| {
-                (b.counts.active, b.counts.admitted, &a.dst).cmp(&(
-                    a.counts.active,
-                    a.counts.admitted,
-                    &b.dst,
-                ))
-            });
-            ScopeStats {
-                name: s.name.clone(),
-                cgroup: if s.cgroup.is_empty() {
-                    "/".into()
-                } else {
-                    s.cgroup.clone()
-                },
-                mode: if s.mode == MODE_ENFORCE {
-                    "enforce"
-                } else {
-                    "observe"
-                }
-                .into(),
-                max_connections: s.max_connections,
+    // One pass over the counters: scope and rule totals by key, destinations by scope.
+    let mut totals: HashMap<(u32, u32, u32), Counts> = HashMap::new();
+    let mut destinations_of: HashMap<u32, Vec<(CounterKey, Counts)>> = HashMap::new();
+    for (k, c) in acct.counters() {
+        if k.level == LEVEL_DST {
+            destinations_of
+                .entry(k.scope_id)
+                .or_default()
+                .push((k, (&c).into()));
+        } else {
+            totals.insert((k.scope_id, k.level, k.rule_id), (&c).into());
+        }
+    }
+    let time_waits = acct.time_wait_created();
+    let mut out = Vec::new();
+    for s in &policy.scopes {
+        let scope_id = acct.ids.scope(&s.name);
+        let total = |level, rule| {
+            totals
+                .get(&(scope_id, level, rule))
+                .cloned()
+                .unwrap_or_default()
+        };
+        let rules = s
+            .rules
+            .iter()
+            .map(|r| RuleStats {
+                name: r.name.clone(),
+                max_connections: r.max_connections,
+                per: if r.per_endpoint { "endpoint" } else { "rule" }.into(),
+                counts: total(LEVEL_RULE, acct.ids.rule(&s.name, &r.name)),
+            })
+            .collect();
+        let rule_names = acct.ids.rule_names();
+        let mut destinations: Vec<DestStats> = destinations_of
+            .remove(&scope_id)
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(k, counts)| DestStats {
+                rule: (k.rule_id != NO_RULE).then(|| {
+                    rule_names
+                        .get(&k.rule_id)
+                        .copied()
+                        .unwrap_or("?")
+                        .to_string()
+                }),
+                dst: crate::ports::endpoint(unmapped(k.addr), k.port),
                 counts,
-                time_wait_created: acct.time_wait_created(scope_id),
-                rules,
-                destinations,
+            })
+            .collect();
+        destinations.sort_by(|a, b| {
+            (b.counts.active, b.counts.admitted, &a.dst).cmp(&(
+                a.counts.active,
+                a.counts.admitted,
+                &b.dst,
+            ))
+        });
+        out.push(ScopeStats {
+            name: s.name.clone(),
+            cgroup: if s.cgroup.is_empty() {
+                "/".into()
+            } else {
+                s.cgroup.clone()
+            },
+            mode: if s.mode == MODE_ENFORCE {
+                "enforce"
+            } else {
+                "observe"
             }
-        })
-        .collect()
+            .into(),
+            max_connections: s.max_connections,
+            counts: total(LEVEL_SCOPE, NO_RULE),
+            time_wait_created: time_waits.get(&scope_id).copied().unwrap_or(0),
+            rules,
+            destinations,
+        });
+    }
+    out
 }
 
 /// Prometheus text exposition of a snapshot.
