@@ -9,7 +9,7 @@
 use std::{
     collections::{BTreeMap, HashMap},
     net::{IpAddr, Ipv6Addr},
-    path::PathBuf,
+    path::{Path, PathBuf},
 };
 
 use anyhow::Context;
@@ -78,6 +78,8 @@ pub struct Accounting {
     pub policy: Option<Policy>,
     /// What the active generation holds, to diff against on rescan.
     written_scopes: BTreeMap<u64, ScopeConf>,
+    /// Every governed cgroup: id -> (scope index, directory), as of the last walk.
+    governed: BTreeMap<u64, (usize, PathBuf)>,
     written_rules: Vec<Key<RuleAddrKey>>,
     /// What the idle generation still holds, deleted before it is written again.
     idle_scopes: Vec<u64>,
@@ -112,6 +114,7 @@ impl Accounting {
             ids: Ids::default(),
             policy: None,
             written_scopes: BTreeMap::new(),
+            governed: BTreeMap::new(),
             written_rules: Vec::new(),
             idle_scopes: Vec::new(),
             idle_rules: Vec::new(),
@@ -134,11 +137,11 @@ impl Accounting {
         for key in std::mem::take(&mut self.idle_rules) {
             let _ = self.rules.remove(&key);
         }
-        let governed = cgroup::resolve(&self.cgroup_root, &policy)?;
+        let governed = cgroup::governed(&self.cgroup_root, &policy)?;
         let confs = self.scope_confs(&policy);
         let mut scopes = BTreeMap::new();
-        for (cgroup_id, index) in governed {
-            scopes.insert(cgroup_id, confs[index]);
+        for (cgroup_id, (index, _)) in &governed {
+            scopes.insert(*cgroup_id, confs[*index]);
         }
         let mut rule_keys = Vec::new();
         let result = (|| -> anyhow::Result<()> {
@@ -184,6 +187,7 @@ impl Accounting {
         self.idle_rules = std::mem::replace(&mut self.written_rules, rule_keys);
         self.gen_ = next;
         self.policy = Some(policy);
+        self.governed = governed;
         Ok(())
     }
 
@@ -194,9 +198,9 @@ impl Accounting {
             return Ok(());
         };
         let confs = self.scope_confs(&policy);
-        let governed = cgroup::resolve(&self.cgroup_root, &policy)?;
+        let governed = cgroup::governed(&self.cgroup_root, &policy)?;
         let gen_ = self.gen_;
-        for (id, index) in &governed {
+        for (id, (index, _)) in &governed {
             if self.written_scopes.get(id) != Some(&confs[*index]) {
                 self.scopes.insert(
                     CgroupKey {
@@ -224,12 +228,25 @@ impl Accounting {
             });
             self.written_scopes.remove(&id);
         }
+        self.governed = governed;
         Ok(())
     }
 
     /// The scope id governing a cgroup now, if any.
     pub fn scope_of_cgroup(&self, cgroup_id: u64) -> Option<u32> {
         self.written_scopes.get(&cgroup_id).map(|c| c.scope_id)
+    }
+
+    /// The cgroups of scopes with a port watermark, as of the last rescan.
+    pub fn port_watched_dirs(&self) -> Vec<&Path> {
+        let Some(policy) = &self.policy else {
+            return Vec::new();
+        };
+        self.governed
+            .values()
+            .filter(|(i, _)| policy.scopes[*i].watches_ports())
+            .map(|(_, dir)| dir.as_path())
+            .collect()
     }
 
     /// Number of cgroups the policy governs now.

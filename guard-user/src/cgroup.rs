@@ -37,17 +37,9 @@ pub fn cgroup_id(dir: &Path) -> anyhow::Result<u64> {
         .ino())
 }
 
-/// Every cgroup below `root` (itself included) governed by a scope: cgroup id -> index
-/// of the scope. A cgroup that a scope selects is governed by it (the first such scope
-/// in the file); any other cgroup by its nearest selected ancestor.
-pub fn resolve(root: &Path, policy: &Policy) -> anyhow::Result<BTreeMap<u64, usize>> {
-    Ok(governed(root, policy)?
-        .into_iter()
-        .map(|(id, (index, _))| (id, index))
-        .collect())
-}
-
-/// Like `resolve`, with each cgroup's directory.
+/// Every cgroup below `root` (itself included) governed by a scope: cgroup id -> (index
+/// of the scope, directory). A cgroup that a scope selects is governed by it (the first
+/// such scope in the file); any other cgroup by its nearest selected ancestor.
 pub fn governed(root: &Path, policy: &Policy) -> anyhow::Result<BTreeMap<u64, (usize, PathBuf)>> {
     if !root.is_dir() {
         bail!("{} is not a directory", root.display());

@@ -325,9 +325,15 @@ fn watch_listeners(daemon: &Mutex<Daemon>) {
 /// port watermark: the kernel sheds from it, so a watermark acts within one RESCAN.
 /// The socket tables are read without holding the daemon lock.
 fn watch_ports(daemon: &Mutex<Daemon>) -> anyhow::Result<()> {
-    let (root, policy) = {
+    let (dirs, policy) = {
         let d = daemon.lock().expect("daemon lock");
-        (d.acct.cgroup_root.clone(), d.acct.policy.clone())
+        let dirs: Vec<PathBuf> = d
+            .acct
+            .port_watched_dirs()
+            .into_iter()
+            .map(Path::to_path_buf)
+            .collect();
+        (dirs, d.acct.policy.clone())
     };
     let Some(policy) = policy else { return Ok(()) };
     let lowest = policy
@@ -341,11 +347,6 @@ fn watch_ports(daemon: &Mutex<Daemon>) -> anyhow::Result<()> {
         .min();
     let mut entries = HashMap::new();
     if let Some(lowest) = lowest {
-        let dirs: Vec<PathBuf> = cgroup::governed(&root, &policy)?
-            .into_values()
-            .filter(|(i, _)| policy.scopes[*i].watches_ports())
-            .map(|(_, dir)| dir)
-            .collect();
         for ns in cgroup::netns_of(dirs.iter().map(PathBuf::as_path)) {
             let read = netns::within(Some(&ns), || {
                 let settings = ports::PortSettings::read()?;
