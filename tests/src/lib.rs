@@ -477,6 +477,25 @@ impl Netns {
         all.extend_from_slice(args);
         run("ip", &all);
     }
+
+    /// A server netns and a client netns joined by a veth pair: 192.0.2.1 (server, dev
+    /// vs) and 192.0.2.2 (client, dev vc), both with loopback up.
+    pub fn veth_pair() -> (Netns, Netns) {
+        let server = Netns::new("cgsrv");
+        let client = Netns::new("cgcli");
+        server.exec(
+            "ip",
+            &["link", "add", "vs", "type", "veth", "peer", "name", "vc"],
+        );
+        server.exec("ip", &["link", "set", "vc", "netns", &client.name]);
+        server.exec("ip", &["addr", "add", "192.0.2.1/24", "dev", "vs"]);
+        client.exec("ip", &["addr", "add", "192.0.2.2/24", "dev", "vc"]);
+        for (ns, dev) in [(&server, "vs"), (&client, "vc")] {
+            ns.exec("ip", &["link", "set", "lo", "up"]);
+            ns.exec("ip", &["link", "set", dev, "up"]);
+        }
+        (server, client)
+    }
 }
 
 impl Drop for Netns {
@@ -524,6 +543,14 @@ pub fn budget_policy(scope: &str, cgroup: &str, mode: &str, dst: &SocketAddr, ma
          [[scope.rule]]\nname = \"server\"\ndst = [\"{}\"]\nports = [\"{}\"]\nmax_connections = {max}\n",
         dst.ip(),
         dst.port()
+    )
+}
+
+/// A listener guard on port 8080 in `ns`, shedding past 80 % of the accept queue.
+pub fn listener_policy(ns: &Netns, mode: &str) -> String {
+    format!(
+        "[[listener]]\nname = \"api\"\nports = [\"8080\"]\nnetns = \"{}\"\naccept_queue_watermark = 0.8\nmode = \"{mode}\"\n",
+        ns.path()
     )
 }
 

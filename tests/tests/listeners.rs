@@ -1,7 +1,7 @@
 //! Listener accept-queue exhaustion, detected (issue 4, CASES 3).
 use std::process::Command;
 
-use connguard_tests::{Cgroup, Daemon, Netns, connguard_bin};
+use connguard_tests::{Cgroup, Daemon, Netns, connguard_bin, listener_policy};
 use serde_json::Value;
 
 /// `nstat -asz NAME` in the namespace: the counter's absolute value.
@@ -107,35 +107,10 @@ fn full_accept_queue_is_named_with_backlog_process_and_scope() {
     );
 }
 
-/// A server netns and a client netns joined by a veth pair: 192.0.2.1 and 192.0.2.2.
-fn veth_pair() -> (Netns, Netns) {
-    let server = Netns::new("cgsrv");
-    let client = Netns::new("cgcli");
-    server.exec(
-        "ip",
-        &["link", "add", "vs", "type", "veth", "peer", "name", "vc"],
-    );
-    server.exec("ip", &["link", "set", "vc", "netns", &client.name]);
-    server.exec("ip", &["addr", "add", "192.0.2.1/24", "dev", "vs"]);
-    client.exec("ip", &["addr", "add", "192.0.2.2/24", "dev", "vc"]);
-    for (ns, dev) in [(&server, "vs"), (&client, "vc")] {
-        ns.exec("ip", &["link", "set", "lo", "up"]);
-        ns.exec("ip", &["link", "set", dev, "up"]);
-    }
-    (server, client)
-}
-
-fn guard_policy(server: &Netns, mode: &str) -> String {
-    format!(
-        "[[listener]]\nname = \"api\"\nports = [\"8080\"]\nnetns = \"{}\"\naccept_queue_watermark = 0.8\nmode = \"{mode}\"\n",
-        server.path()
-    )
-}
-
 /// Without a guard, clients past a full queue wait on SYN retransmits (1 s and more).
 #[test]
 fn without_the_guard_clients_past_the_queue_wait_over_a_second() {
-    let (server, client) = veth_pair();
+    let (server, client) = Netns::veth_pair();
     let server_cg = Cgroup::new("noguard-server");
     let client_cg = Cgroup::new("noguard-client");
     let _listener = server_cg.hold_args(&["listen", &server.path(), "192.0.2.1:8080", "8"]);
@@ -160,7 +135,7 @@ fn loopback_ipv4_and_ipv6_with_and_without_syncookies() {
             &["-qw", &format!("net.ipv4.tcp_syncookies={syncookies}")],
         );
         let cg = Cgroup::new("lo-guard");
-        let d = Daemon::start(&guard_policy(&ns, "enforce"));
+        let d = Daemon::start(&listener_policy(&ns, "enforce"));
         let _listener = cg.hold_args(&["listen", &ns.path(), addr, "8"]);
         let burst = cg.hold_args(&["open", &ns.path(), addr, "20", "200", "3000"]);
         let o = &burst.outcome;
@@ -180,10 +155,10 @@ fn loopback_ipv4_and_ipv6_with_and_without_syncookies() {
 /// connections succeed again within 1 s.
 #[test]
 fn saturated_listener_answers_syns_with_rst_until_it_drains() {
-    let (server, client) = veth_pair();
+    let (server, client) = Netns::veth_pair();
     let server_cg = Cgroup::new("rst-server");
     let client_cg = Cgroup::new("rst-client");
-    let d = Daemon::with_metrics(&guard_policy(&server, "enforce"));
+    let d = Daemon::with_metrics(&listener_policy(&server, "enforce"));
     // Accepts everything after 11 s (the burst takes 10 s).
     let started = std::time::Instant::now();
     let _listener =
@@ -254,10 +229,10 @@ fn saturated_listener_answers_syns_with_rst_until_it_drains() {
 /// Observe mode sends no RST: clients past the queue wait, and would-be RSTs are counted.
 #[test]
 fn observe_mode_sends_no_rst_and_counts_them() {
-    let (server, client) = veth_pair();
+    let (server, client) = Netns::veth_pair();
     let server_cg = Cgroup::new("obs-server");
     let client_cg = Cgroup::new("obs-client");
-    let d = Daemon::start(&guard_policy(&server, "observe"));
+    let d = Daemon::start(&listener_policy(&server, "observe"));
     let _listener = server_cg.hold_args(&["listen", &server.path(), "192.0.2.1:8080", "8"]);
     let burst =
         client_cg.hold_args(&["open", &client.path(), "192.0.2.1:8080", "12", "200", "300"]);
@@ -275,10 +250,10 @@ fn observe_mode_sends_no_rst_and_counts_them() {
 /// An established connection to the listener exchanges data all through the shedding.
 #[test]
 fn established_connections_exchange_data_while_new_ones_are_shed() {
-    let (server, client) = veth_pair();
+    let (server, client) = Netns::veth_pair();
     let server_cg = Cgroup::new("talk-server");
     let client_cg = Cgroup::new("talk-client");
-    let d = Daemon::start(&guard_policy(&server, "enforce"));
+    let d = Daemon::start(&listener_policy(&server, "enforce"));
     let _listener = server_cg.hold_args(&["echo1", &server.path(), "192.0.2.1:8080", "8"]);
     let (path, probe) = (
         client.path(),

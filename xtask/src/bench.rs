@@ -45,8 +45,10 @@ pub fn run(quick: bool) -> anyhow::Result<()> {
     };
     let policy = thousand_rules(&s.client.rel);
 
-    // 1 and 2: churn, interleaved A (no guard), B (connguard, 1,000 rules, destinations
-    // tracked), C (nftables ct count), rotating the order every round.
+    // 1: churn, interleaved A (no guard), B (connguard, 1,000 rules, destinations
+    // tracked), C (nftables ct count), rotating the order every round. The timed churn
+    // runs with bpf_stats off (they add two clock reads to every program run); 2: a
+    // second churn with the same daemon and bpf_stats on gives each program's cost.
     let mut rates: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
     let mut costs: BTreeMap<String, Vec<f64>> = BTreeMap::new();
     let modes = ["no guard", "connguard", "nftables"];
@@ -56,11 +58,13 @@ pub fn run(quick: bool) -> anyhow::Result<()> {
             let rate = match mode {
                 "no guard" => churn(&s, churn_n)?,
                 "connguard" => {
-                    let d = Daemon::start_with(&policy, &["--bpf-stats"]);
+                    let d = Daemon::start(&policy);
                     s.client
                         .probe(&["spray", &s.ns.path(), &destinations.to_string(), "9"]);
-                    let before = program_costs(&d.stats());
                     let rate = churn(&s, churn_n)?;
+                    let _stats = BpfStats::enable()?;
+                    let before = program_costs(&d.stats());
+                    churn(&s, churn_n)?;
                     let after = program_costs(&d.stats());
                     for (name, (t1, n1)) in &after {
                         let (t0, n0) = before.get(name).copied().unwrap_or((0.0, 0.0));
@@ -74,9 +78,9 @@ pub fn run(quick: bool) -> anyhow::Result<()> {
                     rate
                 }
                 _ => {
-                    nft(&s.ns, true)?;
+                    nft(&s.ns, Some(CHURN_NFT))?;
                     let rate = churn(&s, churn_n);
-                    nft(&s.ns, false)?;
+                    nft(&s.ns, None)?;
                     rate?
                 }
             };
@@ -102,11 +106,50 @@ pub fn run(quick: bool) -> anyhow::Result<()> {
         drop(d);
         out
     };
-    nft(&s.ns, true)?;
+    nft(&s.ns, Some(CHURN_NFT))?;
     let nft_reject = s
         .client
         .probe(&["shedlat", &s.ns.path(), "127.0.0.1:8082", "1000"]);
-    nft(&s.ns, false)?;
+    nft(&s.ns, None)?;
+
+    // 3b: a SYN to a saturated listener (listen(8), never accepting, 9 queued) over a
+    // veth pair, until the client's connect() returns: connguard's listener guard
+    // answers with a RST, as does an nftables `reject with tcp reset` on input; with
+    // neither, the SYN is dropped and the client waits on retransmits (1 s, 3 s, ...).
+    let inbound = {
+        let (srv, cli) = Netns::veth_pair();
+        let listen_cg = Cgroup::new("bench-listen");
+        let target = "192.0.2.1:8080";
+        let _listener = listen_cg.hold_args(&["listen", &srv.path(), target, "8"]);
+        let queued = s.client.hold_args(&["open", &cli.path(), target, "9"]);
+        anyhow::ensure!(
+            queued.outcome.ok == 9,
+            "queue not filled: {:?}",
+            queued.outcome
+        );
+        let no_guard = s
+            .client
+            .probe(&["shedlat", &cli.path(), target, "3", "3000"]);
+        let guard = {
+            let d = Daemon::start(&connguard_tests::listener_policy(&srv, "enforce"));
+            let started = Instant::now();
+            while d.stats()["listeners"][0]["shedding"] != true {
+                anyhow::ensure!(
+                    started.elapsed() < Duration::from_secs(5),
+                    "the listener guard did not engage"
+                );
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            s.client
+                .probe(&["shedlat", &cli.path(), target, "1000", "3000"])
+        };
+        nft(&srv, Some(INPUT_NFT))?;
+        let reject = s
+            .client
+            .probe(&["shedlat", &cli.path(), target, "1000", "3000"]);
+        nft(&srv, None)?;
+        json!({"connguard_rst": latency(&guard), "nftables_reject": latency(&reject), "no_guard": latency(&no_guard)})
+    };
 
     // 5: stats and a metrics scrape with many tracked destinations.
     let stats_ms = {
@@ -166,12 +209,12 @@ pub fn run(quick: bool) -> anyhow::Result<()> {
     // 4: daemon memory and CPU, idle and under churn.
     let (idle, busy) = {
         let d = Daemon::start_with(&policy, &[]);
-        let idle = usage(
-            d.pid(),
-            Duration::from_secs(if quick { 2 } else { 5 }),
-            || Ok(()),
-        )?;
-        let busy = usage(d.pid(), Duration::ZERO, || churn(&s, churn_n * 2).map(drop))?;
+        let secs = Duration::from_secs(if quick { 2 } else { 5 });
+        let idle = usage(d.pid(), secs, || {
+            std::thread::sleep(Duration::from_millis(100));
+            Ok(())
+        })?;
+        let busy = usage(d.pid(), secs, || churn(&s, churn_n).map(drop))?;
         (idle, busy)
     };
 
@@ -186,9 +229,10 @@ pub fn run(quick: bool) -> anyhow::Result<()> {
         },
         "program_ns_per_run": costs.iter().map(|(n, v)| (n.clone(), summary(v))).collect::<BTreeMap<_, _>>(),
         "shed_latency_ns": {
-            "connguard": {"p50": shed.categories["p50_ns"], "p99": shed.categories["p99_ns"], "refused": shed.errors("ECONNREFUSED")},
-            "nftables_reject": {"p50": nft_reject.categories["p50_ns"], "p99": nft_reject.categories["p99_ns"], "refused": nft_reject.errors("ECONNREFUSED")},
+            "connguard": latency(&shed),
+            "nftables_reject": latency(&nft_reject),
         },
+        "inbound_latency_ns": inbound,
         "stats_ms": stats_ms,
         "ports_ms": ports_ms,
         "daemon": {"idle": idle, "churn": busy},
@@ -232,17 +276,21 @@ fn thousand_rules(cgroup: &str) -> String {
 }
 
 /// The nftables equivalent of a budget that is not reached, and a reject for 8082.
-fn nft(ns: &Netns, on: bool) -> anyhow::Result<()> {
+const CHURN_NFT: &str = "chain out {\n    type filter hook output priority 0;\n    \
+    tcp dport 8080 ct count over 1000000 reject with tcp reset\n    \
+    tcp dport 8082 reject with tcp reset\n  }";
+
+/// Every SYN to the saturated listener answered with a RST.
+const INPUT_NFT: &str = "chain in {\n    type filter hook input priority 0;\n    \
+    tcp dport 8080 reject with tcp reset\n  }";
+
+/// Loads table inet cgbench with `chain` into the namespace, or deletes it.
+fn nft(ns: &Netns, chain: Option<&str>) -> anyhow::Result<()> {
     let mut cmd = Command::new("ip");
     cmd.args(["netns", "exec", &ns.name, "nft"]);
-    if on {
-        let rules = format!(
-            "table inet cgbench {{\n  chain out {{\n    type filter hook output priority 0;\n    \
-             tcp dport {PORT} ct count over 1000000 reject with tcp reset\n    \
-             tcp dport 8082 reject with tcp reset\n  }}\n}}\n"
-        );
+    if let Some(chain) = chain {
         let file = std::env::temp_dir().join(format!("connguard-bench-{}.nft", std::process::id()));
-        std::fs::write(&file, rules)?;
+        std::fs::write(&file, format!("table inet cgbench {{\n  {chain}\n}}\n"))?;
         cmd.arg("-f").arg(&file);
     } else {
         cmd.args(["delete", "table", "inet", "cgbench"]);
@@ -252,6 +300,31 @@ fn nft(ns: &Netns, on: bool) -> anyhow::Result<()> {
         .context("nft is missing: run `cargo xtask setup`")?;
     anyhow::ensure!(status.success(), "nft failed");
     Ok(())
+}
+
+/// Turns the kernel's bpf_stats on (sysctl kernel.bpf_stats_enabled) until dropped,
+/// then restores the previous setting.
+struct BpfStats(String);
+
+const BPF_STATS: &str = "/proc/sys/kernel/bpf_stats_enabled";
+
+impl BpfStats {
+    fn enable() -> anyhow::Result<BpfStats> {
+        let before = std::fs::read_to_string(BPF_STATS).context(BPF_STATS)?;
+        std::fs::write(BPF_STATS, "1").context(BPF_STATS)?;
+        Ok(BpfStats(before))
+    }
+}
+
+impl Drop for BpfStats {
+    fn drop(&mut self) {
+        let _ = std::fs::write(BPF_STATS, self.0.trim());
+    }
+}
+
+/// p50 and p99 of the time connect() took to fail, and how the attempts ended.
+fn latency(o: &Outcome) -> Value {
+    json!({"p50": o.categories["p50_ns"], "p99": o.categories["p99_ns"], "attempts": o.attempts, "ok": o.ok, "errors": o.errors})
 }
 
 /// (run_time_ns, run_count) per program from `stats --json`.
@@ -272,12 +345,12 @@ fn program_costs(stats: &Value) -> BTreeMap<String, (f64, f64)> {
         .unwrap_or_default()
 }
 
-/// Resident memory (MiB) and CPU share (% of one core) of a process while `work` runs,
-/// or for `at_least`.
+/// Resident memory (MiB) and CPU share (% of one core) of a process while `work` runs
+/// again and again for `secs`.
 fn usage(
     pid: i32,
-    at_least: Duration,
-    work: impl FnOnce() -> anyhow::Result<()>,
+    secs: Duration,
+    mut work: impl FnMut() -> anyhow::Result<()>,
 ) -> anyhow::Result<Value> {
     let cpu = || -> anyhow::Result<f64> {
         let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
@@ -291,8 +364,9 @@ fn usage(
         Ok(ticks / 100.0)
     };
     let (c0, t0) = (cpu()?, Instant::now());
-    work()?;
-    std::thread::sleep(at_least.saturating_sub(t0.elapsed()));
+    while t0.elapsed() < secs {
+        work()?;
+    }
     let (c1, secs) = (cpu()?, t0.elapsed().as_secs_f64());
     let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
     let rss_kib: f64 = status
@@ -316,6 +390,20 @@ fn summary(v: &[f64]) -> Value {
     let min = v.iter().copied().fold(f64::INFINITY, f64::min);
     let max = v.iter().copied().fold(0.0, f64::max);
     json!({"median": median(v), "min": min, "max": max, "n": v.len()})
+}
+
+/// "1000 ECONNREFUSED" from a latency() record: how the attempts ended.
+fn ended(l: &Value) -> String {
+    let mut parts: Vec<String> = l["errors"]
+        .as_object()
+        .into_iter()
+        .flatten()
+        .map(|(e, n)| format!("{n} {e}"))
+        .collect();
+    if l["ok"].as_u64().unwrap_or(0) > 0 {
+        parts.push(format!("{} connected", l["ok"]));
+    }
+    parts.join(", ")
 }
 
 fn markdown(r: &Value) -> String {
@@ -349,18 +437,35 @@ fn markdown(r: &Value) -> String {
     }
     let l = &r["shed_latency_ns"];
     let us = |v: &Value| f(v) / 1000.0;
-    out += "\n| refusal at connect() | p50 µs | p99 µs |\n|---|---|---|\n";
+    out += "\n| refusal at connect(), loopback | p50 µs | p99 µs | ended |\n|---|---|---|---|\n";
     for (name, key) in [
         ("connguard over budget (no SYN sent)", "connguard"),
         ("nftables reject with tcp reset", "nftables_reject"),
     ] {
         out += &format!(
-            "| {name} | {:.1} | {:.1} |\n",
+            "| {name} | {:.1} | {:.1} | {} |\n",
             us(&l[key]["p50"]),
-            us(&l[key]["p99"])
+            us(&l[key]["p99"]),
+            ended(&l[key])
         );
     }
-    out += "| no guard, SYN dropped | ≥ 1,000,000 (SYN retransmit) | |\n";
+    let i = &r["inbound_latency_ns"];
+    out += "\n| SYN to a saturated listener, over veth, until connect() returns | p50 µs | p99 µs | ended |\n|---|---|---|---|\n";
+    for (name, key) in [
+        ("connguard listener guard (RST)", "connguard_rst"),
+        ("nftables reject with tcp reset (input)", "nftables_reject"),
+        (
+            "no guard (SYN dropped, retransmits; 3 s timeout)",
+            "no_guard",
+        ),
+    ] {
+        out += &format!(
+            "| {name} | {:.1} | {:.1} | {} |\n",
+            us(&i[key]["p50"]),
+            us(&i[key]["p99"]),
+            ended(&i[key])
+        );
+    }
     let (st, po) = (&r["stats_ms"], &r["ports_ms"]);
     out += "\n| one-shot | ms | next to |\n|---|---|---|\n";
     out += &format!(

@@ -26,7 +26,7 @@ const USAGE: &str = "usage: guard-probe connect ADDR COUNT CONCURRENCY
        guard-probe open NETNS_PATH ADDR COUNT [INTERVAL_MS TIMEOUT_MS]
        guard-probe echo1 NETNS_PATH ADDR BACKLOG
        guard-probe spray NETNS_PATH COUNT PORT
-       guard-probe shedlat NETNS_PATH ADDR COUNT
+       guard-probe shedlat NETNS_PATH ADDR COUNT [TIMEOUT_MS]
        guard-probe talk NETNS_PATH ADDR ROUNDS INTERVAL_MS
        guard-probe mixed NETNS_PATH COUNT";
 
@@ -72,17 +72,22 @@ fn main() -> anyhow::Result<()> {
             }
             out.into_inner().unwrap()
         }
-        // COUNT connects to ADDR, one at a time; `categories` has p50_ns and p99_ns of the
-        // time connect() took to fail.
+        // COUNT connects to ADDR, one at a time, each given up after TIMEOUT_MS (none by
+        // default); `categories` has p50_ns and p99_ns of the time connect() took to fail
+        // (a timeout counts as failing at TIMEOUT_MS).
         "shedlat" => {
             enter_netns(arg(1)?)?;
             let addr: SocketAddr = arg(2)?.parse()?;
             let out = Mutex::new(Outcome::default());
+            let timeout = args.get(4).map(|a| a.parse()).transpose()?;
             let mut us = Vec::new();
             for _ in 0..num(3)? {
                 let s = tcp_socket(&addr);
                 let started = Instant::now();
-                let r = s.connect(&addr.into());
+                let r = match timeout {
+                    Some(ms) => s.connect_timeout(&addr.into(), Duration::from_millis(ms)),
+                    None => s.connect(&addr.into()),
+                };
                 if r.is_err() {
                     us.push(started.elapsed().as_nanos() as u64);
                 }
