@@ -51,6 +51,7 @@ pub fn run(quick: bool) -> anyhow::Result<()> {
     // second churn with the same daemon and bpf_stats on gives each program's cost.
     let mut rates: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
     let mut costs: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+    let mut runs: BTreeMap<String, Vec<f64>> = BTreeMap::new();
     let modes = ["no guard", "connguard", "nftables"];
     for round in 0..rounds {
         for k in 0..3 {
@@ -73,6 +74,9 @@ pub fn run(quick: bool) -> anyhow::Result<()> {
                                 .entry(name.clone())
                                 .or_default()
                                 .push((t1 - t0) / (n1 - n0));
+                            runs.entry(name.clone())
+                                .or_default()
+                                .push((n1 - n0) / churn_n as f64);
                         }
                     }
                     rate
@@ -228,6 +232,7 @@ pub fn run(quick: bool) -> anyhow::Result<()> {
             "nftables": median(&rates["nftables"]) / median(&rates["no guard"]),
         },
         "program_ns_per_run": costs.iter().map(|(n, v)| (n.clone(), summary(v))).collect::<BTreeMap<_, _>>(),
+        "program_runs_per_connection": runs.iter().map(|(n, v)| (n.clone(), median(v))).collect::<BTreeMap<_, _>>(),
         "shed_latency_ns": {
             "connguard": latency(&shed),
             "nftables_reject": latency(&nft_reject),
@@ -245,9 +250,8 @@ pub fn run(quick: bool) -> anyhow::Result<()> {
 }
 
 /// Churn rate (connections/s): N connect + client-first close to the local server, from
-/// the client cgroup, timed from outside the probe.
+/// the client cgroup, timed by the probe (process start and netns entry left out).
 fn churn(s: &Setup, n: usize) -> anyhow::Result<f64> {
-    let started = Instant::now();
     let out: Outcome = s.client.probe(&[
         "churn",
         &s.ns.path(),
@@ -255,7 +259,7 @@ fn churn(s: &Setup, n: usize) -> anyhow::Result<f64> {
         &n.to_string(),
         "0",
     ]);
-    let secs = started.elapsed().as_secs_f64();
+    let secs = out.categories["elapsed_ns"] as f64 / 1e9;
     anyhow::ensure!(out.ok == n as u64, "churn lost connections: {out:?}");
     Ok(n as f64 / secs)
 }
@@ -426,15 +430,28 @@ fn markdown(r: &Value) -> String {
             f(&s["max"])
         );
     }
-    out += "\n| program | median ns/run | min | max |\n|---|---|---|---|\n";
+    // Where a connection's time goes: each program's median cost times its runs per
+    // connection (both ends: the server's sockets run the host-wide hooks too), next
+    // to the time one connection takes without a guard.
+    out += "\n| program (bpf_stats) | median ns/run | min | max | runs per connection | ns per connection |\n|---|---|---|---|---|---|\n";
+    let mut total = 0.0;
     for (name, s) in r["program_ns_per_run"].as_object().into_iter().flatten() {
+        let runs = f(&r["program_runs_per_connection"][name]);
+        total += f(&s["median"]) * runs;
         out += &format!(
-            "| {name} | {:.0} | {:.0} | {:.0} |\n",
+            "| {name} | {:.0} | {:.0} | {:.0} | {runs:.1} | {:.0} |\n",
             f(&s["median"]),
             f(&s["min"]),
-            f(&s["max"])
+            f(&s["max"]),
+            f(&s["median"]) * runs
         );
     }
+    let per_conn = 1e9 / f(&r["churn_per_s"]["no guard"]["median"]).max(1.0);
+    out += &format!(
+        "| all programs | | | | | {total:.0} ({:.1} % of the {:.0} ns a connection takes without a guard) |\n",
+        total / per_conn * 100.0,
+        per_conn
+    );
     let l = &r["shed_latency_ns"];
     let us = |v: &Value| f(v) / 1000.0;
     out += "\n| refusal at connect(), loopback | p50 µs | p99 µs | ended |\n|---|---|---|---|\n";

@@ -362,7 +362,7 @@ fn serve(port: u16) -> anyhow::Result<()> {
 /// Inside NETNS_PATH, COUNT connections to ADDR, each closed by the client first and
 /// after the server's FIN (leaving TIME_WAIT on the client side), PER_SECOND at most
 /// (0: as fast as possible). `categories` has the 1-based attempt number of the first
-/// EADDRNOTAVAIL and of the first ECONNREFUSED (0 if none).
+/// EADDRNOTAVAIL and of the first ECONNREFUSED (0 if none), and the run's elapsed_ns.
 fn churn(netns: &str, target: SocketAddr, count: u64, per_second: u64) -> anyhow::Result<Outcome> {
     enter_netns(netns)?;
     let out = Mutex::new(Outcome::default());
@@ -388,6 +388,8 @@ fn churn(netns: &str, target: SocketAddr, count: u64, per_second: u64) -> anyhow
         }
     }
     let mut out = out.into_inner().unwrap();
+    out.categories
+        .insert("elapsed_ns".into(), started_all.elapsed().as_nanos() as u64);
     out.categories
         .insert("first_eaddrnotavail".into(), first_eaddrnotavail);
     out.categories.insert("first_refused".into(), first_refused);
