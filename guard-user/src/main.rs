@@ -1,5 +1,6 @@
 //! connguard: the daemon and its command-line tools.
 mod accounting;
+mod batch;
 mod cgroup;
 mod cli;
 mod daemon;
