@@ -7,9 +7,7 @@ use std::{
     sync::{Arc, atomic::AtomicU64},
 };
 
-use guard_common::{
-    Counter, CounterKey, LEVEL_DST, LEVEL_RULE, LEVEL_SCOPE, MODE_ENFORCE, NO_RULE,
-};
+use guard_common::{Counter, LEVEL_DST, LEVEL_RULE, LEVEL_SCOPE, MODE_ENFORCE, NO_RULE};
 use prometheus_client::{
     encoding::text::encode,
     metrics::{counter::Counter as PromCounter, family::Family, gauge::Gauge},
@@ -123,7 +121,7 @@ pub struct RuleStats {
     pub counts: Counts,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct DestStats {
     /// The rule that matched, or null when none did (shared by its destinations).
     pub rule: Option<Arc<str>>,
@@ -140,20 +138,6 @@ pub fn scopes(acct: &mut Accounting, top: Option<usize>) -> Vec<ScopeStats> {
     let Some(policy) = acct.policy.clone() else {
         return Vec::new();
     };
-    // One pass over the counters: scope and rule totals by key, destinations by scope.
-    let mut totals: HashMap<(u32, u32, u32), Counts> = HashMap::new();
-    let mut destinations_of: HashMap<u32, Vec<(CounterKey, Counts)>> = HashMap::new();
-    for (k, c) in acct.counters() {
-        if k.level == LEVEL_DST {
-            destinations_of
-                .entry(k.scope_id)
-                .or_default()
-                .push((k, (&c).into()));
-        } else {
-            totals.insert((k.scope_id, k.level, k.rule_id), (&c).into());
-        }
-    }
-    let time_waits = acct.time_wait_created();
     // Ids first (naming them may add ids), then one reverse map of rule names.
     let ids: Vec<(u32, Vec<u32>)> = policy
         .scopes
@@ -170,6 +154,30 @@ pub fn scopes(acct: &mut Accounting, top: Option<usize>) -> Vec<ScopeStats> {
         .into_iter()
         .map(|(id, name)| (id, name.into()))
         .collect();
+    // One pass over the counters: scope and rule totals by key, destinations by scope.
+    let mut totals: HashMap<(u32, u32, u32), Counts> = HashMap::new();
+    let mut destinations_of: HashMap<u32, Vec<DestStats>> = HashMap::new();
+    for (k, c) in acct.counters() {
+        if k.level == LEVEL_DST {
+            let rule = (k.rule_id != NO_RULE).then(|| {
+                rule_names
+                    .get(&k.rule_id)
+                    .cloned()
+                    .unwrap_or_else(|| "?".into())
+            });
+            destinations_of
+                .entry(k.scope_id)
+                .or_default()
+                .push(DestStats {
+                    rule,
+                    dst: crate::ports::endpoint(unmapped(k.addr), k.port),
+                    counts: (&c).into(),
+                });
+        } else {
+            totals.insert((k.scope_id, k.level, k.rule_id), (&c).into());
+        }
+    }
+    let time_waits = acct.time_wait_created();
     let mut out = Vec::new();
     for (s, (scope_id, rule_ids)) in policy.scopes.iter().zip(ids) {
         let total = |level, rule| {
@@ -189,31 +197,11 @@ pub fn scopes(acct: &mut Accounting, top: Option<usize>) -> Vec<ScopeStats> {
                 counts: total(LEVEL_RULE, id),
             })
             .collect();
-        let mut rows: Vec<Row> = destinations_of
-            .remove(&scope_id)
-            .unwrap_or_default()
-            .into_iter()
-            .map(|(k, counts)| {
-                let dst = crate::ports::endpoint(unmapped(k.addr), k.port);
-                (dst, k.rule_id, counts)
-            })
-            .collect();
-        let (order, other) = busiest_first(&rows, top);
+        let mut all = destinations_of.remove(&scope_id).unwrap_or_default();
+        let (order, other) = busiest_first(&all, top);
         let destinations = order
             .into_iter()
-            .map(|i| {
-                let (dst, rule_id, counts) = &mut rows[i];
-                DestStats {
-                    rule: (*rule_id != NO_RULE).then(|| {
-                        rule_names
-                            .get(rule_id)
-                            .cloned()
-                            .unwrap_or_else(|| "?".into())
-                    }),
-                    dst: std::mem::take(dst),
-                    counts: std::mem::take(counts),
-                }
-            })
+            .map(|i| std::mem::take(&mut all[i]))
             .collect();
         out.push(ScopeStats {
             name: s.name.clone(),
@@ -239,33 +227,33 @@ pub fn scopes(acct: &mut Accounting, top: Option<usize>) -> Vec<ScopeStats> {
     out
 }
 
-/// A destination before it is ordered: its address text, rule id and counts.
-type Row = (String, u32, Counts);
-
-/// Indices of `rows` busiest first: most active, then most admitted, then by address
+/// Indices of `destinations` busiest first: most active, then most admitted, then by address
 /// text. With `top`, only the first `top`, and the counts of the others summed.
 ///
-/// The order is worked out on small keys, not on the rows, and the first 16 bytes of
+/// The order is worked out on small keys, not on the destinations, and the first 16 bytes of
 /// the text (as a number) settle most ties without reaching the strings. Rows that
 /// compare equal (one endpoint under two rules) have no order to keep.
-fn busiest_first(rows: &[Row], top: Option<usize>) -> (Vec<usize>, Option<Counts>) {
-    let mut order: Vec<(Reverse<u64>, Reverse<u64>, u128, usize)> = rows
+fn busiest_first(destinations: &[DestStats], top: Option<usize>) -> (Vec<usize>, Option<Counts>) {
+    let mut order: Vec<(Reverse<u64>, Reverse<u64>, u128, usize)> = destinations
         .iter()
         .enumerate()
-        .map(|(i, (dst, _, c))| (Reverse(c.active), Reverse(c.admitted), text_head(dst), i))
+        .map(|(i, d)| {
+            let c = &d.counts;
+            (Reverse(c.active), Reverse(c.admitted), text_head(&d.dst), i)
+        })
         .collect();
     let cmp = |a: &(Reverse<u64>, Reverse<u64>, u128, usize),
                b: &(Reverse<u64>, Reverse<u64>, u128, usize)| {
         (a.0, a.1, a.2)
             .cmp(&(b.0, b.1, b.2))
-            .then_with(|| rows[a.3].0.cmp(&rows[b.3].0))
+            .then_with(|| destinations[a.3].dst.cmp(&destinations[b.3].dst))
     };
     let mut other = None;
     if let Some(top) = top.filter(|&top| top < order.len()) {
         order.select_nth_unstable_by(top, cmp);
         let mut rest = Counts::default();
         for &(.., i) in &order[top..] {
-            rest.add_totals(&rows[i].2);
+            rest.add_totals(&destinations[i].counts);
         }
         order.truncate(top);
         other = Some(rest);
@@ -566,14 +554,18 @@ pub fn table(snap: &Snapshot) -> String {
 mod tests {
     use super::*;
 
-    fn row(dst: &str, active: u64, admitted: u64) -> Row {
+    fn row(dst: &str, active: u64, admitted: u64) -> DestStats {
         let counts = Counts {
             active,
             admitted,
             shed: 1,
             ..Default::default()
         };
-        (dst.to_string(), 0, counts)
+        DestStats {
+            rule: None,
+            dst: dst.to_string(),
+            counts,
+        }
     }
 
     #[test]
@@ -590,8 +582,9 @@ mod tests {
         ];
         let mut expected: Vec<usize> = (0..rows.len()).collect();
         expected.sort_by(|&a, &b| {
-            let ((da, _, ca), (db, _, cb)) = (&rows[a], &rows[b]);
-            (cb.active, cb.admitted, da).cmp(&(ca.active, ca.admitted, db))
+            let (a, b) = (&rows[a], &rows[b]);
+            let (ca, cb) = (&a.counts, &b.counts);
+            (cb.active, cb.admitted, &a.dst).cmp(&(ca.active, ca.admitted, &b.dst))
         });
         assert_eq!(busiest_first(&rows, None), (expected.clone(), None));
         assert_eq!(busiest_first(&rows, Some(rows.len())).0, expected);
@@ -599,7 +592,7 @@ mod tests {
         assert_eq!(top, expected[..3]);
         let mut rest = Counts::default();
         for &i in &expected[3..] {
-            rest.add_totals(&rows[i].2);
+            rest.add_totals(&rows[i].counts);
         }
         assert_eq!(other, Some(rest));
         assert_eq!(other.unwrap().shed, 5);
