@@ -197,12 +197,9 @@ pub fn scopes(acct: &mut Accounting, top: Option<usize>) -> Vec<ScopeStats> {
                 counts: total(LEVEL_RULE, id),
             })
             .collect();
-        let mut all = destinations_of.remove(&scope_id).unwrap_or_default();
+        let all = destinations_of.remove(&scope_id).unwrap_or_default();
         let (order, other) = busiest_first(&all, top);
-        let destinations = order
-            .into_iter()
-            .map(|i| std::mem::take(&mut all[i]))
-            .collect();
+        let destinations = in_order(all, &order);
         out.push(ScopeStats {
             name: s.name.clone(),
             cgroup: if s.cgroup.is_empty() {
@@ -260,6 +257,33 @@ fn busiest_first(destinations: &[DestStats], top: Option<usize>) -> (Vec<usize>,
     }
     order.sort_unstable_by(cmp);
     (order.into_iter().map(|(.., i)| i).collect(), other)
+}
+
+/// `items[order[0]], items[order[1]], ...`: in place when `order` is a permutation of
+/// all the items (no second 100,000-entry vector), else taken out one by one.
+fn in_order<T: Default>(mut items: Vec<T>, order: &[usize]) -> Vec<T> {
+    if order.len() < items.len() {
+        return order
+            .iter()
+            .map(|&i| std::mem::take(&mut items[i]))
+            .collect();
+    }
+    // Follow each cycle of the permutation: slot i takes the item now at order[i],
+    // which is still its original item except for the cycle's start (then it is done).
+    let mut placed = vec![false; items.len()];
+    for start in 0..items.len() {
+        let mut i = start;
+        while !placed[i] {
+            placed[i] = true;
+            let from = order[i];
+            if from == start {
+                break;
+            }
+            items.swap(i, from);
+            i = from;
+        }
+    }
+    items
 }
 
 /// The first 16 bytes of `text`, zero-padded, as a number that orders like the text.
@@ -596,5 +620,20 @@ mod tests {
         }
         assert_eq!(other, Some(rest));
         assert_eq!(other.unwrap().shed, 5);
+    }
+
+    #[test]
+    fn items_are_put_in_order_in_place_or_taken_out() {
+        let n = 1000;
+        let items: Vec<usize> = (0..n).map(|i| i * 10).collect();
+        for order in [
+            (0..n).map(|i| (i * 7 + 3) % n).collect::<Vec<_>>(),
+            (0..n).rev().collect(),
+            (0..n).collect(),
+            vec![5, 999, 0],
+        ] {
+            let expected: Vec<usize> = order.iter().map(|&i| items[i]).collect();
+            assert_eq!(in_order(items.clone(), &order), expected);
+        }
     }
 }
