@@ -316,7 +316,7 @@ impl Accounting {
 
     /// Every counter in the kernel.
     pub fn counters(&self) -> Vec<(CounterKey, Counter)> {
-        self.counters.iter().filter_map(Result::ok).collect()
+        crate::batch::entries(&self.counters)
     }
 
     /// Forgets destination entries that stayed idle (no active connection, no new
@@ -357,7 +357,9 @@ impl Accounting {
 
     /// TIME_WAIT entries born on admitted connections, by key (totals).
     pub fn time_waits(&self) -> HashMap<TimeWaitKey, u64> {
-        self.time_waits.iter().filter_map(Result::ok).collect()
+        crate::batch::entries(&self.time_waits)
+            .into_iter()
+            .collect()
     }
 
     /// TIME_WAIT entries born on each scope's connections since the daemon started, by
@@ -372,7 +374,7 @@ impl Accounting {
 
     /// connect() failures with EADDRNOTAVAIL by scope and process name (totals).
     pub fn eaddrnotavail(&self) -> Vec<(EaddrKey, u64)> {
-        self.eaddrnotavail.iter().filter_map(Result::ok).collect()
+        crate::batch::entries(&self.eaddrnotavail)
     }
 
     /// Makes PORT_USE hold exactly these destinations (what the watermarks need).

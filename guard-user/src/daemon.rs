@@ -4,8 +4,11 @@
 //! JSON document.
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap},
-    io::{BufRead, BufReader, Write},
-    os::unix::{fs::PermissionsExt, net::UnixListener},
+    io::{BufRead, BufReader, BufWriter, Write},
+    os::unix::{
+        fs::PermissionsExt,
+        net::{UnixListener, UnixStream},
+    },
     path::{Path, PathBuf},
     sync::{Arc, Mutex, mpsc},
     thread,
@@ -143,10 +146,12 @@ impl Daemon {
         )
     }
 
-    fn snapshot(&mut self) -> Snapshot {
+    /// Everything `stats` reports; with `top`, each scope's destinations are cut to the
+    /// busiest `top` (see stats::scopes).
+    fn snapshot(&mut self, top: Option<usize>) -> Snapshot {
         Snapshot {
             policy: self.status.clone(),
-            scopes: stats::scopes(&mut self.acct),
+            scopes: stats::scopes(&mut self.acct, top),
             internal_errors: self.acct.internal_errors(),
             programs: loader::program_costs(&self.ebpf),
             eaddrnotavail: self.eaddrnotavail(),
@@ -382,7 +387,7 @@ fn watch_ports(daemon: &Mutex<Daemon>) -> anyhow::Result<()> {
 }
 
 fn bind_control(path: &Path) -> anyhow::Result<UnixListener> {
-    if std::os::unix::net::UnixStream::connect(path).is_ok() {
+    if UnixStream::connect(path).is_ok() {
         bail!(
             "another connguard daemon is serving {}; stop it or pass --socket",
             path.display()
@@ -406,34 +411,56 @@ fn serve_control(listener: UnixListener, daemon: Arc<Mutex<Daemon>>) {
         if BufReader::new(&stream).read_line(&mut line).is_err() {
             continue;
         }
-        let reply =
-            {
-                let mut d = daemon.lock().expect("daemon lock");
-                let mut words = line.split_whitespace();
-                match (words.next().unwrap_or(""), words.next().map(str::parse::<u64>)) {
-                ("stats", None) => serde_json::to_string(&d.snapshot()),
-                ("reload", None) => serde_json::to_string(&d.reload()),
-                ("ports", Some(Ok(netns))) => serde_json::to_string(&d.ports(netns)),
+        let reply = {
+            let mut d = daemon.lock().expect("daemon lock");
+            let mut words = line.split_whitespace();
+            match (
+                words.next().unwrap_or(""),
+                words.next().map(str::parse::<u64>),
+            ) {
+                ("stats", None) => Ok(Reply::Snapshot(Box::new(d.snapshot(None)))),
+                ("reload", None) => serde_json::to_string(&d.reload()).map(Reply::Text),
+                ("ports", Some(Ok(netns))) => {
+                    serde_json::to_string(&d.ports(netns)).map(Reply::Text)
+                }
                 ("scope", Some(Ok(cgroup_id))) => {
                     let scope = d.acct.scope_of_cgroup(cgroup_id).map(|id| d.scope_name(id));
-                    Ok(serde_json::json!({ "scope": scope }).to_string())
+                    Ok(Reply::Text(
+                        serde_json::json!({ "scope": scope }).to_string(),
+                    ))
                 }
-                _ => Ok(
+                _ => Ok(Reply::Text(
                     serde_json::json!({ "error": format!("unknown request {:?}", line.trim()) })
                         .to_string(),
-                ),
+                )),
             }
-            };
-        if let Ok(text) = reply {
-            let _ = (&stream).write_all(text.as_bytes());
+        };
+        let mut out = BufWriter::with_capacity(1 << 16, &stream);
+        let _ = match reply {
+            Ok(Reply::Text(text)) => out.write_all(text.as_bytes()),
+            Ok(Reply::Snapshot(snap)) => serde_json::to_writer(&mut out, &snap).map_err(Into::into),
+            Err(_) => continue,
         }
+        .and_then(|()| out.flush());
     }
+}
+
+/// The answer to a control request. A snapshot is encoded while it is sent, after the
+/// daemon lock is released: with 100,000s of destinations the client reads the first
+/// bytes while the rest is encoded.
+enum Reply {
+    Text(String),
+    Snapshot(Box<Snapshot>),
 }
 
 fn serve_metrics(server: tiny_http::Server, daemon: Arc<Mutex<Daemon>>) {
     for req in server.incoming_requests() {
         let response = if req.url() == "/metrics" {
-            let text = stats::prometheus(&daemon.lock().expect("daemon lock").snapshot());
+            let snap = daemon
+                .lock()
+                .expect("daemon lock")
+                .snapshot(Some(stats::METRIC_TOP_DESTINATIONS));
+            let text = stats::prometheus(&snap);
             let header = "Content-Type: text/plain; version=0.0.4; charset=utf-8"
                 .parse::<tiny_http::Header>()
                 .expect("valid header");
@@ -447,14 +474,48 @@ fn serve_metrics(server: tiny_http::Server, daemon: Arc<Mutex<Daemon>>) {
 
 /// Sends one request to a running daemon and returns its JSON answer.
 pub fn request(socket: &Path, what: &str) -> anyhow::Result<String> {
-    let mut stream = std::os::unix::net::UnixStream::connect(socket).with_context(|| {
+    let mut out = String::new();
+    std::io::Read::read_to_string(&mut send_request(socket, what)?, &mut out)?;
+    Ok(out)
+}
+
+/// Sends one request to a running daemon; its JSON answer is on the returned stream.
+pub fn send_request(socket: &Path, what: &str) -> anyhow::Result<UnixStream> {
+    let mut stream = UnixStream::connect(socket).with_context(|| {
         format!("no connguard daemon answers on {} (is `connguard run` running? pass --socket if it uses another path)", socket.display())
     })?;
     // A stalled daemon must not freeze the caller (`top` polls every second).
     stream.set_read_timeout(Some(Duration::from_secs(5)))?;
     stream.write_all(format!("{what}\n").as_bytes())?;
     stream.shutdown(std::net::Shutdown::Write)?;
-    let mut out = String::new();
-    std::io::Read::read_to_string(&mut stream, &mut out)?;
-    Ok(out)
+    Ok(stream)
 }
+
+/// Copies the daemon's answer to `stats` to `out` as it arrives, without decoding it,
+/// then a newline; fails with the daemon's error when it answers with one.
+pub fn copy_stats(socket: &Path, out: &mut impl Write) -> anyhow::Result<()> {
+    let mut answer = std::io::BufReader::with_capacity(1 << 16, send_request(socket, "stats")?);
+    // An error answer is a small {"error": ...} object; a snapshot starts {"policy":.
+    let mut head = Vec::new();
+    while head.len() < ERROR_HEAD.len() {
+        let chunk = answer.fill_buf()?;
+        if chunk.is_empty() {
+            break;
+        }
+        let n = chunk.len();
+        head.extend_from_slice(chunk);
+        answer.consume(n);
+    }
+    if head.starts_with(ERROR_HEAD) {
+        std::io::Read::read_to_end(&mut answer, &mut head)?;
+        let reply: serde_json::Value = serde_json::from_slice(&head)?;
+        bail!("the daemon answered: {}", reply["error"]);
+    }
+    out.write_all(&head)?;
+    std::io::copy(&mut answer, out)?;
+    writeln!(out)?;
+    Ok(())
+}
+
+/// How the daemon's error answers begin (`serde_json::json!` writes them compact).
+const ERROR_HEAD: &[u8] = b"{\"error\"";

@@ -1,5 +1,6 @@
 //! connguard: the daemon and its command-line tools.
 mod accounting;
+mod batch;
 mod cgroup;
 mod cli;
 mod daemon;
@@ -70,17 +71,17 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 return Ok(ExitCode::FAILURE);
             }
         },
-        Command::Stats { json, socket } => {
-            let text = daemon::request(&socket, "stats")?;
-            let value: serde_json::Value = serde_json::from_str(&text)?;
-            if let Some(e) = value.get("error") {
-                anyhow::bail!("the daemon answered: {e}");
-            }
-            if json {
-                println!("{text}");
-            } else {
-                print!("{}", stats::table(&serde_json::from_value(value)?));
-            }
+        // The JSON is passed through as the daemon wrote it (it can be megabytes).
+        Command::Stats { json: true, socket } => {
+            daemon::copy_stats(&socket, &mut std::io::stdout().lock())?;
+        }
+        Command::Stats {
+            json: false,
+            socket,
+        } => {
+            let mut text = Vec::new();
+            daemon::copy_stats(&socket, &mut text)?;
+            print!("{}", stats::table(&serde_json::from_slice(&text)?));
         }
         Command::Ports { json, netns } => {
             let name = enter_netns(&netns)?;

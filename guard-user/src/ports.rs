@@ -307,12 +307,40 @@ pub fn merge(r: &mut PortsReport, from: DaemonPorts) {
     r.warnings = diagnose(r);
 }
 
-/// `a.b.c.d:port`, or `[v6]:port`, as stats and reports write a destination.
+/// `a.b.c.d:port`, or `[v6]:port`, as stats and reports write a destination. IPv4 is
+/// written digit by digit: `stats` writes one per tracked destination (100,000s), and
+/// the formatting machinery costs several times more.
 pub fn endpoint(addr: IpAddr, port: u16) -> String {
     match addr {
-        IpAddr::V4(a) => format!("{a}:{port}"),
+        IpAddr::V4(a) => {
+            let mut s = String::with_capacity("255.255.255.255:65535".len());
+            for (i, octet) in a.octets().into_iter().enumerate() {
+                if i > 0 {
+                    s.push('.');
+                }
+                push_decimal(&mut s, octet.into());
+            }
+            s.push(':');
+            push_decimal(&mut s, port.into());
+            s
+        }
         IpAddr::V6(a) => format!("[{a}]:{port}"),
     }
+}
+
+/// Appends `n` in decimal, as `{n}` writes it.
+fn push_decimal(s: &mut String, mut n: u32) {
+    let mut digits = [0u8; 10];
+    let mut start = digits.len();
+    loop {
+        start -= 1;
+        digits[start] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    s.extend(digits[start..].iter().map(|&d| char::from(d)));
 }
 
 /// Sockets toward one destination from one source address.
@@ -588,6 +616,26 @@ pub fn table(r: &PortsReport) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn endpoints_are_written_as_display_writes_them() {
+        for (addr, port) in [
+            ("0.0.0.0", 0),
+            ("127.1.10.255", 9),
+            ("10.20.0.7", 8080),
+            ("255.255.255.255", 65535),
+            ("1.22.103.4", 100),
+            ("fd00::1", 443),
+            ("::ffff:10.0.0.1", 80),
+        ] {
+            let ip: IpAddr = addr.parse().unwrap();
+            let expected = match ip {
+                IpAddr::V4(a) => format!("{a}:{port}"),
+                IpAddr::V6(a) => format!("[{a}]:{port}"),
+            };
+            assert_eq!(endpoint(ip, port), expected);
+        }
+    }
 
     fn sock(state: u8, src: &str, sport: u16, dst: &str, dport: u16) -> TcpSocket {
         TcpSocket {

@@ -1,10 +1,13 @@
 //! What the daemon reports: the JSON snapshot (DESIGN.md), the table of
 //! `connguard stats`, and Prometheus text.
-use std::{collections::HashMap, fmt::Write, sync::atomic::AtomicU64};
-
-use guard_common::{
-    Counter, CounterKey, LEVEL_DST, LEVEL_RULE, LEVEL_SCOPE, MODE_ENFORCE, NO_RULE,
+use std::{
+    cmp::Reverse,
+    collections::HashMap,
+    fmt::Write,
+    sync::{Arc, atomic::AtomicU64},
 };
+
+use guard_common::{Counter, LEVEL_DST, LEVEL_RULE, LEVEL_SCOPE, MODE_ENFORCE, NO_RULE};
 use prometheus_client::{
     encoding::text::encode,
     metrics::{counter::Counter as PromCounter, family::Family, gauge::Gauge},
@@ -68,6 +71,16 @@ pub struct Counts {
     pub would_shed: u64,
 }
 
+impl Counts {
+    /// Adds `c`'s active, admitted, shed and would_shed (peaks do not add up).
+    fn add_totals(&mut self, c: &Counts) {
+        self.active += c.active;
+        self.admitted += c.admitted;
+        self.shed += c.shed;
+        self.would_shed += c.would_shed;
+    }
+}
+
 impl From<&Counter> for Counts {
     fn from(c: &Counter) -> Self {
         Counts {
@@ -92,6 +105,10 @@ pub struct ScopeStats {
     pub time_wait_created: u64,
     pub rules: Vec<RuleStats>,
     pub destinations: Vec<DestStats>,
+    /// The destinations left out of `destinations` (see [`scopes`]), summed; `peak` is
+    /// not summed. Not part of the JSON.
+    #[serde(skip)]
+    pub other: Option<Counts>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -104,10 +121,10 @@ pub struct RuleStats {
     pub counts: Counts,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct DestStats {
-    /// The rule that matched, or null when none did.
-    pub rule: Option<String>,
+    /// The rule that matched, or null when none did (shared by its destinations).
+    pub rule: Option<Arc<str>>,
     /// `a.b.c.d:port` or `[v6]:port`.
     pub dst: String,
     #[serde(flatten)]
@@ -115,27 +132,54 @@ pub struct DestStats {
 }
 
 /// The scopes of the policy in force with their counters, destinations busiest first.
-pub fn scopes(acct: &mut Accounting) -> Vec<ScopeStats> {
+/// With `top`, each scope lists at most that many destinations and sums the others in
+/// [`ScopeStats::other`] (what a scrape needs, without sorting every destination).
+pub fn scopes(acct: &mut Accounting, top: Option<usize>) -> Vec<ScopeStats> {
     let Some(policy) = acct.policy.clone() else {
         return Vec::new();
     };
+    // Ids first (naming them may add ids), then one reverse map of rule names.
+    let ids: Vec<(u32, Vec<u32>)> = policy
+        .scopes
+        .iter()
+        .map(|s| {
+            let scope_id = acct.ids.scope(&s.name);
+            let rules = s.rules.iter().map(|r| acct.ids.rule(&s.name, &r.name));
+            (scope_id, rules.collect())
+        })
+        .collect();
+    let rule_names: HashMap<u32, Arc<str>> = acct
+        .ids
+        .rule_names()
+        .into_iter()
+        .map(|(id, name)| (id, name.into()))
+        .collect();
     // One pass over the counters: scope and rule totals by key, destinations by scope.
     let mut totals: HashMap<(u32, u32, u32), Counts> = HashMap::new();
-    let mut destinations_of: HashMap<u32, Vec<(CounterKey, Counts)>> = HashMap::new();
+    let mut destinations_of: HashMap<u32, Vec<DestStats>> = HashMap::new();
     for (k, c) in acct.counters() {
         if k.level == LEVEL_DST {
+            let rule = (k.rule_id != NO_RULE).then(|| {
+                rule_names
+                    .get(&k.rule_id)
+                    .cloned()
+                    .unwrap_or_else(|| "?".into())
+            });
             destinations_of
                 .entry(k.scope_id)
                 .or_default()
-                .push((k, (&c).into()));
+                .push(DestStats {
+                    rule,
+                    dst: crate::ports::endpoint(unmapped(k.addr), k.port),
+                    counts: (&c).into(),
+                });
         } else {
             totals.insert((k.scope_id, k.level, k.rule_id), (&c).into());
         }
     }
     let time_waits = acct.time_wait_created();
     let mut out = Vec::new();
-    for s in &policy.scopes {
-        let scope_id = acct.ids.scope(&s.name);
+    for (s, (scope_id, rule_ids)) in policy.scopes.iter().zip(ids) {
         let total = |level, rule| {
             totals
                 .get(&(scope_id, level, rule))
@@ -145,37 +189,17 @@ pub fn scopes(acct: &mut Accounting) -> Vec<ScopeStats> {
         let rules = s
             .rules
             .iter()
-            .map(|r| RuleStats {
+            .zip(rule_ids)
+            .map(|(r, id)| RuleStats {
                 name: r.name.clone(),
                 max_connections: r.max_connections,
                 per: if r.per_endpoint { "endpoint" } else { "rule" }.into(),
-                counts: total(LEVEL_RULE, acct.ids.rule(&s.name, &r.name)),
+                counts: total(LEVEL_RULE, id),
             })
             .collect();
-        let rule_names = acct.ids.rule_names();
-        let mut destinations: Vec<DestStats> = destinations_of
-            .remove(&scope_id)
-            .unwrap_or_default()
-            .into_iter()
-            .map(|(k, counts)| DestStats {
-                rule: (k.rule_id != NO_RULE).then(|| {
-                    rule_names
-                        .get(&k.rule_id)
-                        .copied()
-                        .unwrap_or("?")
-                        .to_string()
-                }),
-                dst: crate::ports::endpoint(unmapped(k.addr), k.port),
-                counts,
-            })
-            .collect();
-        destinations.sort_by(|a, b| {
-            (b.counts.active, b.counts.admitted, &a.dst).cmp(&(
-                a.counts.active,
-                a.counts.admitted,
-                &b.dst,
-            ))
-        });
+        let all = destinations_of.remove(&scope_id).unwrap_or_default();
+        let (order, other) = busiest_first(&all, top);
+        let destinations = in_order(all, &order);
         out.push(ScopeStats {
             name: s.name.clone(),
             cgroup: if s.cgroup.is_empty() {
@@ -194,9 +218,80 @@ pub fn scopes(acct: &mut Accounting) -> Vec<ScopeStats> {
             time_wait_created: time_waits.get(&scope_id).copied().unwrap_or(0),
             rules,
             destinations,
+            other,
         });
     }
     out
+}
+
+/// Indices of `destinations` busiest first: most active, then most admitted, then by address
+/// text. With `top`, only the first `top`, and the counts of the others summed.
+///
+/// The order is worked out on small keys, not on the destinations, and the first 16 bytes of
+/// the text (as a number) settle most ties without reaching the strings. Rows that
+/// compare equal (one endpoint under two rules) have no order to keep.
+fn busiest_first(destinations: &[DestStats], top: Option<usize>) -> (Vec<usize>, Option<Counts>) {
+    let mut order: Vec<(Reverse<u64>, Reverse<u64>, u128, usize)> = destinations
+        .iter()
+        .enumerate()
+        .map(|(i, d)| {
+            let c = &d.counts;
+            (Reverse(c.active), Reverse(c.admitted), text_head(&d.dst), i)
+        })
+        .collect();
+    let cmp = |a: &(Reverse<u64>, Reverse<u64>, u128, usize),
+               b: &(Reverse<u64>, Reverse<u64>, u128, usize)| {
+        (a.0, a.1, a.2)
+            .cmp(&(b.0, b.1, b.2))
+            .then_with(|| destinations[a.3].dst.cmp(&destinations[b.3].dst))
+    };
+    let mut other = None;
+    if let Some(top) = top.filter(|&top| top < order.len()) {
+        order.select_nth_unstable_by(top, cmp);
+        let mut rest = Counts::default();
+        for &(.., i) in &order[top..] {
+            rest.add_totals(&destinations[i].counts);
+        }
+        order.truncate(top);
+        other = Some(rest);
+    }
+    order.sort_unstable_by(cmp);
+    (order.into_iter().map(|(.., i)| i).collect(), other)
+}
+
+/// `items[order[0]], items[order[1]], ...`: in place when `order` is a permutation of
+/// all the items (no second 100,000-entry vector), else taken out one by one.
+fn in_order<T: Default>(mut items: Vec<T>, order: &[usize]) -> Vec<T> {
+    if order.len() < items.len() {
+        return order
+            .iter()
+            .map(|&i| std::mem::take(&mut items[i]))
+            .collect();
+    }
+    // Follow each cycle of the permutation: slot i takes the item now at order[i],
+    // which is still its original item except for the cycle's start (then it is done).
+    let mut placed = vec![false; items.len()];
+    for start in 0..items.len() {
+        let mut i = start;
+        while !placed[i] {
+            placed[i] = true;
+            let from = order[i];
+            if from == start {
+                break;
+            }
+            items.swap(i, from);
+            i = from;
+        }
+    }
+    items
+}
+
+/// The first 16 bytes of `text`, zero-padded, as a number that orders like the text.
+fn text_head(text: &str) -> u128 {
+    let mut head = [0u8; 16];
+    let n = text.len().min(head.len());
+    head[..n].copy_from_slice(&text.as_bytes()[..n]);
+    u128::from_be_bytes(head)
 }
 
 /// Prometheus text exposition of a snapshot.
@@ -295,19 +390,16 @@ pub fn prometheus(snap: &Snapshot) -> String {
         s_adm.get_or_create(&l()).inc_by(s.counts.admitted);
         s_shed.get_or_create(&l()).inc_by(s.counts.shed);
         s_would.get_or_create(&l()).inc_by(s.counts.would_shed);
-        let mut rest = Counts::default();
+        let mut rest = s.other.clone().unwrap_or_default();
         for (i, d) in s.destinations.iter().enumerate() {
             let (rule, dst, c) = if i < METRIC_TOP_DESTINATIONS {
                 (
-                    d.rule.clone().unwrap_or_default(),
+                    d.rule.as_deref().unwrap_or_default().to_string(),
                     d.dst.clone(),
                     d.counts.clone(),
                 )
             } else {
-                rest.active += d.counts.active;
-                rest.admitted += d.counts.admitted;
-                rest.shed += d.counts.shed;
-                rest.would_shed += d.counts.would_shed;
+                rest.add_totals(&d.counts);
                 continue;
             };
             let l = vec![("scope", s.name.clone()), ("rule", rule), ("dst", dst)];
@@ -316,7 +408,7 @@ pub fn prometheus(snap: &Snapshot) -> String {
             d_shed.get_or_create(&l).inc_by(c.shed);
             d_would.get_or_create(&l).inc_by(c.would_shed);
         }
-        if s.destinations.len() > METRIC_TOP_DESTINATIONS {
+        if s.destinations.len() > METRIC_TOP_DESTINATIONS || s.other.is_some() {
             let l = vec![
                 ("scope", s.name.clone()),
                 ("rule", String::new()),
@@ -480,4 +572,68 @@ pub fn table(snap: &Snapshot) -> String {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(dst: &str, active: u64, admitted: u64) -> DestStats {
+        let counts = Counts {
+            active,
+            admitted,
+            shed: 1,
+            ..Default::default()
+        };
+        DestStats {
+            rule: None,
+            dst: dst.to_string(),
+            counts,
+        }
+    }
+
+    #[test]
+    fn destinations_are_ordered_busiest_then_by_text_and_cut_to_the_top() {
+        let rows = vec![
+            row("127.1.0.10:9", 0, 1),
+            row("127.1.0.1:9", 0, 1),
+            row("[fd00::1]:8080", 2, 5),
+            row("192.168.100.200:8081", 0, 1),
+            row("192.168.100.200:8080", 0, 1),
+            row("127.1.0.2:9", 0, 3),
+            row("10.0.0.1:80", 1, 1),
+            row("127.1.0.1:10", 0, 1),
+        ];
+        let mut expected: Vec<usize> = (0..rows.len()).collect();
+        expected.sort_by(|&a, &b| {
+            let (a, b) = (&rows[a], &rows[b]);
+            let (ca, cb) = (&a.counts, &b.counts);
+            (cb.active, cb.admitted, &a.dst).cmp(&(ca.active, ca.admitted, &b.dst))
+        });
+        assert_eq!(busiest_first(&rows, None), (expected.clone(), None));
+        assert_eq!(busiest_first(&rows, Some(rows.len())).0, expected);
+        let (top, other) = busiest_first(&rows, Some(3));
+        assert_eq!(top, expected[..3]);
+        let mut rest = Counts::default();
+        for &i in &expected[3..] {
+            rest.add_totals(&rows[i].counts);
+        }
+        assert_eq!(other, Some(rest));
+        assert_eq!(other.unwrap().shed, 5);
+    }
+
+    #[test]
+    fn items_are_put_in_order_in_place_or_taken_out() {
+        let n = 1000;
+        let items: Vec<usize> = (0..n).map(|i| i * 10).collect();
+        for order in [
+            (0..n).map(|i| (i * 7 + 3) % n).collect::<Vec<_>>(),
+            (0..n).rev().collect(),
+            (0..n).collect(),
+            vec![5, 999, 0],
+        ] {
+            let expected: Vec<usize> = order.iter().map(|&i| items[i]).collect();
+            assert_eq!(in_order(items.clone(), &order), expected);
+        }
+    }
 }
