@@ -307,40 +307,26 @@ pub fn merge(r: &mut PortsReport, from: DaemonPorts) {
     r.warnings = diagnose(r);
 }
 
-/// `a.b.c.d:port`, or `[v6]:port`, as stats and reports write a destination. IPv4 is
-/// written digit by digit: `stats` writes one per tracked destination (100,000s), and
-/// the formatting machinery costs several times more.
+/// `a.b.c.d:port`, or `[v6]:port`, as stats and reports write a destination. IPv4 goes
+/// through itoa: `stats` writes one per tracked destination (100,000s), and `format!`
+/// costs several times more.
 pub fn endpoint(addr: IpAddr, port: u16) -> String {
     match addr {
         IpAddr::V4(a) => {
             let mut s = String::with_capacity("255.255.255.255:65535".len());
+            let mut digits = itoa::Buffer::new();
             for (i, octet) in a.octets().into_iter().enumerate() {
                 if i > 0 {
                     s.push('.');
                 }
-                push_decimal(&mut s, octet.into());
+                s.push_str(digits.format(octet));
             }
             s.push(':');
-            push_decimal(&mut s, port.into());
+            s.push_str(digits.format(port));
             s
         }
         IpAddr::V6(a) => format!("[{a}]:{port}"),
     }
-}
-
-/// Appends `n` in decimal, as `{n}` writes it.
-fn push_decimal(s: &mut String, mut n: u32) {
-    let mut digits = [0u8; 10];
-    let mut start = digits.len();
-    loop {
-        start -= 1;
-        digits[start] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            break;
-        }
-    }
-    s.extend(digits[start..].iter().map(|&d| char::from(d)));
 }
 
 /// Sockets toward one destination from one source address.
