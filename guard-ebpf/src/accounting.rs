@@ -48,35 +48,70 @@ pub fn counter(key: &CounterKey) -> Option<*mut Counter> {
         return Some(p);
     }
     // A concurrent creator may win the insert; the lookup below finds its entry.
+    // Zeros from `opaque_zero`, not `..Default::default()`: see `levels`.
+    let z = opaque_zero() as u64;
     let fresh = Counter {
+        active: z,
+        peak: z,
+        admitted: z,
+        shed: z,
+        would_shed: z,
         epoch: unsafe { bpf_ktime_get_ns() },
-        ..Default::default()
     };
     let _ = COUNTERS.insert(key, fresh, BPF_NOEXIST as u64);
     COUNTERS.get_ptr_mut(key)
 }
 
 /// The levels a destination key is counted at: destination, rule (when one matched),
-/// scope.
+/// scope. The same keys as `CounterKey::at_level`, built from a zero the compiler cannot
+/// see: zeros it sees are merged into a call to memset, which on BPF is a subprogram
+/// storing one byte per iteration (about five instructions a byte).
 #[inline(always)]
 pub fn levels(dst: &CounterKey) -> [Option<CounterKey>; 3] {
+    let z = opaque_zero();
+    let above = |rule_id: u32, level: u32| CounterKey {
+        scope_id: dst.scope_id,
+        rule_id,
+        level,
+        port: z as u16,
+        _pad: z as u16,
+        addr: words_addr([z; 4]),
+    };
     let rule = if dst.rule_id == NO_RULE {
         None
     } else {
-        Some(dst.at_level(LEVEL_RULE))
+        Some(above(dst.rule_id, LEVEL_RULE))
     };
     [
         Some(dst.at_level(LEVEL_DST)),
         rule,
-        Some(dst.at_level(LEVEL_SCOPE)),
+        Some(above(NO_RULE, LEVEL_SCOPE)),
     ]
+}
+
+/// The bytes of an address (network order) given as four words holding them in memory
+/// order, as the connect contexts give them: stored as four words, where building the
+/// bytes one by one on a zeroed array costs a memset loop (see `levels`).
+#[inline(always)]
+pub fn words_addr(words: [u32; 4]) -> [u8; 16] {
+    // Same size, and every bit pattern is a valid [u8; 16].
+    unsafe { core::mem::transmute::<[u32; 4], [u8; 16]>(words) }
+}
+
+/// 0, from read-only data: see `levels`.
+#[inline(always)]
+pub fn opaque_zero() -> u32 {
+    static ZERO: u32 = 0;
+    unsafe { core::ptr::read_volatile(&ZERO) }
 }
 
 /// Releases the admission the socket holds, if any. The atomic swap of `admitted`
 /// succeeds for exactly one caller, so concurrent paths release once.
 #[inline(always)]
 pub fn release(state: *mut SockState) {
-    if state.is_null() {
+    // Most sockets hold no admission when asked (every connect asks first): a plain
+    // load spares them the atomic swap. Only the swap decides who releases.
+    if state.is_null() || unsafe { core::ptr::read_volatile(&raw const (*state).admitted) } != 1 {
         return;
     }
     if unsafe { atomic_xchg::<u32, { SeqCst }>(&raw mut (*state).admitted, 0) } != 1 {

@@ -11,12 +11,14 @@ use aya_ebpf::{
     programs::SockAddrContext,
 };
 use guard_common::{
-    CgroupKey, CounterKey, LEVEL_DST, MAX_CANDIDATES, MODE_ENFORCE, NO_RULE, PortUseKey,
+    CgroupKey, Counter, CounterKey, LEVEL_DST, MAX_CANDIDATES, MODE_ENFORCE, NO_RULE, PortUseKey,
     RULE_KEY_FIXED_BITS, RuleAddrKey, RuleRef, STAT_INTERNAL_ERRORS,
 };
 
 use crate::{
-    accounting::{add, counter, internal_error, levels, raise_peak, release},
+    accounting::{
+        add, counter, internal_error, levels, opaque_zero, raise_peak, release, words_addr,
+    },
     maps::{ACTIVE_GEN, PORT_USE, RULES, SCOPES, storage},
 };
 
@@ -44,11 +46,10 @@ pub fn connect4(ctx: SockAddrContext) -> i32 {
         return ALLOW;
     }
     let sa = unsafe { &*ctx.sock_addr };
-    let mut addr = [0u8; 16];
-    addr[10] = 0xff;
-    addr[11] = 0xff;
-    addr[12..].copy_from_slice(&sa.user_ip4.to_ne_bytes());
-    admit(&ctx, addr, u16::from_be(sa.user_port as u16))
+    // IPv4-mapped, ::ffff:a.b.c.d, as words (see `words_addr`).
+    let z = opaque_zero();
+    let words = [z, z, u32::from_ne_bytes([0, 0, 0xff, 0xff]), sa.user_ip4];
+    admit(&ctx, words, u16::from_be(sa.user_port as u16))
 }
 
 #[cgroup_sock_addr(connect6)]
@@ -58,22 +59,24 @@ pub fn connect6(ctx: SockAddrContext) -> i32 {
     }
     let sa = unsafe { &*ctx.sock_addr };
     // One 32-bit load per element: the verifier rejects wider context reads here.
-    let mut addr = [0u8; 16];
-    addr[0..4].copy_from_slice(&sa.user_ip6[0].to_ne_bytes());
-    addr[4..8].copy_from_slice(&sa.user_ip6[1].to_ne_bytes());
-    addr[8..12].copy_from_slice(&sa.user_ip6[2].to_ne_bytes());
-    addr[12..16].copy_from_slice(&sa.user_ip6[3].to_ne_bytes());
+    let words = [
+        sa.user_ip6[0],
+        sa.user_ip6[1],
+        sa.user_ip6[2],
+        sa.user_ip6[3],
+    ];
     // `::ffff:a.b.c.d` is already the IPv4 key (IPv4 is stored IPv4-mapped).
-    admit(&ctx, addr, u16::from_be(sa.user_port as u16))
+    admit(&ctx, words, u16::from_be(sa.user_port as u16))
 }
 
 #[inline(always)]
-fn admit(ctx: &SockAddrContext, addr: [u8; 16], port: u16) -> i32 {
+fn admit(ctx: &SockAddrContext, words: [u32; 4], port: u16) -> i32 {
+    let addr = words_addr(words);
     // The socket's scope comes from the cgroup it was created in, which sock_create
     // stored for sockets created in a governed cgroup. Sockets without storage were
     // created in an unguarded cgroup (or before the daemon started): they pass.
     let sk = unsafe { (*ctx.sock_addr).__bindgen_anon_1.sk };
-    let state = storage(sk, None);
+    let state = storage(sk, false);
     if state.is_null() {
         return ALLOW;
     }
@@ -94,7 +97,7 @@ fn admit(ctx: &SockAddrContext, addr: [u8; 16], port: u16) -> i32 {
     let scope = *scope;
 
     let rule = if scope.has_rules != 0 {
-        match_rule(gen_, scope.scope_id, &addr, port)
+        match_rule(gen_, scope.scope_id, words, port)
     } else {
         None
     };
@@ -138,17 +141,20 @@ fn admit(ctx: &SockAddrContext, addr: [u8; 16], port: u16) -> i32 {
         scope.max_connections,
     ];
     // A level whose counter cannot be created (full map) is skipped, and counted as an
-    // internal error: fail-open for that level, the others still hold.
+    // internal error: fail-open for that level, the others still hold. A level not
+    // counted holds null (not None: LLVM may fill the payload of a None from any
+    // register, and the verifier refuses to read one never set).
     let keys = levels(&dst);
-    let mut counters = [None; 3];
+    let mut counters = [core::ptr::null_mut::<Counter>(); 3];
     let mut charged = 0u32;
     for i in 0..3 {
         if let Some(key) = &keys[i] {
-            counters[i] = counter(key);
-            if counters[i].is_some() {
-                charged |= 1 << i;
-            } else {
-                internal_error(STAT_INTERNAL_ERRORS);
+            match counter(key) {
+                Some(c) => {
+                    counters[i] = c;
+                    charged |= 1 << i;
+                }
+                None => internal_error(STAT_INTERNAL_ERRORS),
             }
         }
     }
@@ -158,7 +164,8 @@ fn admit(ctx: &SockAddrContext, addr: [u8; 16], port: u16) -> i32 {
     let mut olds = [0u64; 3];
     let mut over = ports_over;
     for i in 0..3 {
-        if let Some(c) = counters[i] {
+        let c = counters[i];
+        if !c.is_null() {
             olds[i] = add(unsafe { &raw mut (*c).active }, 1);
             if maxes[i] != 0 && olds[i] >= maxes[i] {
                 over = true;
@@ -166,7 +173,7 @@ fn admit(ctx: &SockAddrContext, addr: [u8; 16], port: u16) -> i32 {
         }
     }
     if over && scope.mode == MODE_ENFORCE {
-        for &c in counters.iter().flatten() {
+        for &c in counters.iter().filter(|c| !c.is_null()) {
             add(unsafe { &raw mut (*c).active }, u64::MAX);
             add(unsafe { &raw mut (*c).shed }, 1);
         }
@@ -177,13 +184,18 @@ fn admit(ctx: &SockAddrContext, addr: [u8; 16], port: u16) -> i32 {
     }
     unsafe {
         (*state).dst = dst;
-        (*state).dst_epoch = counters[0].map_or(0, |c| (*c).epoch);
+        (*state).dst_epoch = if counters[0].is_null() {
+            0
+        } else {
+            (*counters[0]).epoch
+        };
         (*state).charged = charged;
         (*state).armed = 0;
         (*state).admitted = 1;
     }
     for i in 0..3 {
-        if let Some(c) = counters[i] {
+        let c = counters[i];
+        if !c.is_null() {
             add(unsafe { &raw mut (*c).admitted }, 1);
             if over {
                 add(unsafe { &raw mut (*c).would_shed }, 1);
@@ -196,13 +208,13 @@ fn admit(ctx: &SockAddrContext, addr: [u8; 16], port: u16) -> i32 {
 
 /// First rule of the scope whose destination and ports match, if any.
 #[inline(always)]
-fn match_rule(gen_: u32, scope_id: u32, addr: &[u8; 16], port: u16) -> Option<RuleRef> {
+fn match_rule(gen_: u32, scope_id: u32, words: [u32; 4], port: u16) -> Option<RuleRef> {
     let key = Key::new(
         RULE_KEY_FIXED_BITS + 128,
         RuleAddrKey {
             gen_,
             scope_id,
-            addr: *addr,
+            addr: words_addr(words),
         },
     );
     let cands = RULES.get(&key)?;

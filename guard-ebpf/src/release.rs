@@ -45,7 +45,7 @@ pub fn sock_state(ctx: SockOpsContext) -> u32 {
     if sk.is_null() {
         return 1;
     }
-    let state = storage(sk, None);
+    let state = storage(sk, false);
     if op == BPF_SOCK_OPS_STATE_CB {
         if !state.is_null()
             && unsafe { (*state).admitted } == 1
@@ -110,7 +110,7 @@ fn count_time_wait(ctx: &SockOpsContext, state: *mut SockState) {
 #[cgroup_sock(sock_release)]
 pub fn sock_release(ctx: SockContext) -> i32 {
     if unsafe { (*ctx.sock).protocol } == IPPROTO_TCP {
-        let state = storage(ctx.sock, None);
+        let state = storage(ctx.sock, false);
         if !state.is_null() && unsafe { (*state).armed } == 0 {
             release(state);
         }

@@ -25,7 +25,7 @@ pub fn sock_set_state(ctx: BtfTracePointContext) -> i32 {
         return 0;
     }
     let sk: *mut bpf_sock = ctx.arg(0);
-    let state = storage(sk, None);
+    let state = storage(sk, false);
     // Admitted but not armed: the failure came before tcp_connect().
     if state.is_null() || unsafe { (*state).admitted } != 1 || unsafe { (*state).armed } != 0 {
         return 0;

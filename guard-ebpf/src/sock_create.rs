@@ -32,13 +32,13 @@ pub fn sock_create(ctx: SockContext) -> i32 {
     {
         return 1;
     }
-    let mut init = SockState {
-        cgroup_id,
-        ..Default::default()
-    };
-    if storage(ctx.sock, Some(&mut init)).is_null() {
+    // The socket is new: its storage is created here, zeroed (nothing admitted).
+    let state: *mut SockState = storage(ctx.sock, true);
+    if state.is_null() {
         // Fail-open: without storage the socket passes connect() unguarded.
         internal_error(STAT_INTERNAL_ERRORS);
+    } else {
+        unsafe { (*state).cgroup_id = cgroup_id };
     }
     1
 }
