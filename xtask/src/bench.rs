@@ -23,7 +23,7 @@ struct Setup {
 }
 
 pub fn run(quick: bool) -> anyhow::Result<()> {
-    let rounds = if quick { 3 } else { 10 };
+    let rounds = if quick { 3 } else { 20 };
     let churn_n = if quick { 2000 } else { 5000 };
     let destinations = if quick { 2000 } else { 10_000 };
 
@@ -234,6 +234,12 @@ pub fn run(quick: bool) -> anyhow::Result<()> {
             "connguard": median(&rates["connguard"]) / median(&rates["no guard"]),
             "nftables": median(&rates["nftables"]) / median(&rates["no guard"]),
         },
+        // Each round's rate over the same round's no-guard rate: steadier than the ratio
+        // of medians when the machine's load drifts between rounds.
+        "round_ratio_to_no_guard": {
+            "connguard": summary(&round_ratios(&rates["connguard"], &rates["no guard"])),
+            "nftables": summary(&round_ratios(&rates["nftables"], &rates["no guard"])),
+        },
         "program_ns_per_run": costs.iter().map(|(n, v)| (n.clone(), summary(v))).collect::<BTreeMap<_, _>>(),
         "program_runs_per_connection": runs.iter().map(|(n, v)| (n.clone(), median(v))).collect::<BTreeMap<_, _>>(),
         "shed_latency_ns": {
@@ -387,6 +393,10 @@ fn usage(
     )
 }
 
+fn round_ratios(rates: &[f64], baseline: &[f64]) -> Vec<f64> {
+    rates.iter().zip(baseline).map(|(r, b)| r / b).collect()
+}
+
 fn median(v: &[f64]) -> f64 {
     let mut s = v.to_vec();
     s.sort_by(f64::total_cmp);
@@ -419,15 +429,24 @@ fn markdown(r: &Value) -> String {
         "\n### connguard bench: {} rounds of {} connections, {} tracked destinations\n\n",
         r["rounds"], r["connections_per_round"], r["tracked_destinations"]
     );
-    out += "| churn (connections/s) | median | min | max | ratio to no guard |\n|---|---|---|---|---|\n";
+    out += "| churn (connections/s) | median | min | max | ratio of medians to no guard | per-round ratio: median (min–max) |\n|---|---|---|---|---|---|\n";
     for (mode, s) in r["churn_per_s"].as_object().into_iter().flatten() {
-        let ratio = if mode == "no guard" {
-            1.0
+        let (ratio, rounds) = if mode == "no guard" {
+            (1.0, String::new())
         } else {
-            f(&r["ratio_to_no_guard"][mode])
+            let q = &r["round_ratio_to_no_guard"][mode];
+            (
+                f(&r["ratio_to_no_guard"][mode]),
+                format!(
+                    "{:.3} ({:.3}–{:.3})",
+                    f(&q["median"]),
+                    f(&q["min"]),
+                    f(&q["max"])
+                ),
+            )
         };
         out += &format!(
-            "| {mode} | {:.0} | {:.0} | {:.0} | {ratio:.3} |\n",
+            "| {mode} | {:.0} | {:.0} | {:.0} | {ratio:.3} | {rounds} |\n",
             f(&s["median"]),
             f(&s["min"]),
             f(&s["max"])
