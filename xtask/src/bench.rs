@@ -172,7 +172,7 @@ pub fn run(quick: bool) -> anyhow::Result<()> {
         let t = Instant::now();
         d.metrics();
         let scrape = t.elapsed().as_secs_f64() * 1000.0;
-        json!({"destinations": n, "stats": stats, "scrape": scrape})
+        json!({"destinations": n, "stats": stats, "scrape": scrape, "daemon_peak_rss_mib": memory_mib(d.pid(), "VmHWM")?})
     };
 
     // 6: `connguard ports` with many TIME_WAIT entries, next to ss counting them.
@@ -381,16 +381,22 @@ fn usage(
         work()?;
     }
     let (c1, secs) = (cpu()?, t0.elapsed().as_secs_f64());
+    Ok(
+        json!({"rss_mib": memory_mib(pid, "VmRSS")?, "cpu_percent": (c1 - c0) / secs * 100.0, "seconds": secs}),
+    )
+}
+
+/// A memory figure of /proc/PID/status (VmRSS: resident now, VmHWM: resident at most),
+/// in MiB.
+fn memory_mib(pid: i32, field: &str) -> anyhow::Result<f64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-    let rss_kib: f64 = status
+    let kib: f64 = status
         .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
         .and_then(|v| v.split_whitespace().next())
         .and_then(|v| v.parse().ok())
-        .unwrap_or(0.0);
-    Ok(
-        json!({"rss_mib": rss_kib / 1024.0, "cpu_percent": (c1 - c0) / secs * 100.0, "seconds": secs}),
-    )
+        .with_context(|| format!("no {field} in /proc/{pid}/status"))?;
+    Ok(kib / 1024.0)
 }
 
 fn round_ratios(rates: &[f64], baseline: &[f64]) -> Vec<f64> {
@@ -512,7 +518,11 @@ fn markdown(r: &Value) -> String {
         st["destinations"],
         f(&st["stats"])
     );
-    out += &format!("| metrics scrape, same | {:.1} | |\n", f(&st["scrape"]));
+    out += &format!(
+        "| metrics scrape, same | {:.1} | daemon's peak RSS after both: {:.1} MiB |\n",
+        f(&st["scrape"]),
+        f(&st["daemon_peak_rss_mib"])
+    );
     out += &format!(
         "| `connguard ports`, {} TIME_WAIT | {:.1} | `ss -tan state time-wait`: {:.1} ms ({:.2}×) |\n",
         po["time_wait"],
