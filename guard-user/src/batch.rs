@@ -71,10 +71,15 @@ fn lookup_batch<K: Pod, V: Pod>(map: &MapData) -> io::Result<Vec<(K, V)>> {
     // Pod types are plain bytes: all zeros is a valid value.
     let zero_key: K = unsafe { std::mem::zeroed() };
     let zero_value: V = unsafe { std::mem::zeroed() };
-    let mut keys = vec![zero_key; CHUNK];
-    let mut values = vec![zero_value; CHUNK];
-    // A hash map's batch position is a bucket index (u32); 8 bytes leave room.
-    let mut position = [0u64; 2];
+    // Small maps (TIME_WAITS, EADDRNOTAVAIL) need no CHUNK-sized buffers.
+    let max_entries = map.info().map_or(CHUNK as u32, |i| i.max_entries());
+    let chunk = CHUNK.min(max_entries.max(1) as usize);
+    let mut keys = vec![zero_key; chunk];
+    let mut values = vec![zero_value; chunk];
+    // A hash map's batch position is a bucket index (u32); 8 bytes leave room. The
+    // first call starts at the beginning (no in_batch); each next one where the last
+    // stopped.
+    let (mut in_position, mut out_position) = (0u64, 0u64);
     let mut out = Vec::new();
     let mut first = true;
     loop {
@@ -82,9 +87,9 @@ fn lookup_batch<K: Pod, V: Pod>(map: &MapData) -> io::Result<Vec<(K, V)>> {
             in_batch: if first {
                 0
             } else {
-                position[0..1].as_ptr() as u64
+                &raw const in_position as u64
             },
-            out_batch: position[1..2].as_mut_ptr() as u64,
+            out_batch: &raw mut out_position as u64,
             keys: keys.as_mut_ptr() as u64,
             values: values.as_mut_ptr() as u64,
             count: keys.len() as u32,
@@ -110,7 +115,7 @@ fn lookup_batch<K: Pod, V: Pod>(map: &MapData) -> io::Result<Vec<(K, V)>> {
                 if err.is_some() {
                     return Ok(out);
                 }
-                position[0] = position[1];
+                in_position = out_position;
                 first = false;
             }
             // One bucket holds more entries than the buffers: grow them, same position.

@@ -15,7 +15,7 @@ use std::{
     time::Duration,
 };
 
-use anyhow::{Context, bail};
+use anyhow::{Context, bail, ensure};
 use serde::{Deserialize, Serialize};
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 
@@ -511,8 +511,25 @@ pub fn copy_stats(socket: &Path, out: &mut impl Write) -> anyhow::Result<()> {
         let reply: serde_json::Value = serde_json::from_slice(&head)?;
         bail!("the daemon answered: {}", reply["error"]);
     }
+    // Copied as it comes; a snapshot the daemon failed to finish (it logs why) ends
+    // before its closing brace, which must not pass for a whole one.
+    let last_byte = |b: &[u8]| b.iter().rev().copied().find(|b| !b.is_ascii_whitespace());
     out.write_all(&head)?;
-    std::io::copy(&mut answer, out)?;
+    let mut last = last_byte(&head);
+    loop {
+        let chunk = answer.fill_buf()?;
+        if chunk.is_empty() {
+            break;
+        }
+        last = last_byte(chunk).or(last);
+        out.write_all(chunk)?;
+        let n = chunk.len();
+        answer.consume(n);
+    }
+    ensure!(
+        last == Some(b'}'),
+        "the daemon's answer ended before the end of its JSON (see the daemon's log)"
+    );
     writeln!(out)?;
     Ok(())
 }

@@ -1,24 +1,30 @@
 //! `cargo xtask bench [--quick]`: connguard's cost, measured side by side in one run on
 //! a noisy shared machine: interleaved rounds, medians and spread, ratios to no guard,
-//! and the kernel's own per-program statistics. Prints a markdown table and writes the
-//! same as JSON to target/bench.json.
+//! and the kernel's own per-program statistics. Prints a markdown report (with the
+//! targets of issue 5, met or not) and writes the same as JSON to target/bench.json.
 use std::{
     collections::BTreeMap,
-    path::Path,
-    process::Command,
+    io::Write,
+    path::PathBuf,
+    process::{Command, Stdio},
     time::{Duration, Instant},
 };
 
 use anyhow::Context;
-use connguard_tests::{Cgroup, Daemon, Netns, Outcome};
+use connguard_tests::{Cgroup, Daemon, Holder, Netns, Outcome};
 use serde_json::{Value, json};
 
+/// The churn's server port; 8081 serves the refusal measurements.
 const PORT: u16 = 8080;
+/// The churn modes, in the order the report lists them.
+const MODES: [&str; 3] = ["no guard", "connguard", "nftables"];
+/// Repetitions of each one-shot command (stats, scrape, ports, ss), alternated.
+const ONE_SHOTS: usize = 5;
 
 struct Setup {
     ns: Netns,
     client: Cgroup,
-    _servers: connguard_tests::Holder,
+    _servers: Holder,
     _server_cg: Cgroup,
 }
 
@@ -26,6 +32,9 @@ pub fn run(quick: bool) -> anyhow::Result<()> {
     let rounds = if quick { 3 } else { 20 };
     let churn_n = if quick { 2000 } else { 5000 };
     let destinations = if quick { 2000 } else { 10_000 };
+    // Off for every timed figure (they add two clock reads to each program run), on
+    // only while program costs are read; the previous setting comes back at the end.
+    let _stats_off = BpfStats::set(false)?;
 
     let ns = Netns::new("cgbench");
     ns.exec("ip", &["link", "set", "lo", "up"]);
@@ -46,24 +55,21 @@ pub fn run(quick: bool) -> anyhow::Result<()> {
     let policy = thousand_rules(&s.client.rel);
 
     // 1: churn, interleaved A (no guard), B (connguard, 1,000 rules, destinations
-    // tracked), C (nftables ct count), rotating the order every round. The timed churn
-    // runs with bpf_stats off (they add two clock reads to every program run); 2: a
-    // second churn with the same daemon and bpf_stats on gives each program's cost.
+    // tracked), C (nftables ct count), rotating the order every round. 2: a second
+    // churn with the same daemon and bpf_stats on gives each program's cost.
     let mut rates: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
     let mut costs: BTreeMap<String, Vec<f64>> = BTreeMap::new();
     let mut runs: BTreeMap<String, Vec<f64>> = BTreeMap::new();
-    let modes = ["no guard", "connguard", "nftables"];
     for round in 0..rounds {
         for k in 0..3 {
-            let mode = modes[(round + k) % 3];
+            let mode = MODES[(round + k) % 3];
             let rate = match mode {
                 "no guard" => churn(&s, churn_n)?,
                 "connguard" => {
                     let d = Daemon::start(&policy);
-                    s.client
-                        .probe(&["spray", &s.ns.path(), &destinations.to_string(), "9"]);
+                    spray(&s, destinations)?;
                     let rate = churn(&s, churn_n)?;
-                    let _stats = BpfStats::enable()?;
+                    let _stats_on = BpfStats::set(true)?;
                     let before = program_costs(&d.stats());
                     churn(&s, churn_n)?;
                     let after = program_costs(&d.stats());
@@ -93,44 +99,35 @@ pub fn run(quick: bool) -> anyhow::Result<()> {
         eprintln!("bench: round {}/{rounds} done", round + 1);
     }
 
-    // 3: shed latency, connect() to ECONNREFUSED: connguard over budget vs an nftables
-    // reject with tcp reset (a SYN out, a RST back); without either, a dropped SYN waits
-    // for its retransmit (1 s, net.ipv4.tcp_syn_retries).
+    // 3: connect() to ECONNREFUSED when over budget: connguard refuses in the connect
+    // hook (no SYN leaves); nftables' `ct count over 1 reject with tcp reset` sends the
+    // SYN through the output hook and answers it with a RST.
     let shed = {
-        let d = Daemon::start(&format!(
+        let _d = Daemon::start(&format!(
             "[[scope]]\nname = \"bench\"\ncgroup = \"{}\"\n[[scope.rule]]\ndst = [\"127.0.0.1\"]\nports = [\"8081\"]\nmax_connections = 1\n",
             s.client.rel
         ));
-        let _held = s
-            .client
-            .hold_args(&["open", &s.ns.path(), "127.0.0.1:8081", "1"]);
-        let out = s
-            .client
-            .probe(&["shedlat", &s.ns.path(), "127.0.0.1:8081", "1000"]);
-        drop(d);
-        out
+        refusals(&s)?
     };
-    nft(&s.ns, Some(CHURN_NFT))?;
-    let nft_reject = s
-        .client
-        .probe(&["shedlat", &s.ns.path(), "127.0.0.1:8082", "1000"]);
-    nft(&s.ns, None)?;
+    let nft_reject = {
+        // Loaded first: conntrack counts only the connections it saw start.
+        nft(&s.ns, Some(SHED_NFT))?;
+        let out = refusals(&s);
+        nft(&s.ns, None)?;
+        out?
+    };
 
     // 3b: a SYN to a saturated listener (listen(8), never accepting, 9 queued) over a
     // veth pair, until the client's connect() returns: connguard's listener guard
     // answers with a RST, as does an nftables `reject with tcp reset` on input; with
-    // neither, the SYN is dropped and the client waits on retransmits (1 s, 3 s, ...).
+    // neither, the SYN is dropped and the client waits on retransmits (the first after
+    // the initial RTO of 1 s, then 3 s, ...), here given up after 3 s.
     let inbound = {
         let (srv, cli) = Netns::veth_pair();
         let listen_cg = Cgroup::new("bench-listen");
         let target = "192.0.2.1:8080";
         let _listener = listen_cg.hold_args(&["listen", &srv.path(), target, "8"]);
-        let queued = s.client.hold_args(&["open", &cli.path(), target, "9"]);
-        anyhow::ensure!(
-            queued.outcome.ok == 9,
-            "queue not filled: {:?}",
-            queued.outcome
-        );
+        let _queued = hold_open(&s.client, &cli, target, 9)?;
         let no_guard = s
             .client
             .probe(&["shedlat", &cli.path(), target, "3", "3000"]);
@@ -155,27 +152,30 @@ pub fn run(quick: bool) -> anyhow::Result<()> {
         json!({"connguard_rst": latency(&guard), "nftables_reject": latency(&reject), "no_guard": latency(&no_guard)})
     };
 
-    // 5: stats and a metrics scrape with many tracked destinations.
+    // 5: `connguard stats --json` (the whole command; decoding its output is the bench's
+    // own work, done after) and one GET of /metrics, with many tracked destinations.
     let stats_ms = {
         let many = if quick { 10_000 } else { 100_000 };
         let d = Daemon::with_metrics(&policy);
-        s.client
-            .probe(&["spray", &s.ns.path(), &many.to_string(), "9"]);
-        // The command's wall time; decoding its JSON here is the bench's own work.
-        let t = Instant::now();
-        let out = d.cli(&["stats", "--json"]);
-        let stats = t.elapsed().as_secs_f64() * 1000.0;
-        anyhow::ensure!(out.status.success(), "connguard stats --json failed");
-        let n = serde_json::from_slice::<Value>(&out.stdout)?["scopes"][0]["destinations"]
-            .as_array()
-            .map_or(0, Vec::len);
-        let t = Instant::now();
-        d.metrics();
-        let scrape = t.elapsed().as_secs_f64() * 1000.0;
-        json!({"destinations": n, "stats": stats, "scrape": scrape, "daemon_peak_rss_mib": memory_mib(d.pid(), "VmHWM")?})
+        spray(&s, many)?;
+        let (mut stats, mut scrape, mut listed) = (Vec::new(), Vec::new(), 0);
+        for _ in 0..ONE_SHOTS {
+            let t = Instant::now();
+            let out = d.cli(&["stats", "--json"]);
+            stats.push(ms(t));
+            anyhow::ensure!(out.status.success(), "connguard stats --json failed");
+            listed = serde_json::from_slice::<Value>(&out.stdout)?["scopes"][0]["destinations"]
+                .as_array()
+                .map_or(0, Vec::len);
+            let t = Instant::now();
+            d.metrics();
+            scrape.push(ms(t));
+        }
+        json!({"destinations": listed, "stats": summary(&stats), "scrape": summary(&scrape), "daemon_peak_rss_mib": memory_mib(d.pid(), "VmHWM")?})
     };
 
-    // 6: `connguard ports` with many TIME_WAIT entries, next to ss counting them.
+    // 6: `connguard ports` with many TIME_WAIT entries, next to `ss` listing them; both
+    // enter the namespace themselves (setns), alternated, and the count is ss's.
     let ports_ms = {
         let tw = if quick { 10_000 } else { 60_000 };
         for port in ["8080", "8081"] {
@@ -187,35 +187,30 @@ pub fn run(quick: bool) -> anyhow::Result<()> {
                 "0",
             ]);
         }
-        let time = |cmd: &mut Command| -> anyhow::Result<f64> {
-            let t = Instant::now();
-            anyhow::ensure!(cmd.output()?.status.success(), "{cmd:?} failed");
-            Ok(t.elapsed().as_secs_f64() * 1000.0)
-        };
-        let connguard = connguard_tests::connguard_bin();
-        let ports = time(Command::new(&connguard).args([
-            "ports",
-            "--json",
-            "--socket",
-            "/nonexistent",
-            "--netns",
-            &s.ns.path(),
-        ]))?;
-        let ss = time(Command::new("ip").args([
-            "netns",
-            "exec",
-            &s.ns.name,
-            "ss",
-            "-tan",
-            "state",
-            "time-wait",
-        ]))?;
-        json!({"time_wait": tw, "ports": ports, "ss": ss})
+        let mut ports = Command::new(connguard_tests::connguard_bin());
+        ports.args(["ports", "--json", "--socket", "/nonexistent", "--netns"]);
+        ports.arg(s.ns.path());
+        let mut ss = Command::new("nsenter");
+        ss.arg(format!("--net={}", s.ns.path()))
+            .args(["ss", "-tanH", "state", "time-wait"]);
+        let (mut ports_t, mut ss_t, mut counted) = (Vec::new(), Vec::new(), 0);
+        for _ in 0..ONE_SHOTS {
+            ports_t.push(timed(&mut ports)?.0);
+            let (t, out) = timed(&mut ss)?;
+            ss_t.push(t);
+            counted = out
+                .stdout
+                .split(|&b| b == b'\n')
+                .filter(|l| !l.is_empty())
+                .count();
+        }
+        json!({"time_wait": counted, "ports": summary(&ports_t), "ss": summary(&ss_t)})
     };
 
-    // 4: daemon memory and CPU, idle and under churn.
+    // 4: daemon memory and CPU, idle and under churn, with the destinations of 1.
     let (idle, busy) = {
-        let d = Daemon::start_with(&policy, &[]);
+        let d = Daemon::start(&policy);
+        spray(&s, destinations)?;
         let secs = Duration::from_secs(if quick { 2 } else { 5 });
         let idle = usage(d.pid(), secs, || {
             std::thread::sleep(Duration::from_millis(100));
@@ -225,7 +220,17 @@ pub fn run(quick: bool) -> anyhow::Result<()> {
         (idle, busy)
     };
 
+    let per_round = |mode: &str| -> Vec<f64> {
+        rates[mode]
+            .iter()
+            .zip(&rates["no guard"])
+            .map(|(r, b)| r / b)
+            .collect()
+    };
     let report = json!({
+        "command": if quick { "cargo xtask bench --quick" } else { "cargo xtask bench" },
+        "commit": output("git", &["rev-parse", "--short", "HEAD"]),
+        "kernel": output("uname", &["-r"]),
         "rounds": rounds,
         "connections_per_round": churn_n,
         "tracked_destinations": destinations,
@@ -237,8 +242,8 @@ pub fn run(quick: bool) -> anyhow::Result<()> {
         // Each round's rate over the same round's no-guard rate: steadier than the ratio
         // of medians when the machine's load drifts between rounds.
         "round_ratio_to_no_guard": {
-            "connguard": summary(&round_ratios(&rates["connguard"], &rates["no guard"])),
-            "nftables": summary(&round_ratios(&rates["nftables"], &rates["no guard"])),
+            "connguard": summary(&per_round("connguard")),
+            "nftables": summary(&per_round("nftables")),
         },
         "program_ns_per_run": costs.iter().map(|(n, v)| (n.clone(), summary(v))).collect::<BTreeMap<_, _>>(),
         "program_runs_per_connection": runs.iter().map(|(n, v)| (n.clone(), median(v))).collect::<BTreeMap<_, _>>(),
@@ -251,7 +256,9 @@ pub fn run(quick: bool) -> anyhow::Result<()> {
         "ports_ms": ports_ms,
         "daemon": {"idle": idle, "churn": busy},
     });
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/bench.json");
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map_or_else(|| crate::root().join("target"), PathBuf::from);
+    let path = target.join("bench.json");
     std::fs::write(&path, serde_json::to_string_pretty(&report)?)?;
     print!("{}", markdown(&report));
     eprintln!("bench: JSON in {}", path.display());
@@ -268,9 +275,45 @@ fn churn(s: &Setup, n: usize) -> anyhow::Result<f64> {
         &n.to_string(),
         "0",
     ]);
-    let secs = out.categories["elapsed_ns"] as f64 / 1e9;
     anyhow::ensure!(out.ok == n as u64, "churn lost connections: {out:?}");
-    Ok(n as f64 / secs)
+    Ok(n as f64 / (out.categories["elapsed_ns"] as f64 / 1e9))
+}
+
+/// N refused connects to distinct loopback addresses: N new tracked destinations.
+fn spray(s: &Setup, n: usize) -> anyhow::Result<()> {
+    let out = s
+        .client
+        .probe(&["spray", &s.ns.path(), &n.to_string(), "9"]);
+    anyhow::ensure!(
+        out.errors("ECONNREFUSED") == n as u64,
+        "spray did not make {n} destinations: {out:?}"
+    );
+    Ok(())
+}
+
+/// With one connection to 127.0.0.1:8081 held, 1,000 more, each timed to its failure;
+/// every one must be refused.
+fn refusals(s: &Setup) -> anyhow::Result<Outcome> {
+    let _held = hold_open(&s.client, &s.ns, "127.0.0.1:8081", 1)?;
+    let out = s
+        .client
+        .probe(&["shedlat", &s.ns.path(), "127.0.0.1:8081", "1000"]);
+    anyhow::ensure!(
+        out.errors("ECONNREFUSED") == 1000,
+        "not every connect was refused: {out:?}"
+    );
+    Ok(out)
+}
+
+/// N connections from `client` to `target` inside `ns`, held open; all must connect.
+fn hold_open(client: &Cgroup, ns: &Netns, target: &str, n: u64) -> anyhow::Result<Holder> {
+    let held = client.hold_args(&["open", &ns.path(), target, &n.to_string()]);
+    anyhow::ensure!(
+        held.outcome.ok == n,
+        "{n} connections to {target} not all open: {:?}",
+        held.outcome
+    );
+    Ok(held)
 }
 
 /// A policy of 1,000 rules: 999 on other networks, the last one matching loopback.
@@ -288,10 +331,13 @@ fn thousand_rules(cgroup: &str) -> String {
     p + "[[scope.rule]]\nname = \"loopback\"\ndst = [\"127.0.0.0/8\"]\nmax_connections = 100000\n"
 }
 
-/// The nftables equivalent of a budget that is not reached, and a reject for 8082.
+/// The nftables equivalent of the churn's budget, which is not reached.
 const CHURN_NFT: &str = "chain out {\n    type filter hook output priority 0;\n    \
-    tcp dport 8080 ct count over 1000000 reject with tcp reset\n    \
-    tcp dport 8082 reject with tcp reset\n  }";
+    tcp dport 8080 ct count over 1000000 reject with tcp reset\n  }";
+
+/// A budget of 1 connection to 8081, answered with a RST past it.
+const SHED_NFT: &str = "chain out {\n    type filter hook output priority 0;\n    \
+    tcp dport 8081 ct count over 1 reject with tcp reset\n  }";
 
 /// Every SYN to the saturated listener answered with a RST.
 const INPUT_NFT: &str = "chain in {\n    type filter hook input priority 0;\n    \
@@ -301,30 +347,35 @@ const INPUT_NFT: &str = "chain in {\n    type filter hook input priority 0;\n   
 fn nft(ns: &Netns, chain: Option<&str>) -> anyhow::Result<()> {
     let mut cmd = Command::new("ip");
     cmd.args(["netns", "exec", &ns.name, "nft"]);
-    if let Some(chain) = chain {
-        let file = std::env::temp_dir().join(format!("connguard-bench-{}.nft", std::process::id()));
-        std::fs::write(&file, format!("table inet cgbench {{\n  {chain}\n}}\n"))?;
-        cmd.arg("-f").arg(&file);
-    } else {
-        cmd.args(["delete", "table", "inet", "cgbench"]);
-    }
-    let status = cmd
-        .status()
+    match chain {
+        Some(_) => cmd.args(["-f", "-"]).stdin(Stdio::piped()),
+        None => cmd.args(["delete", "table", "inet", "cgbench"]),
+    };
+    let mut child = cmd
+        .spawn()
         .context("nft is missing: run `cargo xtask setup`")?;
-    anyhow::ensure!(status.success(), "nft failed");
+    if let Some(chain) = chain {
+        let rules = format!("table inet cgbench {{\n  {chain}\n}}\n");
+        child
+            .stdin
+            .take()
+            .context("nft stdin")?
+            .write_all(rules.as_bytes())?;
+    }
+    anyhow::ensure!(child.wait()?.success(), "nft failed");
     Ok(())
 }
 
-/// Turns the kernel's bpf_stats on (sysctl kernel.bpf_stats_enabled) until dropped,
-/// then restores the previous setting.
+/// Sets the kernel's bpf_stats (sysctl kernel.bpf_stats_enabled) until dropped, then
+/// restores the previous setting.
 struct BpfStats(String);
 
 const BPF_STATS: &str = "/proc/sys/kernel/bpf_stats_enabled";
 
 impl BpfStats {
-    fn enable() -> anyhow::Result<BpfStats> {
+    fn set(on: bool) -> anyhow::Result<BpfStats> {
         let before = std::fs::read_to_string(BPF_STATS).context(BPF_STATS)?;
-        std::fs::write(BPF_STATS, "1").context(BPF_STATS)?;
+        std::fs::write(BPF_STATS, if on { "1" } else { "0" }).context(BPF_STATS)?;
         Ok(BpfStats(before))
     }
 }
@@ -358,31 +409,29 @@ fn program_costs(stats: &Value) -> BTreeMap<String, (f64, f64)> {
         .unwrap_or_default()
 }
 
-/// Resident memory (MiB) and CPU share (% of one core) of a process while `work` runs
-/// again and again for `secs`.
+/// Resident memory (MiB) and CPU share (% of one core, from the scheduler's
+/// nanoseconds in /proc/PID/schedstat) of a process while `work` runs again and again
+/// for `secs`.
 fn usage(
     pid: i32,
     secs: Duration,
     mut work: impl FnMut() -> anyhow::Result<()>,
 ) -> anyhow::Result<Value> {
-    let cpu = || -> anyhow::Result<f64> {
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
-        let fields: Vec<&str> = stat
-            .rsplit_once(')')
-            .context("stat")?
-            .1
-            .split_whitespace()
-            .collect();
-        let ticks: f64 = fields[11].parse::<f64>()? + fields[12].parse::<f64>()?;
-        Ok(ticks / 100.0)
+    let cpu_ns = || -> anyhow::Result<f64> {
+        let path = format!("/proc/{pid}/schedstat");
+        let text = std::fs::read_to_string(&path).context(path.clone())?;
+        text.split_whitespace()
+            .next()
+            .and_then(|v| v.parse().ok())
+            .context(path)
     };
-    let (c0, t0) = (cpu()?, Instant::now());
+    let (c0, t0) = (cpu_ns()?, Instant::now());
     while t0.elapsed() < secs {
         work()?;
     }
-    let (c1, secs) = (cpu()?, t0.elapsed().as_secs_f64());
+    let (c1, elapsed) = (cpu_ns()?, t0.elapsed().as_secs_f64());
     Ok(
-        json!({"rss_mib": memory_mib(pid, "VmRSS")?, "cpu_percent": (c1 - c0) / secs * 100.0, "seconds": secs}),
+        json!({"rss_mib": memory_mib(pid, "VmRSS")?, "cpu_percent": (c1 - c0) / 1e9 / elapsed * 100.0, "seconds": elapsed}),
     )
 }
 
@@ -399,14 +448,44 @@ fn memory_mib(pid: i32, field: &str) -> anyhow::Result<f64> {
     Ok(kib / 1024.0)
 }
 
-fn round_ratios(rates: &[f64], baseline: &[f64]) -> Vec<f64> {
-    rates.iter().zip(baseline).map(|(r, b)| r / b).collect()
+/// Runs `cmd` to success; its wall time in ms and its output.
+fn timed(cmd: &mut Command) -> anyhow::Result<(f64, std::process::Output)> {
+    let t = Instant::now();
+    let out = cmd.output().with_context(|| format!("{cmd:?}"))?;
+    let elapsed = ms(t);
+    anyhow::ensure!(
+        out.status.success(),
+        "{cmd:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok((elapsed, out))
 }
 
+fn ms(since: Instant) -> f64 {
+    since.elapsed().as_secs_f64() * 1000.0
+}
+
+/// A command's first line of output, or "?".
+fn output(cmd: &str, args: &[&str]) -> String {
+    Command::new(cmd)
+        .args(args)
+        .current_dir(crate::root())
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .and_then(|s| s.lines().next().map(str::to_string))
+        .unwrap_or_else(|| "?".into())
+}
+
+/// The middle value; the mean of the two middle values for an even count.
 fn median(v: &[f64]) -> f64 {
     let mut s = v.to_vec();
     s.sort_by(f64::total_cmp);
-    s.get(s.len() / 2).copied().unwrap_or(0.0)
+    match s.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => s[n / 2],
+        n => (s[n / 2 - 1] + s[n / 2]) / 2.0,
+    }
 }
 
 fn summary(v: &[f64]) -> Value {
@@ -429,14 +508,29 @@ fn ended(l: &Value) -> String {
     parts.join(", ")
 }
 
+/// Met, missed, or not measured at the target's size (`--quick`).
+fn verdict(met: Option<bool>) -> &'static str {
+    match met {
+        Some(true) => "met",
+        Some(false) => "missed",
+        None => "not measured at this size",
+    }
+}
+
 fn markdown(r: &Value) -> String {
     let f = |v: &Value| v.as_f64().unwrap_or(0.0);
     let mut out = format!(
-        "\n### connguard bench: {} rounds of {} connections, {} tracked destinations\n\n",
-        r["rounds"], r["connections_per_round"], r["tracked_destinations"]
+        "\n#### `{}` at {}, kernel {}: {} rounds of {} connections, {} tracked destinations\n\n",
+        r["command"].as_str().unwrap_or("?"),
+        r["commit"].as_str().unwrap_or("?"),
+        r["kernel"].as_str().unwrap_or("?"),
+        r["rounds"],
+        r["connections_per_round"],
+        r["tracked_destinations"]
     );
     out += "| churn (connections/s) | median | min | max | ratio of medians to no guard | per-round ratio: median (min–max) |\n|---|---|---|---|---|---|\n";
-    for (mode, s) in r["churn_per_s"].as_object().into_iter().flatten() {
+    for mode in MODES {
+        let s = &r["churn_per_s"][mode];
         let (ratio, rounds) = if mode == "no guard" {
             (1.0, String::new())
         } else {
@@ -460,8 +554,9 @@ fn markdown(r: &Value) -> String {
     }
     // Where a connection's time goes: each program's median cost times its runs per
     // connection (both ends: the server's sockets run the host-wide hooks too), next
-    // to the time one connection takes without a guard.
-    out += "\n| program (bpf_stats) | median ns/run | min | max | runs per connection | ns per connection |\n|---|---|---|---|---|---|\n";
+    // to the time one connection takes without a guard, and to the difference the
+    // churn rates show.
+    out += "\n| program (bpf_stats on) | median ns/run | min | max | runs per connection | ns per connection |\n|---|---|---|---|---|---|\n";
     let mut total = 0.0;
     for (name, s) in r["program_ns_per_run"].as_object().into_iter().flatten() {
         let runs = f(&r["program_runs_per_connection"][name]);
@@ -474,61 +569,79 @@ fn markdown(r: &Value) -> String {
             f(&s["median"]) * runs
         );
     }
-    let per_conn = 1e9 / f(&r["churn_per_s"]["no guard"]["median"]).max(1.0);
+    let per_conn = |mode: &str| 1e9 / f(&r["churn_per_s"][mode]["median"]).max(1.0);
     out += &format!(
-        "| all programs | | | | | {total:.0} ({:.1} % of the {:.0} ns a connection takes without a guard) |\n",
-        total / per_conn * 100.0,
-        per_conn
+        "| all programs | | | | | {total:.0} ({:.1} % of the {:.0} ns a connection takes without a guard; the churn rates differ by {:.0} ns) |\n",
+        total / per_conn("no guard") * 100.0,
+        per_conn("no guard"),
+        per_conn("connguard") - per_conn("no guard")
     );
-    let l = &r["shed_latency_ns"];
+    out += "\nRuns per connection count every TCP socket of the host while the churn runs, \
+            the bench's and any other.\n";
+
     let us = |v: &Value| f(v) / 1000.0;
-    out += "\n| refusal at connect(), loopback | p50 µs | p99 µs | ended |\n|---|---|---|---|\n";
-    for (name, key) in [
-        ("connguard over budget (no SYN sent)", "connguard"),
-        ("nftables reject with tcp reset", "nftables_reject"),
-    ] {
-        out += &format!(
+    let row = |name: &str, l: &Value| {
+        format!(
             "| {name} | {:.1} | {:.1} | {} |\n",
-            us(&l[key]["p50"]),
-            us(&l[key]["p99"]),
-            ended(&l[key])
-        );
-    }
-    let i = &r["inbound_latency_ns"];
-    out += "\n| SYN to a saturated listener, over veth, until connect() returns | p50 µs | p99 µs | ended |\n|---|---|---|---|\n";
-    for (name, key) in [
-        ("connguard listener guard (RST)", "connguard_rst"),
-        ("nftables reject with tcp reset (input)", "nftables_reject"),
-        (
-            "no guard (SYN dropped, retransmits; 3 s timeout)",
-            "no_guard",
-        ),
-    ] {
-        out += &format!(
-            "| {name} | {:.1} | {:.1} | {} |\n",
-            us(&i[key]["p50"]),
-            us(&i[key]["p99"]),
-            ended(&i[key])
-        );
-    }
+            us(&l["p50"]),
+            us(&l["p99"]),
+            ended(l)
+        )
+    };
+    let (l, i) = (&r["shed_latency_ns"], &r["inbound_latency_ns"]);
+    out += "\n| refusal at connect(), loopback, over budget | p50 µs | p99 µs | ended |\n|---|---|---|---|\n";
+    out += &row("connguard (no SYN sent)", &l["connguard"]);
+    out += &row(
+        "nftables `ct count over 1 reject with tcp reset`",
+        &l["nftables_reject"],
+    );
+    out += "\n| SYN to a saturated listener over veth, until connect() returns | p50 µs | p99 µs | ended |\n|---|---|---|---|\n";
+    out += &row("connguard listener guard (RST)", &i["connguard_rst"]);
+    out += &row(
+        "nftables `reject with tcp reset` on input",
+        &i["nftables_reject"],
+    );
+    out += &row(
+        "no guard: SYN dropped, retransmitted; given up after 3 s (3 attempts)",
+        &i["no_guard"],
+    );
+
     let (st, po) = (&r["stats_ms"], &r["ports_ms"]);
-    out += "\n| one-shot | ms | next to |\n|---|---|---|\n";
     out += &format!(
-        "| `connguard stats --json`, {} destinations | {:.1} | |\n",
-        st["destinations"],
-        f(&st["stats"])
+        "\n| one-shot, median of {ONE_SHOTS} | ms | min | max | next to |\n|---|---|---|---|---|\n"
     );
-    out += &format!(
-        "| metrics scrape, same | {:.1} | daemon's peak RSS after both: {:.1} MiB |\n",
-        f(&st["scrape"]),
-        f(&st["daemon_peak_rss_mib"])
+    let shot = |name: String, v: &Value, next: String| {
+        format!(
+            "| {name} | {:.1} | {:.1} | {:.1} | {next} |\n",
+            f(&v["median"]),
+            f(&v["min"]),
+            f(&v["max"])
+        )
+    };
+    out += &shot(
+        format!(
+            "`connguard stats --json`, {} destinations",
+            st["destinations"]
+        ),
+        &st["stats"],
+        String::new(),
     );
-    out += &format!(
-        "| `connguard ports`, {} TIME_WAIT | {:.1} | `ss -tan state time-wait`: {:.1} ms ({:.2}×) |\n",
-        po["time_wait"],
-        f(&po["ports"]),
-        f(&po["ss"]),
-        f(&po["ports"]) / f(&po["ss"]).max(0.001)
+    out += &shot(
+        "metrics scrape, same".into(),
+        &st["scrape"],
+        format!(
+            "daemon's peak RSS: {:.1} MiB",
+            f(&st["daemon_peak_rss_mib"])
+        ),
+    );
+    let ports_ratio = f(&po["ports"]["median"]) / f(&po["ss"]["median"]).max(0.001);
+    out += &shot(
+        format!("`connguard ports`, {} TIME_WAIT", po["time_wait"]),
+        &po["ports"],
+        format!(
+            "`ss -tan state time-wait`: {:.1} ms ({ports_ratio:.2}×)",
+            f(&po["ss"]["median"])
+        ),
     );
     let d = &r["daemon"];
     out += "\n| daemon | RSS MiB | CPU % of a core |\n|---|---|---|\n";
@@ -538,6 +651,78 @@ fn markdown(r: &Value) -> String {
             f(&d[phase]["rss_mib"]),
             f(&d[phase]["cpu_percent"])
         );
+    }
+
+    // The targets of issue 5.
+    let ratio = f(&r["round_ratio_to_no_guard"]["connguard"]["median"]);
+    let nft_ratio = f(&r["round_ratio_to_no_guard"]["nftables"]["median"]);
+    let cost = |p: &str| f(&r["program_ns_per_run"][p]["median"]);
+    let admission = cost("connect4");
+    let others: Vec<(String, f64)> = r["program_ns_per_run"]
+        .as_object()
+        .into_iter()
+        .flatten()
+        .filter(|(n, _)| n.as_str() != "connect4")
+        .map(|(n, s)| (n.clone(), f(&s["median"])))
+        .collect();
+    let worst_other = others.iter().map(|(_, v)| *v).fold(0.0, f64::max);
+    let shed_p99 = us(&l["connguard"]["p99"]);
+    let rst_p99 = us(&i["connguard_rst"]["p99"]);
+    let (rss, idle_cpu) = (f(&d["idle"]["rss_mib"]), f(&d["idle"]["cpu_percent"]));
+    let peak_rss = f(&st["daemon_peak_rss_mib"]).max(rss);
+    let (stats, scrape) = (f(&st["stats"]["median"]), f(&st["scrape"]["median"]));
+    out += "\n| target (issue 5) | measured | |\n|---|---|---|\n";
+    for (target, measured, met) in [
+        (
+            "churn ratio ≥ 0.97 (median) and above nftables".to_string(),
+            format!("{ratio:.3} per-round median; nftables {nft_ratio:.3}"),
+            Some(ratio >= 0.97 && ratio > nft_ratio),
+        ),
+        (
+            "admission ≤ 150 ns".into(),
+            format!("connect4 {admission:.0} ns"),
+            Some(admission <= 150.0),
+        ),
+        (
+            "every other program ≤ 100 ns per event".into(),
+            others
+                .iter()
+                .map(|(n, v)| format!("{n} {v:.0}"))
+                .collect::<Vec<_>>()
+                .join(", "),
+            Some(worst_other <= 100.0),
+        ),
+        (
+            "outbound shed p99 ≤ 50 µs".into(),
+            format!("{shed_p99:.1} µs"),
+            Some(shed_p99 <= 50.0),
+        ),
+        (
+            "inbound RST p99 ≤ 2 ms over veth".into(),
+            format!("{rst_p99:.1} µs"),
+            Some(rst_p99 <= 2000.0),
+        ),
+        (
+            "daemon RSS ≤ 40 MiB; CPU ≤ 2 % of a core idle".into(),
+            format!("{peak_rss:.1} MiB at most; {idle_cpu:.2} %"),
+            Some(peak_rss <= 40.0 && idle_cpu <= 2.0),
+        ),
+        (
+            "stats/scrape ≤ 100 ms at 100,000 destinations".into(),
+            format!(
+                "{stats:.0} / {scrape:.0} ms at {} destinations",
+                st["destinations"]
+            ),
+            (st["destinations"].as_u64() >= Some(100_000))
+                .then_some(stats <= 100.0 && scrape <= 100.0),
+        ),
+        (
+            "ports one-shot ≤ 2 × the `ss` time".into(),
+            format!("{ports_ratio:.2}×"),
+            Some(ports_ratio <= 2.0),
+        ),
+    ] {
+        out += &format!("| {target} | {measured} | {} |\n", verdict(met));
     }
     out
 }
