@@ -117,51 +117,38 @@ pub struct Candidates {
     pub rules: [RuleRef; MAX_CANDIDATES],
 }
 
-pub const LEVEL_SCOPE: u32 = 0;
-pub const LEVEL_RULE: u32 = 1;
+/// `level` of every [`CounterKey`] (the destination level). Scope and rule totals are
+/// not in `COUNTERS`: they live in the arrays `SCOPE_COUNTERS` and `RULE_COUNTERS`,
+/// indexed by scope id and rule id.
 pub const LEVEL_DST: u32 = 2;
 
-/// Key of `COUNTERS`. One connection is counted at three levels: the scope
-/// (`rule_id` NO_RULE, no address), the rule (no address; only when a rule matched)
-/// and the destination (scope, rule or NO_RULE, address and port).
+/// Size of `SCOPE_COUNTERS`: scope ids are below this. The daemon gives each scope name
+/// it sees an id for its whole life (so counts survive reloads); a policy that would
+/// need more ids is refused.
+pub const MAX_SCOPE_IDS: u32 = 4096;
+/// Size of `RULE_COUNTERS`: rule ids are below this. Rule ids are unique across scopes
+/// (one per scope and rule name pair), kept for the daemon's life like scope ids.
+pub const MAX_RULE_IDS: u32 = 65536;
+
+/// Key of `COUNTERS`: the destination level, one connection's (scope, rule or NO_RULE,
+/// address and port). The connection is also counted at its scope (`SCOPE_COUNTERS`)
+/// and, when a rule matched, at its rule (`RULE_COUNTERS`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct CounterKey {
     pub scope_id: u32,
     pub rule_id: u32,
+    /// Always LEVEL_DST.
     pub level: u32,
-    /// Destination port, host byte order; 0 above LEVEL_DST.
+    /// Destination port, host byte order.
     pub port: u16,
     pub _pad: u16,
-    /// Destination address (network order, IPv4-mapped); zero above LEVEL_DST.
+    /// Destination address (network order, IPv4-mapped).
     pub addr: [u8; 16],
 }
 
-impl CounterKey {
-    /// The key one level up (destination -> rule -> scope).
-    pub const fn at_level(&self, level: u32) -> CounterKey {
-        let rule_id = if level == LEVEL_SCOPE {
-            NO_RULE
-        } else {
-            self.rule_id
-        };
-        let (port, addr) = if level == LEVEL_DST {
-            (self.port, self.addr)
-        } else {
-            (0, [0; 16])
-        };
-        CounterKey {
-            scope_id: self.scope_id,
-            rule_id,
-            level,
-            port,
-            _pad: 0,
-            addr,
-        }
-    }
-}
-
-/// Value of `COUNTERS`; every field is updated with atomic instructions.
+/// Value of `COUNTERS`, `SCOPE_COUNTERS` and `RULE_COUNTERS`; every field is updated
+/// with atomic instructions.
 /// Units: connections.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -178,6 +165,7 @@ pub struct Counter {
     pub would_shed: u64,
     /// When this entry was created (ns since boot): tells a destination entry that the
     /// daemon forgot and the kernel created again from the one an admission charged.
+    /// 0 in the scope and rule arrays, whose entries are never forgotten.
     pub epoch: u64,
 }
 
@@ -194,8 +182,8 @@ pub struct SockState {
     /// 1 once tcp_connect() ran for this admission (sock_ops TCP_CONNECT_CB), which
     /// turns on the state callback that will release it; 0 means no callback will.
     pub armed: u32,
-    /// Bit i set: level i of `levels` (destination, rule, scope) was charged. A level
-    /// whose counter could not be created (full map) is neither checked nor charged.
+    /// Bit i set: level i (0 destination, 1 rule, 2 scope) was charged. A level whose
+    /// counter could not be found or created (full map) is neither checked nor charged.
     pub charged: u32,
     pub _pad: u32,
     /// `epoch` of the destination entry the admission charged.

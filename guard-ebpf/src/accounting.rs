@@ -5,9 +5,9 @@ use core::intrinsics::{
 };
 
 use aya_ebpf::{bindings::BPF_NOEXIST, helpers::generated::bpf_ktime_get_ns};
-use guard_common::{Counter, CounterKey, LEVEL_DST, LEVEL_RULE, LEVEL_SCOPE, NO_RULE, SockState};
+use guard_common::{Counter, CounterKey, NO_RULE, SockState};
 
-use crate::maps::{COUNTERS, STATS};
+use crate::maps::{COUNTERS, RULE_COUNTERS, SCOPE_COUNTERS, STATS};
 
 /// Atomic fetch-and-add; returns the previous value.
 ///
@@ -48,7 +48,7 @@ pub fn counter(key: &CounterKey) -> Option<*mut Counter> {
         return Some(p);
     }
     // A concurrent creator may win the insert; the lookup below finds its entry.
-    // Zeros from `opaque_zero`, not `..Default::default()`: see `levels`.
+    // Zeros from `opaque_zero`, not `..Default::default()`: see there.
     let z = opaque_zero() as u64;
     let fresh = Counter {
         active: z,
@@ -62,43 +62,40 @@ pub fn counter(key: &CounterKey) -> Option<*mut Counter> {
     COUNTERS.get_ptr_mut(key)
 }
 
-/// The levels a destination key is counted at: destination, rule (when one matched),
-/// scope. The same keys as `CounterKey::at_level`, built from a zero the compiler cannot
-/// see: zeros it sees are merged into a call to memset, which on BPF is a subprogram
-/// storing one byte per iteration (about five instructions a byte).
+/// The counter of rule `rule_id`; null for NO_RULE (or an id past the array, which the
+/// daemon never hands out). An array lookup, which the verifier inlines.
 #[inline(always)]
-pub fn levels(dst: &CounterKey) -> [Option<CounterKey>; 3] {
-    let z = opaque_zero();
-    let above = |rule_id: u32, level: u32| CounterKey {
-        scope_id: dst.scope_id,
-        rule_id,
-        level,
-        port: z as u16,
-        _pad: z as u16,
-        addr: words_addr([z; 4]),
-    };
-    let rule = if dst.rule_id == NO_RULE {
-        None
-    } else {
-        Some(above(dst.rule_id, LEVEL_RULE))
-    };
-    [
-        Some(dst.at_level(LEVEL_DST)),
-        rule,
-        Some(above(NO_RULE, LEVEL_SCOPE)),
-    ]
+pub fn rule_counter(rule_id: u32) -> *mut Counter {
+    if rule_id == NO_RULE {
+        return core::ptr::null_mut();
+    }
+    match RULE_COUNTERS.get_ptr_mut(rule_id) {
+        Some(p) => p,
+        None => core::ptr::null_mut(),
+    }
+}
+
+/// The counter of scope `scope_id`; null for an id past the array (never handed out).
+#[inline(always)]
+pub fn scope_counter(scope_id: u32) -> *mut Counter {
+    match SCOPE_COUNTERS.get_ptr_mut(scope_id) {
+        Some(p) => p,
+        None => core::ptr::null_mut(),
+    }
 }
 
 /// The bytes of an address (network order) given as four words holding them in memory
 /// order, as the connect contexts give them: stored as four words, where building the
-/// bytes one by one on a zeroed array costs a memset loop (see `levels`).
+/// bytes one by one on a zeroed array costs a memset loop (see `opaque_zero`).
 #[inline(always)]
 pub fn words_addr(words: [u32; 4]) -> [u8; 16] {
     // Same size, and every bit pattern is a valid [u8; 16].
     unsafe { core::mem::transmute::<[u32; 4], [u8; 16]>(words) }
 }
 
-/// 0, from read-only data: see `levels`.
+/// 0, from read-only data: a zero the compiler cannot see. Zeros it sees are merged into
+/// a call to memset, which on BPF is a subprogram storing one byte per iteration (about
+/// five instructions a byte).
 #[inline(always)]
 pub fn opaque_zero() -> u32 {
     static ZERO: u32 = 0;
@@ -118,16 +115,29 @@ pub fn release(state: *mut SockState) {
         return;
     }
     let (dst, charged, dst_epoch) = unsafe { ((*state).dst, (*state).charged, (*state).dst_epoch) };
-    for (i, key) in levels(&dst).iter().enumerate() {
-        if charged & (1 << i) == 0 {
-            continue;
-        }
-        if let Some(c) = key.as_ref().and_then(|k| COUNTERS.get_ptr_mut(k)) {
-            // The daemon forgets idle destination entries; one created again since
-            // this admission does not hold it.
-            if i == 0 && unsafe { (*c).epoch } != dst_epoch {
-                continue;
-            }
+    // Levels as charged by connect: bit 0 destination, 1 rule, 2 scope.
+    if charged & 1 != 0
+        && let Some(c) = COUNTERS.get_ptr_mut(&dst)
+        // The daemon forgets idle destination entries; one created again since this
+        // admission does not hold it.
+        && unsafe { (*c).epoch } == dst_epoch
+    {
+        add(unsafe { &raw mut (*c).active }, u64::MAX);
+    }
+    let above = [
+        if charged & 2 != 0 {
+            rule_counter(dst.rule_id)
+        } else {
+            core::ptr::null_mut()
+        },
+        if charged & 4 != 0 {
+            scope_counter(dst.scope_id)
+        } else {
+            core::ptr::null_mut()
+        },
+    ];
+    for c in above {
+        if !c.is_null() {
             add(unsafe { &raw mut (*c).active }, u64::MAX);
         }
     }

@@ -17,7 +17,8 @@ use guard_common::{
 
 use crate::{
     accounting::{
-        add, counter, internal_error, levels, opaque_zero, raise_peak, release, words_addr,
+        add, counter, internal_error, opaque_zero, raise_peak, release, rule_counter,
+        scope_counter, words_addr,
     },
     maps::{ACTIVE_GEN, PORT_USE, RULES, SCOPES, storage},
 };
@@ -134,7 +135,7 @@ fn admit(ctx: &SockAddrContext, words: [u32; 4], port: u16) -> i32 {
         _pad: 0,
         addr,
     };
-    // Budgets by level, in the order of `levels`: destination, rule, scope.
+    // Budgets by level: destination, rule, scope.
     let maxes = [
         if per_endpoint { rule_max } else { 0 },
         if per_endpoint { 0 } else { rule_max },
@@ -143,19 +144,22 @@ fn admit(ctx: &SockAddrContext, words: [u32; 4], port: u16) -> i32 {
     // A level whose counter cannot be created (full map) is skipped, and counted as an
     // internal error: fail-open for that level, the others still hold. A level not
     // counted holds null (not None: LLVM may fill the payload of a None from any
-    // register, and the verifier refuses to read one never set).
-    let keys = levels(&dst);
-    let mut counters = [core::ptr::null_mut::<Counter>(); 3];
+    // register, and the verifier refuses to read one never set). Rule and scope
+    // counters are array entries, present for every id the daemon hands out.
+    let counters = [
+        match counter(&dst) {
+            Some(c) => c,
+            None => core::ptr::null_mut(),
+        },
+        rule_counter(rule_id),
+        scope_counter(scope.scope_id),
+    ];
     let mut charged = 0u32;
     for i in 0..3 {
-        if let Some(key) = &keys[i] {
-            match counter(key) {
-                Some(c) => {
-                    counters[i] = c;
-                    charged |= 1 << i;
-                }
-                None => internal_error(STAT_INTERNAL_ERRORS),
-            }
+        if !counters[i].is_null() {
+            charged |= 1 << i;
+        } else if i != 1 || rule_id != NO_RULE {
+            internal_error(STAT_INTERNAL_ERRORS);
         }
     }
 

@@ -9,8 +9,8 @@ use aya_ebpf::{
     maps::{Array, HashMap, LpmTrie, PerCpuArray},
 };
 use guard_common::{
-    Candidates, CgroupKey, Counter, CounterKey, EaddrKey, ListenerKey, ListenerShed, PortUseKey,
-    RuleAddrKey, STAT_COUNT, ScopeConf, SockState, TimeWaitKey,
+    Candidates, CgroupKey, Counter, CounterKey, EaddrKey, ListenerKey, ListenerShed, MAX_RULE_IDS,
+    MAX_SCOPE_IDS, PortUseKey, RuleAddrKey, STAT_COUNT, ScopeConf, SockState, TimeWaitKey,
 };
 
 /// Element 0: the policy generation (0 or 1) that the programs read.
@@ -26,10 +26,20 @@ pub static SCOPES: HashMap<CgroupKey, ScopeConf> =
 #[map]
 pub static RULES: LpmTrie<RuleAddrKey, Candidates> = LpmTrie::with_max_entries(65536, 0);
 
-/// Connection counters at scope, rule and destination level.
+/// Connection counters at destination level (created on first use, forgotten by the
+/// daemon when idle).
 #[map]
 pub static COUNTERS: HashMap<CounterKey, Counter> =
     HashMap::with_max_entries(262144, BPF_F_NO_PREALLOC);
+
+/// Connection counters at scope level, indexed by scope id (an array: the verifier
+/// inlines its lookups, and every entry exists, zeroed, from the start).
+#[map]
+pub static SCOPE_COUNTERS: Array<Counter> = Array::with_max_entries(MAX_SCOPE_IDS, 0);
+
+/// Connection counters at rule level, indexed by rule id (unique across scopes).
+#[map]
+pub static RULE_COUNTERS: Array<Counter> = Array::with_max_entries(MAX_RULE_IDS, 0);
 
 /// TIME_WAIT entries born on admitted connections (see guard_common::TimeWaitKey).
 #[map]

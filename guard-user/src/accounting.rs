@@ -7,15 +7,15 @@
 //! keyed by scope and rule ids that stay the same across reloads (by name), so active
 //! counts survive a reload.
 use std::{
-    collections::{BTreeMap, HashMap},
+    collections::{BTreeMap, HashMap, HashSet},
     net::{IpAddr, Ipv6Addr},
     path::{Path, PathBuf},
 };
 
-use anyhow::Context;
+use anyhow::{Context, bail};
 use aya::maps::{Array, HashMap as BpfHashMap, LpmTrie, MapData, PerCpuArray, lpm_trie::Key};
 use guard_common::{
-    Candidates, CgroupKey, Counter, CounterKey, EaddrKey, LEVEL_DST, PortUseKey,
+    Candidates, CgroupKey, Counter, CounterKey, EaddrKey, MAX_RULE_IDS, MAX_SCOPE_IDS, PortUseKey,
     RULE_KEY_FIXED_BITS, RuleAddrKey, RuleRef, STAT_INTERNAL_ERRORS, ScopeConf, TimeWaitKey,
 };
 use ipnet::{IpNet, Ipv6Net};
@@ -25,7 +25,11 @@ use crate::{
     policy::{Policy, Rule},
 };
 
-/// Stable numeric ids for scope and rule names.
+/// Stable numeric ids for scope and rule names, for the daemon's life: a scope or rule
+/// removed by a reload and added again by a later one gets its id, and so its counts,
+/// back. Ids index the kernel's SCOPE_COUNTERS and RULE_COUNTERS arrays, so there are
+/// at most MAX_SCOPE_IDS scope ids and MAX_RULE_IDS rule ids (unique across scopes);
+/// a policy that needs more is refused.
 #[derive(Default)]
 pub struct Ids {
     scopes: HashMap<String, u32>,
@@ -33,17 +37,68 @@ pub struct Ids {
 }
 
 impl Ids {
-    pub fn scope(&mut self, name: &str) -> u32 {
-        let next = self.scopes.len() as u32;
-        *self.scopes.entry(name.to_string()).or_insert(next)
+    /// Gives every scope and rule of `policy` an id, or, when that would take more
+    /// ids than the arrays hold, none (and says so).
+    pub fn assign(&mut self, policy: &Policy) -> anyhow::Result<()> {
+        let new_scopes: HashSet<&str> = policy
+            .scopes
+            .iter()
+            .map(|s| s.name.as_str())
+            .filter(|name| !self.scopes.contains_key(*name))
+            .collect();
+        let new_rules: HashSet<(&str, &str)> = policy
+            .scopes
+            .iter()
+            .flat_map(|s| s.rules.iter().map(|r| (s.name.as_str(), r.name.as_str())))
+            .filter(|(s, r)| !self.rules.contains_key(&(s.to_string(), r.to_string())))
+            .collect();
+        if self.scopes.len() + new_scopes.len() > MAX_SCOPE_IDS as usize {
+            bail!(
+                "too many scope names: {} used since the daemon started and {} new, at most \
+                 {MAX_SCOPE_IDS} (counts are kept by name for the daemon's life; restart it to \
+                 start over)",
+                self.scopes.len(),
+                new_scopes.len()
+            );
+        }
+        if self.rules.len() + new_rules.len() > MAX_RULE_IDS as usize {
+            bail!(
+                "too many rule names: {} (scope, rule) pairs used since the daemon started and \
+                 {} new, at most {MAX_RULE_IDS} (counts are kept by name for the daemon's life; \
+                 restart it to start over)",
+                self.rules.len(),
+                new_rules.len()
+            );
+        }
+        // In policy order, so ids follow the file on a first start.
+        for s in &policy.scopes {
+            let next = self.scopes.len() as u32;
+            self.scopes.entry(s.name.clone()).or_insert(next);
+            for r in &s.rules {
+                let next = self.rules.len() as u32;
+                self.rules
+                    .entry((s.name.clone(), r.name.clone()))
+                    .or_insert(next);
+            }
+        }
+        Ok(())
     }
 
-    pub fn rule(&mut self, scope: &str, rule: &str) -> u32 {
-        let next = self.rules.len() as u32;
-        *self
-            .rules
-            .entry((scope.to_string(), rule.to_string()))
-            .or_insert(next)
+    /// The id of a scope name, once assigned.
+    pub fn scope(&self, name: &str) -> Option<u32> {
+        self.scopes.get(name).copied()
+    }
+
+    /// The id of a rule of a scope, once assigned.
+    pub fn rule(&self, scope: &str, rule: &str) -> Option<u32> {
+        self.rules
+            .get(&(scope.to_string(), rule.to_string()))
+            .copied()
+    }
+
+    /// How many scope ids and rule ids are assigned (ids are below these).
+    pub fn counts(&self) -> (u32, u32) {
+        (self.scopes.len() as u32, self.rules.len() as u32)
     }
 
     pub fn scope_name(&self, id: u32) -> Option<&str> {
@@ -67,6 +122,8 @@ pub struct Accounting {
     rules: LpmTrie<MapData, RuleAddrKey, Candidates>,
     active_gen: Array<MapData, u32>,
     counters: BpfHashMap<MapData, CounterKey, Counter>,
+    scope_counters: Array<MapData, Counter>,
+    rule_counters: Array<MapData, Counter>,
     stats: PerCpuArray<MapData, u64>,
     time_waits: BpfHashMap<MapData, TimeWaitKey, u64>,
     eaddrnotavail: BpfHashMap<MapData, EaddrKey, u64>,
@@ -104,6 +161,8 @@ impl Accounting {
             rules: LpmTrie::try_from(take("RULES")?)?,
             active_gen: Array::try_from(take("ACTIVE_GEN")?)?,
             counters: BpfHashMap::try_from(take("COUNTERS")?)?,
+            scope_counters: Array::try_from(take("SCOPE_COUNTERS")?)?,
+            rule_counters: Array::try_from(take("RULE_COUNTERS")?)?,
             stats: PerCpuArray::try_from(take("STATS")?)?,
             time_waits: BpfHashMap::try_from(take("TIME_WAITS")?)?,
             eaddrnotavail: BpfHashMap::try_from(take("EADDRNOTAVAIL")?)?,
@@ -137,8 +196,9 @@ impl Accounting {
         for key in std::mem::take(&mut self.idle_rules) {
             let _ = self.rules.remove(&key);
         }
+        self.ids.assign(&policy)?;
         let governed = cgroup::governed(&self.cgroup_root, &policy)?;
-        let confs = self.scope_confs(&policy);
+        let confs = self.scope_confs(&policy)?;
         let mut scopes = BTreeMap::new();
         for (cgroup_id, (index, _)) in &governed {
             scopes.insert(*cgroup_id, confs[*index]);
@@ -158,7 +218,7 @@ impl Accounting {
             }
             for (scope, conf) in policy.scopes.iter().zip(&confs) {
                 for (key, cands) in
-                    self.rule_entries(next, conf.scope_id, &scope.name, &scope.rules)
+                    self.rule_entries(next, conf.scope_id, &scope.name, &scope.rules)?
                 {
                     self.rules.insert(&key, cands, 0)?;
                     rule_keys.push(key);
@@ -197,7 +257,7 @@ impl Accounting {
         let Some(policy) = self.policy.clone() else {
             return Ok(());
         };
-        let confs = self.scope_confs(&policy);
+        let confs = self.scope_confs(&policy)?;
         let governed = cgroup::governed(&self.cgroup_root, &policy)?;
         let gen_ = self.gen_;
         for (id, (index, _)) in &governed {
@@ -254,34 +314,42 @@ impl Accounting {
         self.written_scopes.len()
     }
 
-    fn scope_confs(&mut self, policy: &Policy) -> Vec<ScopeConf> {
+    /// The scopes as the kernel sees them; `ids.assign(policy)` must have run.
+    fn scope_confs(&self, policy: &Policy) -> anyhow::Result<Vec<ScopeConf>> {
         policy
             .scopes
             .iter()
-            .map(|s| ScopeConf {
-                scope_id: self.ids.scope(&s.name),
-                mode: s.mode,
-                errno: s.errno as u32,
-                has_rules: !s.rules.is_empty() as u32,
-                max_connections: s.max_connections.unwrap_or(0),
-                port_watermark: s.port_watermark.unwrap_or(0),
-                _pad: 0,
+            .map(|s| {
+                Ok(ScopeConf {
+                    scope_id: self
+                        .ids
+                        .scope(&s.name)
+                        .with_context(|| format!("scope {:?} has no id", s.name))?,
+                    mode: s.mode,
+                    errno: s.errno as u32,
+                    has_rules: !s.rules.is_empty() as u32,
+                    max_connections: s.max_connections.unwrap_or(0),
+                    port_watermark: s.port_watermark.unwrap_or(0),
+                    _pad: 0,
+                })
             })
             .collect()
     }
 
     fn rule_entries(
-        &mut self,
+        &self,
         gen_: u32,
         scope_id: u32,
         scope_name: &str,
         rules: &[Rule],
-    ) -> Vec<(Key<RuleAddrKey>, Candidates)> {
-        let refs: Vec<RuleRef> = rules
+    ) -> anyhow::Result<Vec<(Key<RuleAddrKey>, Candidates)>> {
+        let refs = rules
             .iter()
             .map(|r| {
                 let mut rr = RuleRef {
-                    rule_id: self.ids.rule(scope_name, &r.name),
+                    rule_id: self.ids.rule(scope_name, &r.name).with_context(|| {
+                        format!("rule {:?} of scope {scope_name:?} has no id", r.name)
+                    })?,
                     per_endpoint: r.per_endpoint as u32,
                     max_connections: r.max_connections.unwrap_or(0),
                     n_ports: r.ports.len() as u32,
@@ -289,10 +357,10 @@ impl Accounting {
                     ..Default::default()
                 };
                 rr.ports[..r.ports.len()].copy_from_slice(&r.ports);
-                rr
+                Ok(rr)
             })
-            .collect();
-        rule_prefixes(rules)
+            .collect::<anyhow::Result<Vec<RuleRef>>>()?;
+        Ok(rule_prefixes(rules)
             .into_iter()
             .map(|prefix| {
                 let mut cands = Candidates::default();
@@ -311,23 +379,33 @@ impl Accounting {
                 );
                 (key, cands)
             })
-            .collect()
+            .collect())
     }
 
-    /// Every counter in the kernel.
+    /// Every destination counter in the kernel.
     pub fn counters(&self) -> Vec<(CounterKey, Counter)> {
         crate::batch::entries(&self.counters)
+    }
+
+    /// Scope counters by scope id, for every id assigned so far.
+    pub fn scope_counters(&self) -> Vec<Counter> {
+        crate::batch::array_prefix(&self.scope_counters, self.ids.counts().0)
+    }
+
+    /// Rule counters by rule id, for every id assigned so far.
+    pub fn rule_counters(&self) -> Vec<Counter> {
+        crate::batch::array_prefix(&self.rule_counters, self.ids.counts().1)
     }
 
     /// Forgets destination entries that stayed idle (no active connection, no new
     /// admission or shed) since the previous call, so that the map of a long-running
     /// daemon holds the destinations in use, not every one ever seen. Scope and rule
-    /// totals keep counting. Returns how many were forgotten.
+    /// totals (in their own arrays) keep counting. Returns how many were forgotten.
     pub fn forget_idle(&mut self) -> usize {
         let mut idle = HashMap::new();
         let mut forgotten = 0;
         for (key, c) in self.counters() {
-            if key.level != LEVEL_DST || c.active != 0 {
+            if c.active != 0 {
                 continue;
             }
             let total = c.admitted + c.shed + c.would_shed;
@@ -537,5 +615,44 @@ mod tests {
             unmapped(mapped(&net).addr().octets()).to_string(),
             "192.0.2.0"
         );
+    }
+
+    #[test]
+    fn ids_follow_names_and_stop_at_the_array_sizes() {
+        let policy = |names: &[&str]| {
+            let text: String = names
+                .iter()
+                .map(|n| {
+                    format!(
+                        "[[scope]]\nname = \"{n}\"\ncgroup = \"x\"\n[[scope.rule]]\nname = \"r\"\n"
+                    )
+                })
+                .collect();
+            parse(&text, "t").unwrap()
+        };
+        let mut ids = Ids::default();
+        ids.assign(&policy(&["a", "b"])).unwrap();
+        ids.assign(&policy(&["b"])).unwrap();
+        ids.assign(&policy(&["c", "a"])).unwrap();
+        assert_eq!(
+            (ids.scope("a"), ids.scope("b"), ids.scope("c")),
+            (Some(0), Some(1), Some(2))
+        );
+        // Rule ids are unique across scopes.
+        assert_eq!(
+            (ids.rule("a", "r"), ids.rule("b", "r"), ids.rule("c", "r")),
+            (Some(0), Some(1), Some(2))
+        );
+        assert_eq!(ids.counts(), (3, 3));
+
+        let names: Vec<String> = (0..MAX_SCOPE_IDS - 3).map(|i| format!("s{i}")).collect();
+        let names: Vec<&str> = names.iter().map(String::as_str).collect();
+        ids.assign(&policy(&names)).unwrap();
+        assert_eq!(ids.counts().0, MAX_SCOPE_IDS);
+        let err = ids.assign(&policy(&["a", "new"])).unwrap_err().to_string();
+        assert!(err.starts_with("too many scope names"), "{err}");
+        assert_eq!(ids.scope("new"), None, "nothing assigned");
+        assert_eq!(ids.counts().0, MAX_SCOPE_IDS);
+        ids.assign(&policy(&["a", "s7"])).unwrap();
     }
 }

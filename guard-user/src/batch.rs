@@ -1,4 +1,4 @@
-//! Reading a whole BPF hash map in a few syscalls.
+//! Reading a whole BPF hash map, or the first entries of an array, in a few syscalls.
 //!
 //! aya 0.14's `HashMap::iter` makes two bpf(2) calls per entry (`BPF_MAP_GET_NEXT_KEY`,
 //! then `BPF_MAP_LOOKUP_ELEM`): 200,000 syscalls for 100,000 destinations. The kernel's
@@ -20,7 +20,7 @@ use std::{
 
 use aya::{
     Pod,
-    maps::{HashMap, IterableMap, MapData},
+    maps::{Array, HashMap, IterableMap, MapData},
 };
 
 /// `BPF_MAP_LOOKUP_BATCH` from `enum bpf_cmd`.
@@ -44,24 +44,106 @@ struct BatchAttr {
     flags: u64,
 }
 
+/// `BPF_MAP_LOOKUP_BATCH` with `attr`; the error, if it failed.
+///
+/// # Safety
+/// `attr`'s buffers hold `count` keys and values of the map's key and value sizes, and
+/// `out_batch` (and `in_batch`, when set) a position of the map's kind.
+unsafe fn lookup_batch_call(attr: &mut BatchAttr) -> Option<io::Error> {
+    // SAFETY: the attribute is the kernel's layout and size; the buffers are the caller's.
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_MAP_LOOKUP_BATCH,
+            attr as *mut BatchAttr,
+            std::mem::size_of::<BatchAttr>() as u32,
+        )
+    };
+    (ret < 0).then(io::Error::last_os_error)
+}
+
 /// Cleared the first time the kernel says it has no batch lookup, so later dumps go
 /// straight to the iterator.
 static BATCH_SUPPORTED: AtomicBool = AtomicBool::new(true);
 
+/// `read()`'s entries, unless batch lookups are unsupported (then never tried again)
+/// or failed: then None, and the caller reads entry by entry.
+fn batched<T>(read: impl FnOnce() -> io::Result<T>) -> Option<T> {
+    if !BATCH_SUPPORTED.load(Ordering::Relaxed) {
+        return None;
+    }
+    match read() {
+        Ok(all) => Some(all),
+        Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL | ENOTSUPP)) => {
+            log::debug!("BPF_MAP_LOOKUP_BATCH unavailable ({e}); reading maps entry by entry");
+            BATCH_SUPPORTED.store(false, Ordering::Relaxed);
+            None
+        }
+        Err(e) => {
+            log::warn!("BPF_MAP_LOOKUP_BATCH failed ({e}); reading entry by entry");
+            None
+        }
+    }
+}
+
 /// Every entry of a hash map. Entries that a concurrent delete removes mid-dump may be
 /// missing, as with aya's iterator.
 pub fn entries<T: Borrow<MapData>, K: Pod, V: Pod>(map: &HashMap<T, K, V>) -> Vec<(K, V)> {
-    if BATCH_SUPPORTED.load(Ordering::Relaxed) {
-        match lookup_batch(map.map()) {
-            Ok(all) => return all,
-            Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL | ENOTSUPP)) => {
-                log::debug!("BPF_MAP_LOOKUP_BATCH unavailable ({e}); reading maps entry by entry");
-                BATCH_SUPPORTED.store(false, Ordering::Relaxed);
-            }
-            Err(e) => log::warn!("BPF_MAP_LOOKUP_BATCH failed ({e}); reading entry by entry"),
-        }
+    if let Some(all) = batched(|| lookup_batch(map.map())) {
+        return all;
     }
     map.iter().filter_map(Result::ok).collect()
+}
+
+/// Entries `0..n` of an array map (`n` at most its size), in index order.
+pub fn array_prefix<T: Borrow<MapData>, V: Pod>(map: &Array<T, V>, n: u32) -> Vec<V> {
+    let n = n.min(map.len());
+    if n == 0 {
+        return Vec::new();
+    }
+    if let Some(all) = batched(|| array_batch(map.map(), n)) {
+        return all;
+    }
+    (0..n)
+        .map(|i| {
+            map.get(&i, 0)
+                .unwrap_or_else(|_| unsafe { std::mem::zeroed() })
+        })
+        .collect()
+}
+
+/// Entries `0..n` of an array with one `BPF_MAP_LOOKUP_BATCH` (kernel/bpf/syscall.c
+/// `generic_map_lookup_batch`: from the first index, `count` entries in index order).
+fn array_batch<V: Pod>(map: &MapData, n: u32) -> io::Result<Vec<V>> {
+    let fd = map.fd().as_fd().as_raw_fd();
+    // Pod types are plain bytes: all zeros is a valid value.
+    let zero_value: V = unsafe { std::mem::zeroed() };
+    let mut keys = vec![0u32; n as usize];
+    let mut values = vec![zero_value; n as usize];
+    let mut last = 0u32;
+    let mut attr = BatchAttr {
+        out_batch: &mut last as *mut u32 as u64,
+        keys: keys.as_mut_ptr() as u64,
+        values: values.as_mut_ptr() as u64,
+        count: n,
+        map_fd: fd as u32,
+        ..Default::default()
+    };
+    // SAFETY: the buffers hold `count` keys (u32) and values of the map's sizes and
+    // outlive the call.
+    if let Some(err) = unsafe { lookup_batch_call(&mut attr) }
+        // ENOENT: the array ended before `count` (not with n <= its size).
+        && err.raw_os_error() != Some(libc::ENOENT)
+    {
+        return Err(err);
+    }
+    let got = attr.count as usize;
+    if got != n as usize || keys.iter().enumerate().any(|(i, k)| *k as usize != i) {
+        return Err(io::Error::other(format!(
+            "array batch returned {got} of {n} entries, or out of order"
+        )));
+    }
+    Ok(values)
 }
 
 /// The whole map with `BPF_MAP_LOOKUP_BATCH`. `K` and `V` have the map's key and value
@@ -97,16 +179,8 @@ fn lookup_batch<K: Pod, V: Pod>(map: &MapData) -> io::Result<Vec<(K, V)>> {
             ..Default::default()
         };
         // SAFETY: the buffers hold `count` keys and values of the map's sizes and outlive
-        // the call; the attribute is the kernel's layout and size.
-        let ret = unsafe {
-            libc::syscall(
-                libc::SYS_bpf,
-                BPF_MAP_LOOKUP_BATCH,
-                &mut attr as *mut BatchAttr,
-                std::mem::size_of::<BatchAttr>() as u32,
-            )
-        };
-        let err = (ret < 0).then(io::Error::last_os_error);
+        // the call.
+        let err = unsafe { lookup_batch_call(&mut attr) };
         match err.as_ref().and_then(io::Error::raw_os_error) {
             // ENOENT: the walk ended; `count` holds the last entries.
             None | Some(libc::ENOENT) => {

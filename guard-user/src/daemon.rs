@@ -122,7 +122,7 @@ impl Daemon {
     fn ports(&self, netns: u64) -> ports::DaemonPorts {
         let mut active: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
         for (k, c) in self.acct.counters() {
-            if k.level == guard_common::LEVEL_DST && c.active > 0 {
+            if c.active > 0 {
                 let dst = ports::endpoint(accounting::unmapped(k.addr), k.port);
                 active
                     .entry(dst)
@@ -151,7 +151,7 @@ impl Daemon {
     fn snapshot(&mut self, top: Option<usize>) -> Snapshot {
         Snapshot {
             policy: self.status.clone(),
-            scopes: stats::scopes(&mut self.acct, top),
+            scopes: stats::scopes(&self.acct, top),
             internal_errors: self.acct.internal_errors(),
             programs: loader::program_costs(&self.ebpf),
             eaddrnotavail: self.eaddrnotavail(),

@@ -3,7 +3,10 @@
 use std::{collections::HashSet, fmt, net::IpAddr, ops::Range, path::Path};
 
 use globset::{Glob, GlobBuilder, GlobMatcher};
-use guard_common::{MAX_CANDIDATES, MAX_PORT_RANGES, MODE_ENFORCE, MODE_OBSERVE, PortRange};
+use guard_common::{
+    MAX_CANDIDATES, MAX_PORT_RANGES, MAX_RULE_IDS, MAX_SCOPE_IDS, MODE_ENFORCE, MODE_OBSERVE,
+    PortRange,
+};
 use ipnet::IpNet;
 use serde::Deserialize;
 use toml::Spanned;
@@ -192,8 +195,15 @@ pub fn parse(text: &str, file: &str) -> Result<Policy, PolicyError> {
     let listeners = parse_listeners(raw.listener, &at)?;
     let mut names = HashSet::new();
     let mut scopes = Vec::new();
+    let mut n_rules = 0;
     for s in raw.scope {
         let span = s.span();
+        if scopes.len() == MAX_SCOPE_IDS as usize {
+            return Err(at(
+                span,
+                format!("too many scopes: at most {MAX_SCOPE_IDS}"),
+            ));
+        }
         let s = s.into_inner();
         let port_watermark = fraction(
             &s.port_watermark,
@@ -238,6 +248,13 @@ pub fn parse(text: &str, file: &str) -> Result<Policy, PolicyError> {
         let mut rules = Vec::new();
         for (i, r) in s.rule.into_iter().enumerate() {
             let rule_span = r.span();
+            n_rules += 1;
+            if n_rules > MAX_RULE_IDS as usize {
+                return Err(at(
+                    rule_span,
+                    format!("too many rules: at most {MAX_RULE_IDS} over all scopes"),
+                ));
+            }
             let rule = parse_rule(r.into_inner(), i, rule_span.clone(), &at)?;
             if !rule_names.insert(rule.name.clone()) {
                 return Err(at(
@@ -709,6 +726,19 @@ per = "rule"
         assert_eq!(
             err(&text),
             "p.toml:1:1: 9 rules can match destinations in ::/0; at most 8 may overlap"
+        );
+    }
+
+    #[test]
+    fn too_many_scopes_are_refused() {
+        let mut text = String::new();
+        for i in 0..=MAX_SCOPE_IDS {
+            text += &format!("[[scope]]\nname = \"s{i}\"\ncgroup = \"x\"\n");
+        }
+        let line = 3 * MAX_SCOPE_IDS + 1;
+        assert_eq!(
+            err(&text),
+            format!("p.toml:{line}:1: too many scopes: at most {MAX_SCOPE_IDS}")
         );
     }
 }

@@ -7,7 +7,7 @@ use std::{
     sync::{Arc, atomic::AtomicU64},
 };
 
-use guard_common::{Counter, LEVEL_DST, LEVEL_RULE, LEVEL_SCOPE, MODE_ENFORCE, NO_RULE};
+use guard_common::{Counter, MODE_ENFORCE, NO_RULE};
 use prometheus_client::{
     encoding::text::encode,
     metrics::{counter::Counter as PromCounter, family::Family, gauge::Gauge},
@@ -134,12 +134,12 @@ pub struct DestStats {
 /// The scopes of the policy in force with their counters, destinations busiest first.
 /// With `top`, each scope lists at most that many destinations and sums the others in
 /// [`ScopeStats::other`] (what a scrape needs, without sorting every destination).
-pub fn scopes(acct: &mut Accounting, top: Option<usize>) -> Vec<ScopeStats> {
+pub fn scopes(acct: &Accounting, top: Option<usize>) -> Vec<ScopeStats> {
     let Some(policy) = acct.policy.clone() else {
         return Vec::new();
     };
-    // Ids first (naming them may add ids), then one reverse map of rule names.
-    let ids: Vec<(u32, Vec<u32>)> = policy
+    // Ids (assigned when the policy was applied), then one reverse map of rule names.
+    let ids: Vec<(Option<u32>, Vec<Option<u32>>)> = policy
         .scopes
         .iter()
         .map(|s| {
@@ -154,38 +154,35 @@ pub fn scopes(acct: &mut Accounting, top: Option<usize>) -> Vec<ScopeStats> {
         .into_iter()
         .map(|(id, name)| (id, name.into()))
         .collect();
-    // One pass over the counters: scope and rule totals by key, destinations by scope.
-    let mut totals: HashMap<(u32, u32, u32), Counts> = HashMap::new();
+    // Scope and rule totals by id, from their arrays; one pass over the destination
+    // counters, by scope.
+    let scope_totals = acct.scope_counters();
+    let rule_totals = acct.rule_counters();
+    let total = |totals: &[Counter], id: Option<u32>| -> Counts {
+        id.and_then(|id| totals.get(id as usize))
+            .map(Counts::from)
+            .unwrap_or_default()
+    };
     let mut destinations_of: HashMap<u32, Vec<DestStats>> = HashMap::new();
     for (k, c) in acct.counters() {
-        if k.level == LEVEL_DST {
-            let rule = (k.rule_id != NO_RULE).then(|| {
-                rule_names
-                    .get(&k.rule_id)
-                    .cloned()
-                    .unwrap_or_else(|| "?".into())
+        let rule = (k.rule_id != NO_RULE).then(|| {
+            rule_names
+                .get(&k.rule_id)
+                .cloned()
+                .unwrap_or_else(|| "?".into())
+        });
+        destinations_of
+            .entry(k.scope_id)
+            .or_default()
+            .push(DestStats {
+                rule,
+                dst: crate::ports::endpoint(unmapped(k.addr), k.port),
+                counts: (&c).into(),
             });
-            destinations_of
-                .entry(k.scope_id)
-                .or_default()
-                .push(DestStats {
-                    rule,
-                    dst: crate::ports::endpoint(unmapped(k.addr), k.port),
-                    counts: (&c).into(),
-                });
-        } else {
-            totals.insert((k.scope_id, k.level, k.rule_id), (&c).into());
-        }
     }
     let time_waits = acct.time_wait_created();
     let mut out = Vec::new();
     for (s, (scope_id, rule_ids)) in policy.scopes.iter().zip(ids) {
-        let total = |level, rule| {
-            totals
-                .get(&(scope_id, level, rule))
-                .cloned()
-                .unwrap_or_default()
-        };
         let rules = s
             .rules
             .iter()
@@ -194,10 +191,12 @@ pub fn scopes(acct: &mut Accounting, top: Option<usize>) -> Vec<ScopeStats> {
                 name: r.name.clone(),
                 max_connections: r.max_connections,
                 per: if r.per_endpoint { "endpoint" } else { "rule" }.into(),
-                counts: total(LEVEL_RULE, id),
+                counts: total(&rule_totals, id),
             })
             .collect();
-        let all = destinations_of.remove(&scope_id).unwrap_or_default();
+        let all = scope_id
+            .and_then(|id| destinations_of.remove(&id))
+            .unwrap_or_default();
         let (order, other) = busiest_first(&all, top);
         let destinations = in_order(all, &order);
         out.push(ScopeStats {
@@ -214,8 +213,10 @@ pub fn scopes(acct: &mut Accounting, top: Option<usize>) -> Vec<ScopeStats> {
             }
             .into(),
             max_connections: s.max_connections,
-            counts: total(LEVEL_SCOPE, NO_RULE),
-            time_wait_created: time_waits.get(&scope_id).copied().unwrap_or(0),
+            counts: total(&scope_totals, scope_id),
+            time_wait_created: scope_id
+                .and_then(|id| time_waits.get(&id).copied())
+                .unwrap_or(0),
             rules,
             destinations,
             other,

@@ -131,6 +131,56 @@ fn reload_keeps_counts_and_a_bad_file_changes_nothing() {
     assert_eq!(n(&s, "active"), 0);
 }
 
+/// Scope and rule counts follow names: a scope removed by a reload and added again by a
+/// later one finds its counts (and its spent budget) again, and rules of the same name in
+/// two scopes count apart.
+#[test]
+fn a_scope_removed_and_added_again_keeps_its_counts() {
+    let server = Server::start("127.0.0.1:0");
+    let (a, b) = (Cgroup::new("ra"), Cgroup::new("rb"));
+    let policy = format!(
+        "{}\n{}",
+        budget_policy("a", &a.rel, "enforce", &server.addr, 3),
+        budget_policy("b", &b.rel, "enforce", &server.addr, 3)
+    );
+    let d = Daemon::start(&policy);
+    let held_a = a.hold(&server.addr, 3, 3);
+    let held_b = b.hold(&server.addr, 1, 1);
+    assert_eq!((held_a.outcome.ok, held_b.outcome.ok), (3, 1));
+    let rule = |s: &serde_json::Value| s["rules"][0].clone();
+
+    std::fs::write(
+        &d.policy,
+        budget_policy("b", &b.rel, "enforce", &server.addr, 3),
+    )
+    .unwrap();
+    assert!(d.cli(&["reload"]).status.success());
+    assert!(d.stats()["scopes"].as_array().unwrap().len() == 1);
+    std::fs::write(&d.policy, &policy).unwrap();
+    assert!(d.cli(&["reload"]).status.success());
+    let (sa, sb) = (d.scope("a"), d.scope("b"));
+    assert_eq!((n(&sa, "active"), n(&rule(&sa), "active")), (3, 3), "{sa}");
+    assert_eq!((n(&sb, "active"), n(&rule(&sb), "active")), (1, 1), "{sb}");
+    let more = a.probe(&["connect", &server.addr.to_string(), "2", "1"]);
+    assert_eq!(
+        more.errors("ECONNREFUSED"),
+        2,
+        "budget still spent: {more:?}"
+    );
+    let more = b.probe(&["connect", &server.addr.to_string(), "1", "1"]);
+    assert_eq!(more.ok, 1, "the other scope's rule has room: {more:?}");
+    let sa = d.scope("a");
+    assert_eq!((n(&sa, "shed"), n(&rule(&sa), "shed")), (2, 2), "{sa}");
+    drop(held_a);
+    drop(held_b);
+    for name in ["a", "b"] {
+        let s = d.wait_scope(name, Duration::from_secs(5), |s| {
+            n(s, "active") == 0 && n(&rule(s), "active") == 0
+        });
+        assert_eq!((n(&s, "active"), n(&rule(&s), "active")), (0, 0), "{s}");
+    }
+}
+
 fn wait_generation(d: &Daemon, generation: u64) -> serde_json::Value {
     for _ in 0..100 {
         let stats = d.stats();
