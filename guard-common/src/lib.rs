@@ -117,11 +117,6 @@ pub struct Candidates {
     pub rules: [RuleRef; MAX_CANDIDATES],
 }
 
-/// `level` of every [`CounterKey`] (the destination level). Scope and rule totals are
-/// not in `COUNTERS`: they live in the arrays `SCOPE_COUNTERS` and `RULE_COUNTERS`,
-/// indexed by scope id and rule id.
-pub const LEVEL_DST: u32 = 2;
-
 /// Size of `SCOPE_COUNTERS`: scope ids are below this. The daemon gives each scope name
 /// it sees an id for its whole life (so counts survive reloads); a policy that would
 /// need more ids is refused.
@@ -132,14 +127,12 @@ pub const MAX_RULE_IDS: u32 = 65536;
 
 /// Key of `COUNTERS`: the destination level, one connection's (scope, rule or NO_RULE,
 /// address and port). The connection is also counted at its scope (`SCOPE_COUNTERS`)
-/// and, when a rule matched, at its rule (`RULE_COUNTERS`).
+/// and, when a rule matched, at its rule (`RULE_COUNTERS`), arrays indexed by id.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct CounterKey {
     pub scope_id: u32,
     pub rule_id: u32,
-    /// Always LEVEL_DST.
-    pub level: u32,
     /// Destination port, host byte order.
     pub port: u16,
     pub _pad: u16,

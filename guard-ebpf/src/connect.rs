@@ -11,7 +11,7 @@ use aya_ebpf::{
     programs::SockAddrContext,
 };
 use guard_common::{
-    CgroupKey, Counter, CounterKey, LEVEL_DST, MAX_CANDIDATES, MODE_ENFORCE, NO_RULE, PortUseKey,
+    CgroupKey, Counter, CounterKey, MAX_CANDIDATES, MODE_ENFORCE, NO_RULE, PortUseKey,
     RULE_KEY_FIXED_BITS, RuleAddrKey, RuleRef, STAT_INTERNAL_ERRORS,
 };
 
@@ -130,7 +130,6 @@ fn admit(ctx: &SockAddrContext, words: [u32; 4], port: u16) -> i32 {
     let dst = CounterKey {
         scope_id: scope.scope_id,
         rule_id,
-        level: LEVEL_DST,
         port,
         _pad: 0,
         addr,
