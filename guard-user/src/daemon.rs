@@ -442,7 +442,19 @@ fn serve_control(listener: UnixListener, daemon: Arc<Mutex<Daemon>>) {
             Err(_) => continue,
         }
         .and_then(|()| out.flush());
+        drop(out);
+        release_freed_memory();
     }
+}
+
+/// Gives the memory freed after a request back to the kernel. A snapshot of 100,000
+/// destinations takes about 25 MiB while it is built, and glibc keeps freed memory in
+/// each thread's arena: without this, the control and metrics threads each held on to
+/// theirs, and after three `stats` and three scrapes the daemon stayed at 39 MiB
+/// resident (54 at most), against 12 to 20 (38 at most) with it.
+fn release_freed_memory() {
+    // SAFETY: malloc_trim only walks and shrinks glibc's own heaps.
+    unsafe { libc::malloc_trim(0) };
 }
 
 /// The answer to a control request. A snapshot is encoded while it is sent, after the
@@ -469,6 +481,7 @@ fn serve_metrics(server: tiny_http::Server, daemon: Arc<Mutex<Daemon>>) {
             tiny_http::Response::from_string("see /metrics\n").with_status_code(404)
         };
         let _ = req.respond(response);
+        release_freed_memory();
     }
 }
 
