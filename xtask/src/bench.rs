@@ -30,7 +30,7 @@ struct Setup {
 
 pub fn run(quick: bool) -> anyhow::Result<()> {
     let rounds = if quick { 3 } else { 20 };
-    let churn_n = if quick { 2000 } else { 5000 };
+    let churn_n = if quick { 2000 } else { 10_000 };
     let destinations = if quick { 2000 } else { 10_000 };
     // Off for every timed figure (they add two clock reads to each program run), on
     // only while program costs are read; the previous setting comes back at the end.
