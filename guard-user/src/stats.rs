@@ -295,7 +295,7 @@ fn text_head(text: &str) -> u128 {
     u128::from_be_bytes(head)
 }
 
-/// Prometheus text exposition of a snapshot.
+/// Prometheus text exposition of a snapshot cut to the busiest destinations.
 pub fn prometheus(snap: &Snapshot) -> String {
     let mut reg = Registry::with_prefix("connguard");
     type Labels = Vec<(&'static str, String)>;
@@ -391,25 +391,20 @@ pub fn prometheus(snap: &Snapshot) -> String {
         s_adm.get_or_create(&l()).inc_by(s.counts.admitted);
         s_shed.get_or_create(&l()).inc_by(s.counts.shed);
         s_would.get_or_create(&l()).inc_by(s.counts.would_shed);
-        let mut rest = s.other.clone().unwrap_or_default();
-        for (i, d) in s.destinations.iter().enumerate() {
-            let (rule, dst, c) = if i < METRIC_TOP_DESTINATIONS {
-                (
-                    d.rule.as_deref().unwrap_or_default().to_string(),
-                    d.dst.clone(),
-                    d.counts.clone(),
-                )
-            } else {
-                rest.add_totals(&d.counts);
-                continue;
-            };
-            let l = vec![("scope", s.name.clone()), ("rule", rule), ("dst", dst)];
-            d_active.get_or_create(&l).set(c.active as i64);
-            d_adm.get_or_create(&l).inc_by(c.admitted);
-            d_shed.get_or_create(&l).inc_by(c.shed);
-            d_would.get_or_create(&l).inc_by(c.would_shed);
+        // The snapshot lists the busiest destinations and sums the rest in `other`
+        // (`scopes(acct, Some(METRIC_TOP_DESTINATIONS))`): label cardinality stays bounded.
+        for d in &s.destinations {
+            let l = vec![
+                ("scope", s.name.clone()),
+                ("rule", d.rule.as_deref().unwrap_or_default().to_string()),
+                ("dst", d.dst.clone()),
+            ];
+            d_active.get_or_create(&l).set(d.counts.active as i64);
+            d_adm.get_or_create(&l).inc_by(d.counts.admitted);
+            d_shed.get_or_create(&l).inc_by(d.counts.shed);
+            d_would.get_or_create(&l).inc_by(d.counts.would_shed);
         }
-        if s.destinations.len() > METRIC_TOP_DESTINATIONS || s.other.is_some() {
+        if let Some(rest) = &s.other {
             let l = vec![
                 ("scope", s.name.clone()),
                 ("rule", String::new()),
