@@ -1,7 +1,7 @@
 //! `connguard run`: attach, apply the policy, then serve stats and reloads until
-//! SIGTERM/SIGINT. The control socket speaks one request line per connection
-//! (`stats`, `reload`, `ports NETNS_COOKIE` or `scope CGROUP_ID`) and answers with one
-//! JSON document.
+//! SIGTERM/SIGINT. The control socket speaks one request line per connection (`stats`,
+//! `stats N` for at most N destinations per scope, `reload`, `ports NETNS_COOKIE` or
+//! `scope CGROUP_ID`) and answers with one JSON document.
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap},
     io::{BufRead, BufReader, BufWriter, Write},
@@ -419,6 +419,11 @@ fn serve_control(listener: UnixListener, daemon: Arc<Mutex<Daemon>>) {
                 words.next().map(str::parse::<u64>),
             ) {
                 ("stats", None) => Ok(Reply::Snapshot(Box::new(d.snapshot(None)))),
+                // At most N destinations per scope, the rest summed: for callers that
+                // want the totals (`listeners`, `top`) without 100,000s of entries.
+                ("stats", Some(Ok(top))) => {
+                    Ok(Reply::Snapshot(Box::new(d.snapshot(Some(top as usize)))))
+                }
                 ("reload", None) => serde_json::to_string(&d.reload()).map(Reply::Text),
                 ("ports", Some(Ok(netns))) => {
                     serde_json::to_string(&d.ports(netns)).map(Reply::Text)

@@ -114,7 +114,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 }
             }
             // RSTs sent by the daemon's guards, per port.
-            if let Ok(text) = daemon::request(&netns.socket, "stats")
+            if let Ok(text) = daemon::request(&netns.socket, "stats 0")
                 && let Ok(snap) = serde_json::from_str::<stats::Snapshot>(&text)
             {
                 for l in &mut report.listeners {

@@ -87,7 +87,7 @@ fn gather(netns: &str, socket: &Path) -> View {
                 .listeners
             })
             .unwrap_or_default(),
-        stats: daemon::request(socket, "stats")
+        stats: daemon::request(socket, "stats 0")
             .ok()
             .and_then(|t| serde_json::from_str(&t).ok()),
         at: time_of_day(),
