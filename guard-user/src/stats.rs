@@ -393,27 +393,27 @@ pub fn prometheus(snap: &Snapshot) -> String {
         s_would.get_or_create(&l()).inc_by(s.counts.would_shed);
         // The snapshot lists the busiest destinations and sums the rest in `other`
         // (`scopes(acct, Some(METRIC_TOP_DESTINATIONS))`): label cardinality stays bounded.
-        for d in &s.destinations {
+        let rows = s
+            .destinations
+            .iter()
+            .map(|d| {
+                (
+                    d.rule.as_deref().unwrap_or_default(),
+                    d.dst.as_str(),
+                    &d.counts,
+                )
+            })
+            .chain(s.other.iter().map(|c| ("", "other", c)));
+        for (rule, dst, c) in rows {
             let l = vec![
                 ("scope", s.name.clone()),
-                ("rule", d.rule.as_deref().unwrap_or_default().to_string()),
-                ("dst", d.dst.clone()),
+                ("rule", rule.to_string()),
+                ("dst", dst.to_string()),
             ];
-            d_active.get_or_create(&l).set(d.counts.active as i64);
-            d_adm.get_or_create(&l).inc_by(d.counts.admitted);
-            d_shed.get_or_create(&l).inc_by(d.counts.shed);
-            d_would.get_or_create(&l).inc_by(d.counts.would_shed);
-        }
-        if let Some(rest) = &s.other {
-            let l = vec![
-                ("scope", s.name.clone()),
-                ("rule", String::new()),
-                ("dst", "other".into()),
-            ];
-            d_active.get_or_create(&l).set(rest.active as i64);
-            d_adm.get_or_create(&l).inc_by(rest.admitted);
-            d_shed.get_or_create(&l).inc_by(rest.shed);
-            d_would.get_or_create(&l).inc_by(rest.would_shed);
+            d_active.get_or_create(&l).set(c.active as i64);
+            d_adm.get_or_create(&l).inc_by(c.admitted);
+            d_shed.get_or_create(&l).inc_by(c.shed);
+            d_would.get_or_create(&l).inc_by(c.would_shed);
         }
     }
     let tw = counter(
@@ -616,6 +616,54 @@ mod tests {
         }
         assert_eq!(other, Some(rest));
         assert_eq!(other.unwrap().shed, 5);
+    }
+
+    #[test]
+    fn metrics_show_the_listed_destinations_and_the_rest_as_other() {
+        let mut listed = row("10.0.0.1:80", 3, 7);
+        listed.rule = Some("db".into());
+        let scope = ScopeStats {
+            name: "api".into(),
+            cgroup: "/".into(),
+            mode: "enforce".into(),
+            max_connections: None,
+            counts: Counts::default(),
+            time_wait_created: 0,
+            rules: Vec::new(),
+            destinations: vec![listed],
+            other: Some(Counts {
+                active: 4,
+                admitted: 9,
+                shed: 2,
+                would_shed: 1,
+                peak: 0,
+            }),
+        };
+        let snap = Snapshot {
+            policy: PolicyStatus::default(),
+            scopes: vec![scope],
+            internal_errors: 0,
+            programs: Vec::new(),
+            eaddrnotavail: Vec::new(),
+            watched_ports: Vec::new(),
+            listeners: Vec::new(),
+        };
+        let text = prometheus(&snap);
+        for line in [
+            "connguard_destination_active_connections{scope=\"api\",rule=\"db\",dst=\"10.0.0.1:80\"} 3",
+            "connguard_destination_admitted_connections_total{scope=\"api\",rule=\"db\",dst=\"10.0.0.1:80\"} 7",
+            "connguard_destination_active_connections{scope=\"api\",rule=\"\",dst=\"other\"} 4",
+            "connguard_destination_admitted_connections_total{scope=\"api\",rule=\"\",dst=\"other\"} 9",
+            "connguard_destination_shed_connections_total{scope=\"api\",rule=\"\",dst=\"other\"} 2",
+            "connguard_destination_would_shed_connections_total{scope=\"api\",rule=\"\",dst=\"other\"} 1",
+        ] {
+            assert!(text.lines().any(|l| l == line), "no {line:?} in\n{text}");
+        }
+        // 4 series for the listed destination, 4 for the rest.
+        let series = text
+            .lines()
+            .filter(|l| l.starts_with("connguard_destination_"));
+        assert_eq!(series.count(), 8, "{text}");
     }
 
     #[test]
