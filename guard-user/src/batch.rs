@@ -161,16 +161,12 @@ fn lookup_batch<K: Pod, V: Pod>(map: &MapData) -> io::Result<Vec<(K, V)>> {
     // A hash map's batch position is a bucket index (u32); 8 bytes leave room. The
     // first call starts at the beginning (no in_batch); each next one where the last
     // stopped.
-    let (mut in_position, mut out_position) = (0u64, 0u64);
+    let mut in_position: Option<u64> = None;
+    let mut out_position = 0u64;
     let mut out = Vec::new();
-    let mut first = true;
     loop {
         let mut attr = BatchAttr {
-            in_batch: if first {
-                0
-            } else {
-                &raw const in_position as u64
-            },
+            in_batch: in_position.as_ref().map_or(0, |p| p as *const u64 as u64),
             out_batch: &raw mut out_position as u64,
             keys: keys.as_mut_ptr() as u64,
             values: values.as_mut_ptr() as u64,
@@ -189,8 +185,7 @@ fn lookup_batch<K: Pod, V: Pod>(map: &MapData) -> io::Result<Vec<(K, V)>> {
                 if err.is_some() {
                     return Ok(out);
                 }
-                in_position = out_position;
-                first = false;
+                in_position = Some(out_position);
             }
             // One bucket holds more entries than the buffers: grow them, same position.
             Some(libc::ENOSPC) => {
