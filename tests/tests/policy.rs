@@ -155,7 +155,8 @@ fn a_scope_removed_and_added_again_keeps_its_counts() {
     )
     .unwrap();
     assert!(d.cli(&["reload"]).status.success());
-    assert!(d.stats()["scopes"].as_array().unwrap().len() == 1);
+    let scopes = d.stats()["scopes"].clone();
+    assert_eq!(scopes.as_array().map(Vec::len), Some(1), "{scopes}");
     std::fs::write(&d.policy, &policy).unwrap();
     assert!(d.cli(&["reload"]).status.success());
     let (sa, sb) = (d.scope("a"), d.scope("b"));
