@@ -4,7 +4,15 @@
 //! Addresses are 16 bytes in network byte order; IPv4 is stored IPv4-mapped
 //! (`::ffff:a.b.c.d`), so an IPv4 destination reached through an AF_INET6 socket has
 //! the same key as through an AF_INET socket. Ports are stored in host byte order.
-#![no_std]
+//!
+//! The names of the maps and programs (`names`) and the kernel constants both sides use
+//! (`linux`) are defined here once; the `user` feature adds what only the daemon needs
+//! (aya::Pod impls, the text form of an endpoint), and std with it.
+#![cfg_attr(not(feature = "user"), no_std)]
+
+pub mod addr;
+pub mod linux;
+pub mod names;
 
 /// Rule id of connections that matched no rule of their scope.
 pub const NO_RULE: u32 = u32::MAX;

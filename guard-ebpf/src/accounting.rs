@@ -7,7 +7,10 @@ use core::intrinsics::{
 use aya_ebpf::{bindings::BPF_NOEXIST, helpers::generated::bpf_ktime_get_ns};
 use guard_common::{Counter, CounterKey, NO_RULE, SockState};
 
-use crate::maps::{COUNTERS, RULE_COUNTERS, SCOPE_COUNTERS, STATS};
+use crate::{
+    maps::{COUNTERS, RULE_COUNTERS, SCOPE_COUNTERS, STATS},
+    net::opaque_zero,
+};
 
 /// Atomic fetch-and-add; returns the previous value.
 ///
@@ -82,24 +85,6 @@ pub fn scope_counter(scope_id: u32) -> *mut Counter {
         Some(p) => p,
         None => core::ptr::null_mut(),
     }
-}
-
-/// The bytes of an address (network order) given as four words holding them in memory
-/// order, as the connect contexts give them: stored as four words, where building the
-/// bytes one by one on a zeroed array costs a memset loop (see `opaque_zero`).
-#[inline(always)]
-pub fn words_addr(words: [u32; 4]) -> [u8; 16] {
-    // Same size, and every bit pattern is a valid [u8; 16].
-    unsafe { core::mem::transmute::<[u32; 4], [u8; 16]>(words) }
-}
-
-/// 0, from read-only data: a zero the compiler cannot see. Zeros it sees are merged into
-/// a call to memset, which on BPF is a subprogram storing one byte per iteration (about
-/// five instructions a byte).
-#[inline(always)]
-pub fn opaque_zero() -> u32 {
-    static ZERO: u32 = 0;
-    unsafe { core::ptr::read_volatile(&ZERO) }
 }
 
 /// Releases the admission the socket holds, if any. The atomic swap of `admitted`

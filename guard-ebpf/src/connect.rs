@@ -12,21 +12,18 @@ use aya_ebpf::{
 };
 use guard_common::{
     CgroupKey, Counter, CounterKey, MAX_CANDIDATES, MODE_ENFORCE, NO_RULE, PortUseKey,
-    RULE_KEY_FIXED_BITS, RuleAddrKey, RuleRef, STAT_INTERNAL_ERRORS,
+    RULE_KEY_FIXED_BITS, RuleAddrKey, RuleRef, STAT_INTERNAL_ERRORS, linux::IPPROTO_TCP,
 };
 
 use crate::{
-    accounting::{
-        add, counter, internal_error, opaque_zero, raise_peak, release, rule_counter,
-        scope_counter, words_addr,
-    },
+    accounting::{add, counter, internal_error, raise_peak, release, rule_counter, scope_counter},
     maps::{ACTIVE_GEN, PORT_USE, RULES, SCOPES, storage},
+    net::{ipv4_mapped, words_addr},
 };
 
 const ALLOW: i32 = 1;
 const DENY: i32 = 0;
 const SOCK_STREAM: u32 = 1;
-const IPPROTO_TCP: u32 = 6;
 
 /// 1 when the kernel has bpf_set_retval (5.18+). The daemon clears it on older
 /// kernels, where a shed connect() then fails with EPERM (the verifier skips the call on
@@ -47,10 +44,11 @@ pub fn connect4(ctx: SockAddrContext) -> i32 {
         return ALLOW;
     }
     let sa = unsafe { &*ctx.sock_addr };
-    // IPv4-mapped, ::ffff:a.b.c.d, as words (see `words_addr`).
-    let z = opaque_zero();
-    let words = [z, z, u32::from_ne_bytes([0, 0, 0xff, 0xff]), sa.user_ip4];
-    admit(&ctx, words, u16::from_be(sa.user_port as u16))
+    admit(
+        &ctx,
+        ipv4_mapped(sa.user_ip4),
+        u16::from_be(sa.user_port as u16),
+    )
 }
 
 #[cgroup_sock_addr(connect6)]
@@ -67,12 +65,12 @@ pub fn connect6(ctx: SockAddrContext) -> i32 {
         sa.user_ip6[3],
     ];
     // `::ffff:a.b.c.d` is already the IPv4 key (IPv4 is stored IPv4-mapped).
-    admit(&ctx, words, u16::from_be(sa.user_port as u16))
+    admit(&ctx, words_addr(words), u16::from_be(sa.user_port as u16))
 }
 
+/// `addr`: the destination in the maps' form; `port`: host order.
 #[inline(always)]
-fn admit(ctx: &SockAddrContext, words: [u32; 4], port: u16) -> i32 {
-    let addr = words_addr(words);
+fn admit(ctx: &SockAddrContext, addr: [u8; 16], port: u16) -> i32 {
     // The socket's scope comes from the cgroup it was created in, which sock_create
     // stored for sockets created in a governed cgroup. Sockets without storage were
     // created in an unguarded cgroup (or before the daemon started): they pass.
@@ -98,7 +96,7 @@ fn admit(ctx: &SockAddrContext, words: [u32; 4], port: u16) -> i32 {
     let scope = *scope;
 
     let rule = if scope.has_rules != 0 {
-        match_rule(gen_, scope.scope_id, words, port)
+        match_rule(gen_, scope.scope_id, addr, port)
     } else {
         None
     };
@@ -211,13 +209,13 @@ fn admit(ctx: &SockAddrContext, words: [u32; 4], port: u16) -> i32 {
 
 /// First rule of the scope whose destination and ports match, if any.
 #[inline(always)]
-fn match_rule(gen_: u32, scope_id: u32, words: [u32; 4], port: u16) -> Option<RuleRef> {
+fn match_rule(gen_: u32, scope_id: u32, addr: [u8; 16], port: u16) -> Option<RuleRef> {
     let key = Key::new(
         RULE_KEY_FIXED_BITS + 128,
         RuleAddrKey {
             gen_,
             scope_id,
-            addr: words_addr(words),
+            addr,
         },
     );
     let cands = RULES.get(&key)?;

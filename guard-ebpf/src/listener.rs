@@ -20,22 +20,23 @@ use aya_ebpf::{
     macros::classifier,
     programs::TcContext,
 };
-use guard_common::{ListenerKey, MODE_ENFORCE};
+use guard_common::{
+    ListenerKey, MODE_ENFORCE,
+    linux::{AF_INET, IPPROTO_TCP, TCP_LISTEN},
+};
 
 use crate::{
     accounting::bump,
     maps::{LISTENERS_SHED, RST_SHED, WOULD_RST},
+    net::{ipv4_mapped, words_addr},
 };
 
 const ETH_HLEN: usize = 14;
 const ETH_P_IP: u16 = 0x0800;
 const ETH_P_IPV6: u16 = 0x86dd;
-const IPPROTO_TCP: u8 = 6;
 const TCP_SYN: u8 = 0x02;
 const TCP_RST: u8 = 0x04;
 const TCP_ACK: u8 = 0x10;
-const TCP_LISTEN: u32 = 10;
-const AF_INET: u32 = 2;
 
 #[classifier]
 pub fn listener_shed(ctx: TcContext) -> i32 {
@@ -62,7 +63,7 @@ fn parse(ctx: &TcContext) -> Option<Syn> {
             if vihl >> 4 != 4
                 || ihl < 20
                 || frag & 0x3fff != 0
-                || ctx.load::<u8>(ETH_HLEN + 9).ok()? != IPPROTO_TCP
+                || ctx.load::<u8>(ETH_HLEN + 9).ok()? as u32 != IPPROTO_TCP
             {
                 return None;
             }
@@ -76,7 +77,7 @@ fn parse(ctx: &TcContext) -> Option<Syn> {
         }
         ETH_P_IPV6 => {
             let version: u8 = ctx.load(ETH_HLEN).ok()?;
-            if version >> 4 != 6 || ctx.load::<u8>(ETH_HLEN + 6).ok()? != IPPROTO_TCP {
+            if version >> 4 != 6 || ctx.load::<u8>(ETH_HLEN + 6).ok()? as u32 != IPPROTO_TCP {
                 return None;
             }
             let payload = u16::from_be(ctx.load::<u16>(ETH_HLEN + 4).ok()?) as usize;
@@ -165,18 +166,14 @@ fn listener_of(ctx: &TcContext, syn: &Syn) -> Option<ListenerKey> {
     if state != TCP_LISTEN {
         return None;
     }
-    let mut addr = [0u8; 16];
-    if family == AF_INET {
-        if v4 != 0 {
-            addr[10] = 0xff;
-            addr[11] = 0xff;
-            addr[12..].copy_from_slice(&v4.to_ne_bytes());
-        }
+    // A wildcard listener (0.0.0.0 or ::) is keyed all zeros.
+    let addr = if family != AF_INET {
+        words_addr(v6)
+    } else if v4 == 0 {
+        [0; 16]
     } else {
-        for (i, w) in v6.iter().enumerate() {
-            addr[4 * i..4 * i + 4].copy_from_slice(&w.to_ne_bytes());
-        }
-    }
+        ipv4_mapped(v4)
+    };
     Some(ListenerKey {
         port: port as u16,
         _pad: 0,

@@ -14,6 +14,7 @@ mod accounting;
 mod connect;
 mod listener;
 mod maps;
+mod net;
 mod release;
 mod set_state;
 mod sock_create;

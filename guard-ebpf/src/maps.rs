@@ -1,4 +1,5 @@
-//! The maps shared by the programs; the daemon finds them by these names.
+//! The maps shared by the programs. Each static is named as in
+//! guard_common::names::map, by which the daemon finds it.
 use core::ffi::c_void;
 
 use aya_ebpf::{

@@ -14,20 +14,21 @@ use aya_ebpf::{
     macros::{cgroup_sock, sock_ops},
     programs::{SockContext, SockOpsContext},
 };
-use guard_common::{SockState, TimeWaitKey};
+use guard_common::{
+    SockState, TimeWaitKey,
+    linux::{AF_INET, IPPROTO_TCP, TCP_CLOSE, TCP_CLOSING, TCP_FIN_WAIT1, TCP_FIN_WAIT2},
+};
 
 use crate::{
     accounting::{bump, release},
     maps::{TIME_WAITS, storage},
+    net::{ipv4_mapped, words_addr},
 };
 
-const TCP_CLOSE: u32 = 7;
 /// States whose move to TCP_CLOSE is the birth of a TIME_WAIT entry (tcp_time_wait(),
 /// net/ipv4/tcp_minisocks.c): FIN_WAIT1 (FIN+ACK at once), FIN_WAIT2, CLOSING. A reset
 /// in these states is counted too; it is rare.
-const TIME_WAIT_FROM: [u32; 3] = [4, 5, 11];
-const AF_INET: u32 = 2;
-const IPPROTO_TCP: u32 = 6;
+const TIME_WAIT_FROM: [u32; 3] = [TCP_FIN_WAIT1, TCP_FIN_WAIT2, TCP_CLOSING];
 
 /// TCP_CONNECT_CB (tcp_connect, before the SYN) asks for state callbacks on admitted
 /// sockets; STATE_CB then sees every transition into TCP_CLOSE: reset, timeout,
@@ -66,12 +67,11 @@ pub fn sock_state(ctx: SockOpsContext) -> u32 {
 #[inline(always)]
 fn count_time_wait(ctx: &SockOpsContext, state: *mut SockState) {
     let dst = unsafe { (*state).dst };
-    let mut src = [0u8; 16];
     let ops = ctx.ops;
     // Every field is loaded, then chosen: branches that load different offsets into the
     // same place get merged by LLVM into one load from a computed context offset, which
     // the verifier refuses.
-    let word = |p: *const u32| unsafe { core::ptr::read_volatile(p) }.to_ne_bytes();
+    let word = |p: *const u32| unsafe { core::ptr::read_volatile(p) };
     let v4 = word(unsafe { &raw const (*ops).local_ip4 });
     let v6 = [
         word(unsafe { &raw const (*ops).local_ip6[0] }),
@@ -79,15 +79,11 @@ fn count_time_wait(ctx: &SockOpsContext, state: *mut SockState) {
         word(unsafe { &raw const (*ops).local_ip6[2] }),
         word(unsafe { &raw const (*ops).local_ip6[3] }),
     ];
-    if ctx.family() == AF_INET {
-        src[10] = 0xff;
-        src[11] = 0xff;
-        src[12..].copy_from_slice(&v4);
+    let src = if ctx.family() == AF_INET {
+        ipv4_mapped(v4)
     } else {
-        for (i, w) in v6.iter().enumerate() {
-            src[4 * i..4 * i + 4].copy_from_slice(w);
-        }
-    }
+        words_addr(v6)
+    };
     let key = TimeWaitKey {
         netns: unsafe { bpf_get_netns_cookie(ctx.as_ptr()) },
         scope_id: dst.scope_id,

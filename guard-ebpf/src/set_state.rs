@@ -8,19 +8,19 @@ use aya_ebpf::{
     bindings::bpf_sock, helpers::generated::bpf_get_current_comm, macros::btf_tracepoint,
     programs::BtfTracePointContext,
 };
-use guard_common::EaddrKey;
+use guard_common::{
+    EaddrKey,
+    linux::{TCP_CLOSE, TCP_SYN_SENT},
+};
 
 use crate::{
     accounting::bump,
     maps::{EADDRNOTAVAIL, storage},
 };
 
-const TCP_SYN_SENT: i32 = 2;
-const TCP_CLOSE: i32 = 7;
-
 #[btf_tracepoint(function = "inet_sock_set_state")]
 pub fn sock_set_state(ctx: BtfTracePointContext) -> i32 {
-    let (old, new): (i32, i32) = (ctx.arg(1), ctx.arg(2));
+    let (old, new): (u32, u32) = (ctx.arg(1), ctx.arg(2));
     if old != TCP_SYN_SENT || new != TCP_CLOSE {
         return 0;
     }

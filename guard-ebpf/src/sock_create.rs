@@ -5,14 +5,12 @@
 use aya_ebpf::{
     helpers::generated::bpf_get_current_cgroup_id, macros::cgroup_sock, programs::SockContext,
 };
-use guard_common::{CgroupKey, STAT_INTERNAL_ERRORS, SockState};
+use guard_common::{CgroupKey, STAT_INTERNAL_ERRORS, SockState, linux::IPPROTO_TCP};
 
 use crate::{
     accounting::internal_error,
     maps::{ACTIVE_GEN, SCOPES, storage},
 };
-
-const IPPROTO_TCP: u32 = 6;
 
 #[cgroup_sock(sock_create)]
 pub fn sock_create(ctx: SockContext) -> i32 {

@@ -1,36 +1,48 @@
 //! `connguard run`: attach, apply the policy, then serve stats and reloads until
-//! SIGTERM/SIGINT. The control socket speaks one request line per connection (`stats`,
-//! `stats N` for at most N destinations per scope, `reload`, `ports NETNS_COOKIE` or
-//! `scope CGROUP_ID`) and answers with one JSON document.
+//! SIGTERM/SIGINT. This module wires the layers and owns the daemon's life cycle; each
+//! piece of state has its own lock, so the listener and port watchers never wait for a
+//! snapshot being built or sent.
+mod jobs;
+
 use std::{
-    collections::{BTreeMap, BTreeSet, HashMap},
-    io::{BufRead, BufReader, BufWriter, Write},
-    os::unix::{
-        fs::PermissionsExt,
-        net::{UnixListener, UnixStream},
-    },
     path::{Path, PathBuf},
-    sync::{Arc, Mutex, mpsc},
-    thread,
-    time::Duration,
+    sync::{Arc, Mutex, MutexGuard, PoisonError},
+    time::{Duration, Instant},
 };
 
-use anyhow::{Context, bail, ensure};
-use serde::{Deserialize, Serialize};
-use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+use anyhow::Context;
+use aya::Ebpf;
+use tokio::signal::unix::{SignalKind, signal};
 
-use guard_common::PortUseKey;
-
+use self::jobs::Jobs;
 use crate::{
-    accounting::{self, Accounting},
-    cgroup, listeners, loader, netns,
+    control::{
+        self,
+        protocol::{ReloadReply, Reply, Request, ScopeReply},
+        server::Handler,
+    },
+    diagnose::attribution::{TimeWaitRates, daemon_ports, eaddrnotavail_counts},
+    enforce::{
+        counters::Counters,
+        generations::Generations,
+        port_watch::{self, PortWatch},
+    },
+    host::mounts,
+    kernel::{maps::Maps, object},
+    listen::{self, ListenerGuard},
     policy::{self, ListenerPolicy, Policy},
-    ports, sockdiag,
-    stats::{self, PolicyStatus, Snapshot},
+    report::{
+        prometheus::{self, METRIC_TOP_DESTINATIONS},
+        snapshot::{self, PolicyStatus, Snapshot},
+    },
 };
 
-/// How often cgroups created or removed since the last look are picked up.
+/// How often cgroups created or removed since the last look are picked up, TIME_WAIT
+/// births sampled, and port watermarks read.
 const RESCAN: Duration = Duration::from_millis(500);
+/// How often listener queues are read: shedding starts and stops within this (plus the
+/// read).
+const LISTENER_POLL: Duration = Duration::from_millis(50);
 
 pub struct Options {
     pub policy: Option<PathBuf>,
@@ -41,156 +53,216 @@ pub struct Options {
     pub forget_idle: Duration,
 }
 
-/// Answer of the `reload` request.
-#[derive(Debug, Serialize, Deserialize)]
-pub struct ReloadReply {
-    pub ok: bool,
-    pub generation: u64,
-    pub error: Option<String>,
+/// The daemon's state, one lock per owner.
+struct Daemon {
+    /// Held for program costs and for attaching listener guards.
+    ebpf: Mutex<Ebpf>,
+    generations: Mutex<Generations>,
+    counters: Mutex<Counters>,
+    port_watch: Mutex<PortWatch>,
+    listeners: Mutex<ListenerGuard>,
+    tw_rates: Mutex<TimeWaitRates>,
+    status: Mutex<PolicyStatus>,
+    /// Held for a whole reload, so that reloads (SIGHUP, `connguard reload`) take turns.
+    reloading: Mutex<()>,
+    policy_path: Option<PathBuf>,
+    jobs: Jobs,
 }
 
-struct Daemon {
-    acct: Accounting,
-    guard: listeners::ListenerGuard,
-    tw_rates: ports::TimeWaitRates,
-    ebpf: aya::Ebpf,
-    status: PolicyStatus,
-    policy_path: Option<PathBuf>,
+/// With a panic hook that aborts, a lock is never left poisoned; this only spares the
+/// callers an unwrap.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn read_policy(path: Option<&Path>) -> Result<Policy, policy::PolicyError> {
+    match path {
+        Some(p) => policy::load_file(p),
+        None => policy::parse(policy::DEFAULT_POLICY, policy::DEFAULT_SOURCE),
+    }
 }
 
 impl Daemon {
-    fn read_policy(path: Option<&Path>) -> Result<Policy, policy::PolicyError> {
-        match path {
-            Some(p) => policy::load_file(p),
-            None => policy::parse(policy::DEFAULT_POLICY, policy::DEFAULT_SOURCE),
-        }
-    }
-
     /// Re-reads the policy file; on any error the policy in force stays, and the error
     /// is logged and kept for `stats`.
-    fn reload(&mut self) -> ReloadReply {
-        let result = Self::read_policy(self.policy_path.as_deref())
+    fn reload(&self) -> ReloadReply {
+        let _turn = lock(&self.reloading);
+        let result = read_policy(self.policy_path.as_deref())
             .map_err(|e| e.to_string())
             .and_then(|p| {
                 let what = policy::describe(&p);
-                self.acct
+                let listeners = p.listeners.clone();
+                lock(&self.generations)
                     .apply(p)
-                    .map_err(|e| format!("{e:#}"))
-                    .map(|()| what)
+                    .map_err(|e| format!("{e:#}"))?;
+                Ok((what, listeners))
             });
+        let mut status = lock(&self.status);
         match result {
-            Ok(what) => {
-                self.attach_listeners();
-                self.status.generation += 1;
-                self.status.last_error = None;
-                log::info!(
-                    "policy reloaded: generation {}, {what}",
-                    self.status.generation
-                );
+            Ok((what, listeners)) => {
+                status.generation += 1;
+                status.last_error = None;
+                log::info!("policy reloaded: generation {}, {what}", status.generation);
+                drop(status);
+                self.set_listeners(listeners);
             }
             Err(e) => {
                 log::error!("policy reload rejected, the previous policy stays in force: {e}");
-                self.status.last_error = Some(e);
+                status.last_error = Some(e);
+                drop(status);
             }
         }
+        let status = lock(&self.status);
         ReloadReply {
-            ok: self.status.last_error.is_none(),
-            generation: self.status.generation,
-            error: self.status.last_error.clone(),
+            generation: status.generation,
+            error: status.last_error.clone(),
         }
     }
 
-    fn scope_name(&self, id: u32) -> String {
-        self.acct.ids.scope_name(id).unwrap_or("?").to_string()
-    }
-
-    fn eaddrnotavail(&self) -> Vec<ports::EaddrnotavailCount> {
-        self.acct
-            .eaddrnotavail()
-            .into_iter()
-            .map(|(k, count)| ports::EaddrnotavailCount {
-                scope: self.scope_name(k.scope_id),
-                comm: String::from_utf8_lossy(&k.comm)
-                    .trim_end_matches('\0')
-                    .to_string(),
-                count,
-            })
-            .collect()
-    }
-
-    /// Rates and attribution for the network namespace with this cookie.
-    fn ports(&self, netns: u64) -> ports::DaemonPorts {
-        let mut active: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
-        for (k, c) in self.acct.counters() {
-            if c.active > 0 {
-                let dst = ports::endpoint(accounting::unmapped(k.addr), k.port);
-                active
-                    .entry(dst)
-                    .or_default()
-                    .insert(self.scope_name(k.scope_id));
-            }
-        }
-        let active = active
-            .into_iter()
-            .map(|(dst, scopes)| ports::ActiveScopes {
-                dst,
-                scopes: scopes.into_iter().collect(),
-            })
-            .collect();
-        ports::daemon_ports(
-            netns,
-            &self.tw_rates.rates(),
-            |id| self.scope_name(id),
-            active,
-            self.eaddrnotavail(),
-        )
+    fn set_listeners(&self, policies: Vec<ListenerPolicy>) {
+        let mut ebpf = lock(&self.ebpf);
+        lock(&self.listeners).set_policies(&mut ebpf, policies);
     }
 
     /// Everything `stats` reports; with `top`, each scope's destinations are cut to the
-    /// busiest `top` (see stats::scopes).
-    fn snapshot(&mut self, top: Option<usize>) -> Snapshot {
+    /// busiest `top`. The maps are read under their owners' locks, the snapshot is built
+    /// after.
+    fn snapshot(&self, top: Option<usize>) -> Snapshot {
+        let status = lock(&self.status).clone();
+        let (policy, ids) = {
+            let g = lock(&self.generations);
+            (g.policy(), g.ids())
+        };
+        let dump = lock(&self.counters).dump(ids.counts());
+        let programs = object::program_costs(&lock(&self.ebpf));
+        let watched_ports = lock(&self.port_watch).watched();
+        let listeners = lock(&self.listeners).stats();
+        let scope_name = |id| ids.scope_name(id).unwrap_or("?").to_string();
+        let eaddrnotavail = eaddrnotavail_counts(&dump.eaddrnotavail, scope_name);
+        let internal_errors = dump.internal_errors;
         Snapshot {
-            policy: self.status.clone(),
-            scopes: stats::scopes(&self.acct, top),
-            internal_errors: self.acct.internal_errors(),
-            programs: loader::program_costs(&self.ebpf),
-            eaddrnotavail: self.eaddrnotavail(),
-            watched_ports: self.acct.watched_ports(),
-            listeners: self.guard.stats(&self.listener_policies()),
+            policy: status,
+            scopes: policy.map_or_else(Vec::new, |p| snapshot::scopes(&p, &ids, dump, top)),
+            internal_errors,
+            programs,
+            eaddrnotavail,
+            watched_ports,
+            listeners,
+            jobs: self.jobs.stats(),
         }
     }
 
-    fn listener_policies(&self) -> Vec<ListenerPolicy> {
-        self.acct
-            .policy
-            .as_ref()
-            .map(|p| p.listeners.clone())
-            .unwrap_or_default()
+    /// Starts the periodic jobs.
+    fn spawn_jobs(self: &Arc<Self>, forget_idle: Duration) {
+        let d = self.clone();
+        self.jobs.spawn(
+            "cgroup_rescan",
+            RESCAN,
+            Arc::new(move || lock(&d.generations).rescan()),
+        );
+        let d = self.clone();
+        self.jobs.spawn(
+            "time_wait_rates",
+            RESCAN,
+            Arc::new(move || {
+                let counts = lock(&d.counters).time_waits();
+                lock(&d.tw_rates).sample(Instant::now(), counts);
+                Ok(())
+            }),
+        );
+        let d = self.clone();
+        self.jobs.spawn(
+            "port_watch",
+            RESCAN,
+            Arc::new(move || {
+                let (policy, dirs) = {
+                    let g = lock(&d.generations);
+                    (g.policy(), g.port_watched_dirs())
+                };
+                let entries = policy
+                    .map(|p| port_watch::read(&p, &dirs))
+                    .unwrap_or_default();
+                lock(&d.port_watch).sync(entries)
+            }),
+        );
+        let d = self.clone();
+        self.jobs.spawn(
+            "listener_watch",
+            LISTENER_POLL,
+            Arc::new(move || {
+                let policies = lock(&d.listeners).to_read();
+                let reading = listen::read(&policies);
+                lock(&d.listeners).apply(reading)
+            }),
+        );
+        let d = self.clone();
+        self.jobs.spawn(
+            "forget_idle",
+            forget_idle,
+            Arc::new(move || {
+                let n = lock(&d.counters).forget_idle();
+                if n > 0 {
+                    log::info!("forgot {n} idle destination(s)");
+                }
+                Ok(())
+            }),
+        );
     }
+}
 
-    /// Attaches the listener guard in namespaces the policy names for the first time.
-    fn attach_listeners(&mut self) {
-        let policies = self.listener_policies();
-        if let Err(e) = self.guard.attach(&mut self.ebpf, &policies) {
-            log::error!("listener guard: {e:#}");
+impl Handler for Daemon {
+    fn handle(&self, request: Request) -> Reply {
+        match request {
+            Request::Stats { top } => Reply::Stats(Box::new(self.snapshot(top))),
+            Request::Reload => Reply::Reload(self.reload()),
+            Request::Ports { netns } => {
+                let ids = lock(&self.generations).ids();
+                let (destinations, eaddrnotavail) = {
+                    let c = lock(&self.counters);
+                    (c.destinations(), c.eaddrnotavail())
+                };
+                let rates = lock(&self.tw_rates).rates();
+                Reply::Ports(daemon_ports(
+                    netns,
+                    &rates,
+                    &destinations,
+                    &eaddrnotavail,
+                    |id| ids.scope_name(id).unwrap_or("?").to_string(),
+                ))
+            }
+            Request::Scope { cgroup_id } => {
+                let g = lock(&self.generations);
+                let scope = g
+                    .scope_of_cgroup(cgroup_id)
+                    .and_then(|id| g.ids().scope_name(id).map(str::to_string));
+                Reply::Scope(ScopeReply { scope })
+            }
         }
     }
 }
 
 pub fn run(opts: Options) -> anyhow::Result<()> {
-    loader::require_root()?;
+    // A panic anywhere ends the process, so the kernel detaches the programs and traffic
+    // flows (fail-open), instead of one task dying while the daemon looks alive.
+    let report = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        report(info);
+        std::process::abort();
+    }));
+    object::require_root()?;
     // A bad policy stops the start before anything is attached.
-    let policy = Daemon::read_policy(opts.policy.as_deref())?;
-    loader::ensure_mounts()?;
-    let root = cgroup::cgroup2_mount()?;
+    let policy = read_policy(opts.policy.as_deref())?;
+    mounts::ensure_bpffs()?;
+    let root = mounts::cgroup2_mount()?;
+    // Bound before any thread starts (see server::bind).
+    let control = control::server::bind(&opts.socket)?;
     let metrics = match &opts.metrics {
         Some(addr) => Some(
-            tiny_http::Server::http(addr.as_str())
-                .map_err(|e| anyhow::anyhow!("serving metrics on {addr}: {e}"))?,
+            std::net::TcpListener::bind(addr.as_str())
+                .with_context(|| format!("serving metrics on {addr}"))?,
         ),
         None => None,
     };
-    let listener = bind_control(&opts.socket)?;
     let _stats_fd = if opts.bpf_stats {
         Some(
             aya::sys::enable_stats(aya::sys::Stats::RunTime)
@@ -199,358 +271,88 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
     } else {
         None
     };
-    let mut ebpf = loader::load_and_attach(&root)?;
-    let mut acct = Accounting::new(&mut ebpf, root.clone())?;
-    let guard = listeners::ListenerGuard::new(&mut ebpf)?;
+    let mut ebpf = object::load_and_attach(&root)?;
+    let maps = Maps::take(&mut ebpf)?;
+    let mut generations = Generations::new(maps.policy, root.clone());
     let what = policy::describe(&policy);
     let source = policy.source.clone();
-    acct.apply(policy)?;
-    let governed = acct.governed_cgroups();
+    let listeners = policy.listeners.clone();
+    generations.apply(policy)?;
+    let governed = generations.governed_cgroups();
+    let counters = Counters::new(maps.counters);
     // The first sample, taken before "ready", is the baseline of the first rates.
-    let mut tw_rates = ports::TimeWaitRates::default();
-    tw_rates.sample(std::time::Instant::now(), acct.time_waits());
-    let daemon = Arc::new(Mutex::new(Daemon {
-        acct,
-        guard,
-        tw_rates,
-        ebpf,
-        status: PolicyStatus {
+    let mut tw_rates = TimeWaitRates::default();
+    tw_rates.sample(Instant::now(), counters.time_waits());
+    let daemon = Arc::new(Daemon {
+        ebpf: Mutex::new(ebpf),
+        generations: Mutex::new(generations),
+        counters: Mutex::new(counters),
+        port_watch: Mutex::new(PortWatch::new(maps.port_use)),
+        listeners: Mutex::new(ListenerGuard::new(maps.listeners)),
+        tw_rates: Mutex::new(tw_rates),
+        status: Mutex::new(PolicyStatus {
             source: source.clone(),
             generation: 1,
             last_error: None,
-        },
+        }),
+        reloading: Mutex::new(()),
         policy_path: opts.policy.clone(),
-    }));
-
-    daemon.lock().expect("daemon lock").attach_listeners();
-    {
-        let daemon = daemon.clone();
-        thread::spawn(move || watch_listeners(&daemon));
-    }
-    let (tx, rx) = mpsc::channel::<i32>();
-    let mut signals = signal_hook::iterator::Signals::new([SIGHUP, SIGTERM, SIGINT])?;
-    thread::spawn(move || {
-        for sig in signals.forever() {
-            if tx.send(sig).is_err() {
-                break;
-            }
-        }
+        jobs: Jobs::default(),
     });
-    {
-        let daemon = daemon.clone();
-        thread::spawn(move || serve_control(listener, daemon));
-    }
-    if let Some(server) = metrics {
-        log::info!("metrics on http://{}/metrics", server.server_addr());
-        let daemon = daemon.clone();
-        thread::spawn(move || serve_metrics(server, daemon));
-    }
-    log::info!(
-        "ready: programs attached to {}, policy {source} ({what}) governs {governed} cgroup(s), control socket {}",
-        root.display(),
-        opts.socket.display()
-    );
+    daemon.set_listeners(listeners);
 
-    let mut last_forget = std::time::Instant::now();
-    loop {
-        if last_forget.elapsed() >= opts.forget_idle {
-            last_forget = std::time::Instant::now();
-            let n = daemon.lock().expect("daemon lock").acct.forget_idle();
-            if n > 0 {
-                log::info!("forgot {n} idle destination(s)");
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the tokio runtime")?;
+    let served = runtime.block_on(async {
+        let handler: Arc<dyn Handler> = daemon.clone();
+        tokio::spawn(async move {
+            if let Err(e) = control::server::serve(control, handler).await {
+                log::error!("control socket: {e:#}; `connguard stats` and `reload` no longer answer");
+            }
+        });
+        if let Some(listener) = metrics {
+            log::info!("metrics on http://{}/metrics", listener.local_addr()?);
+            let d = daemon.clone();
+            let render: control::metrics::Render = Arc::new(move || {
+                prometheus::render(&d.snapshot(Some(METRIC_TOP_DESTINATIONS)))
+            });
+            tokio::spawn(async move {
+                if let Err(e) = control::metrics::serve(listener, render).await {
+                    log::error!("metrics: {e:#}; /metrics no longer answers");
+                }
+            });
+        }
+        daemon.spawn_jobs(opts.forget_idle);
+        let mut hup = signal(SignalKind::hangup())?;
+        let mut term = signal(SignalKind::terminate())?;
+        let mut int = signal(SignalKind::interrupt())?;
+        log::info!(
+            "ready: programs attached to {}, policy {source} ({what}) governs {governed} cgroup(s), control socket {}",
+            root.display(),
+            opts.socket.display()
+        );
+        loop {
+            tokio::select! {
+                _ = hup.recv() => {
+                    let d = daemon.clone();
+                    tokio::task::spawn_blocking(move || d.reload()).await?;
+                }
+                _ = term.recv() => break,
+                _ = int.recv() => break,
             }
         }
-        match rx.recv_timeout(RESCAN) {
-            Ok(SIGHUP) => {
-                daemon.lock().expect("daemon lock").reload();
-            }
-            Ok(sig) => {
-                log::info!("signal {sig}: detaching and exiting");
-                break;
-            }
-            Err(mpsc::RecvTimeoutError::Timeout) => {
-                let mut d = daemon.lock().expect("daemon lock");
-                if let Err(e) = d.acct.rescan() {
-                    log::warn!("cgroup rescan failed: {e:#}");
-                }
-                let counts = d.acct.time_waits();
-                d.tw_rates.sample(std::time::Instant::now(), counts);
-                drop(d);
-                if let Err(e) = watch_ports(&daemon) {
-                    // Fail-open: without a fresh reading, no destination stays shed.
-                    log::warn!("port watermarks: {e:#}; not watching until the next reading");
-                    let _ = daemon
-                        .lock()
-                        .expect("daemon lock")
-                        .acct
-                        .set_port_use(HashMap::new());
-                }
-            }
-            Err(mpsc::RecvTimeoutError::Disconnected) => break,
-        }
-    }
+        log::info!("signal received: detaching and exiting");
+        anyhow::Ok(())
+    });
     let _ = std::fs::remove_file(&opts.socket);
     // Links detach when the process exits; clsact filters (kernels before 6.6) stay, so
     // leave them nothing to shed.
-    let _ = daemon
-        .lock()
-        .expect("daemon lock")
-        .guard
-        .set(Default::default());
-    Ok(())
-}
-
-/// How often listener queues are read: shedding starts and stops within this (plus
-/// the read).
-const LISTENER_POLL: Duration = Duration::from_millis(50);
-
-/// Keeps LISTENERS_SHED current from the listeners' socket tables, forever. The tables
-/// are read without holding the daemon lock.
-fn watch_listeners(daemon: &Mutex<Daemon>) {
-    loop {
-        thread::sleep(LISTENER_POLL);
-        let (policies, ids) = {
-            let mut d = daemon.lock().expect("daemon lock");
-            let policies = d.listener_policies();
-            let ids = d.guard.ids_of(&policies);
-            (policies, ids)
-        };
-        let entries = if policies.is_empty() {
-            Default::default()
-        } else {
-            listeners::over_watermark(&policies, |name| ids[name])
-        };
-        if let Err(e) = daemon.lock().expect("daemon lock").guard.set(entries) {
-            log::warn!("listener guard: {e:#}");
-        }
+    if let Err(e) = lock(&daemon.listeners).clear() {
+        log::warn!("emptying LISTENERS_SHED: {e:#}");
     }
+    // Tasks still running (a client being served) end with the runtime.
+    runtime.shutdown_timeout(Duration::from_secs(1));
+    served
 }
-
-/// Keeps PORT_USE current for the network namespaces of the processes of scopes with a
-/// port watermark: the kernel sheds from it, so a watermark acts within one RESCAN.
-/// The socket tables are read without holding the daemon lock.
-fn watch_ports(daemon: &Mutex<Daemon>) -> anyhow::Result<()> {
-    let (dirs, policy) = {
-        let d = daemon.lock().expect("daemon lock");
-        let dirs: Vec<PathBuf> = d
-            .acct
-            .port_watched_dirs()
-            .into_iter()
-            .map(Path::to_path_buf)
-            .collect();
-        (dirs, d.acct.policy.clone())
-    };
-    let Some(policy) = policy else { return Ok(()) };
-    let lowest = policy
-        .scopes
-        .iter()
-        .flat_map(|s| {
-            s.port_watermark
-                .into_iter()
-                .chain(s.rules.iter().filter_map(|r| r.port_watermark))
-        })
-        .min();
-    let mut entries = HashMap::new();
-    if let Some(lowest) = lowest {
-        for ns in cgroup::netns_of(dirs.iter().map(PathBuf::as_path)) {
-            let read = netns::within(Some(&ns), || {
-                let settings = ports::PortSettings::read()?;
-                Ok((
-                    netns::cookie()?,
-                    ports::port_use(&settings, &sockdiag::tcp_sockets()?),
-                ))
-            });
-            let (cookie, used) = match read {
-                Ok(r) => r,
-                // The namespace went away with its process.
-                Err(e) => {
-                    log::debug!("{}: {e:#}", ns.display());
-                    continue;
-                }
-            };
-            for ((addr, port), permille) in used.into_iter().filter(|(_, p)| *p >= lowest) {
-                let key = PortUseKey {
-                    netns: cookie,
-                    port,
-                    _pad: [0; 6],
-                    addr: accounting::mapped_addr(addr),
-                };
-                entries.insert(key, permille);
-            }
-        }
-    }
-    daemon
-        .lock()
-        .expect("daemon lock")
-        .acct
-        .set_port_use(entries)
-}
-
-fn bind_control(path: &Path) -> anyhow::Result<UnixListener> {
-    if UnixStream::connect(path).is_ok() {
-        bail!(
-            "another connguard daemon is serving {}; stop it or pass --socket",
-            path.display()
-        );
-    }
-    let _ = std::fs::remove_file(path);
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    }
-    let listener =
-        UnixListener::bind(path).with_context(|| format!("binding {}", path.display()))?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
-    Ok(listener)
-}
-
-fn serve_control(listener: UnixListener, daemon: Arc<Mutex<Daemon>>) {
-    for stream in listener.incoming().flatten() {
-        // A client that connects and says nothing must not hold up the others.
-        let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
-        let mut line = String::new();
-        if BufReader::new(&stream).read_line(&mut line).is_err() {
-            continue;
-        }
-        let reply = {
-            let mut d = daemon.lock().expect("daemon lock");
-            let mut words = line.split_whitespace();
-            match (
-                words.next().unwrap_or(""),
-                words.next().map(str::parse::<u64>),
-            ) {
-                ("stats", None) => Ok(Reply::Snapshot(Box::new(d.snapshot(None)))),
-                // At most N destinations per scope, the rest summed: for callers that
-                // want the totals (`listeners`, `top`) without 100,000s of entries.
-                ("stats", Some(Ok(top))) => {
-                    Ok(Reply::Snapshot(Box::new(d.snapshot(Some(top as usize)))))
-                }
-                ("reload", None) => serde_json::to_string(&d.reload()).map(Reply::Text),
-                ("ports", Some(Ok(netns))) => {
-                    serde_json::to_string(&d.ports(netns)).map(Reply::Text)
-                }
-                ("scope", Some(Ok(cgroup_id))) => {
-                    let scope = d.acct.scope_of_cgroup(cgroup_id).map(|id| d.scope_name(id));
-                    Ok(Reply::Text(
-                        serde_json::json!({ "scope": scope }).to_string(),
-                    ))
-                }
-                _ => Ok(Reply::Text(
-                    serde_json::json!({ "error": format!("unknown request {:?}", line.trim()) })
-                        .to_string(),
-                )),
-            }
-        };
-        let mut out = BufWriter::with_capacity(1 << 16, &stream);
-        let _ = match reply {
-            Ok(Reply::Text(text)) => out.write_all(text.as_bytes()),
-            Ok(Reply::Snapshot(snap)) => serde_json::to_writer(&mut out, &snap).map_err(Into::into),
-            Err(_) => continue,
-        }
-        .and_then(|()| out.flush());
-        drop(out);
-        release_freed_memory();
-    }
-}
-
-/// Gives the memory freed after a request back to the kernel. A snapshot of 100,000
-/// destinations takes about 25 MiB while it is built, and glibc keeps freed memory in
-/// each thread's arena: without this, the control and metrics threads each held on to
-/// theirs, and after three `stats` and three scrapes the daemon stayed at 39 MiB
-/// resident (54 at most), against 12 to 20 (38 at most) with it.
-fn release_freed_memory() {
-    // SAFETY: malloc_trim only walks and shrinks glibc's own heaps.
-    unsafe { libc::malloc_trim(0) };
-}
-
-/// The answer to a control request. A snapshot is encoded while it is sent, after the
-/// daemon lock is released: with 100,000s of destinations the client reads the first
-/// bytes while the rest is encoded.
-enum Reply {
-    Text(String),
-    Snapshot(Box<Snapshot>),
-}
-
-fn serve_metrics(server: tiny_http::Server, daemon: Arc<Mutex<Daemon>>) {
-    for req in server.incoming_requests() {
-        let response = if req.url() == "/metrics" {
-            let snap = daemon
-                .lock()
-                .expect("daemon lock")
-                .snapshot(Some(stats::METRIC_TOP_DESTINATIONS));
-            let text = stats::prometheus(&snap);
-            let header = "Content-Type: text/plain; version=0.0.4; charset=utf-8"
-                .parse::<tiny_http::Header>()
-                .expect("valid header");
-            tiny_http::Response::from_string(text).with_header(header)
-        } else {
-            tiny_http::Response::from_string("see /metrics\n").with_status_code(404)
-        };
-        let _ = req.respond(response);
-        release_freed_memory();
-    }
-}
-
-/// Sends one request to a running daemon and returns its JSON answer.
-pub fn request(socket: &Path, what: &str) -> anyhow::Result<String> {
-    let mut out = String::new();
-    std::io::Read::read_to_string(&mut send_request(socket, what)?, &mut out)?;
-    Ok(out)
-}
-
-/// Sends one request to a running daemon; its JSON answer is on the returned stream.
-pub fn send_request(socket: &Path, what: &str) -> anyhow::Result<UnixStream> {
-    let mut stream = UnixStream::connect(socket).with_context(|| {
-        format!("no connguard daemon answers on {} (is `connguard run` running? pass --socket if it uses another path)", socket.display())
-    })?;
-    // A stalled daemon must not freeze the caller (`top` polls every second).
-    stream.set_read_timeout(Some(Duration::from_secs(5)))?;
-    stream.write_all(format!("{what}\n").as_bytes())?;
-    stream.shutdown(std::net::Shutdown::Write)?;
-    Ok(stream)
-}
-
-/// Copies the daemon's answer to `stats` to `out` as it arrives, without decoding it,
-/// then a newline; fails with the daemon's error when it answers with one.
-pub fn copy_stats(socket: &Path, out: &mut impl Write) -> anyhow::Result<()> {
-    let mut answer = std::io::BufReader::with_capacity(1 << 16, send_request(socket, "stats")?);
-    // An error answer is a small {"error": ...} object; a snapshot starts {"policy":.
-    let mut head = Vec::new();
-    while head.len() < ERROR_HEAD.len() {
-        let chunk = answer.fill_buf()?;
-        if chunk.is_empty() {
-            break;
-        }
-        let n = chunk.len();
-        head.extend_from_slice(chunk);
-        answer.consume(n);
-    }
-    if head.starts_with(ERROR_HEAD) {
-        std::io::Read::read_to_end(&mut answer, &mut head)?;
-        let reply: serde_json::Value = serde_json::from_slice(&head)?;
-        bail!("the daemon answered: {}", reply["error"]);
-    }
-    // Copied as it comes; a snapshot the daemon failed to finish (it logs why) ends
-    // before its closing brace, which must not pass for a whole one.
-    let last_byte = |b: &[u8]| b.iter().rev().copied().find(|b| !b.is_ascii_whitespace());
-    out.write_all(&head)?;
-    let mut last = last_byte(&head);
-    loop {
-        let chunk = answer.fill_buf()?;
-        if chunk.is_empty() {
-            break;
-        }
-        last = last_byte(chunk).or(last);
-        out.write_all(chunk)?;
-        let n = chunk.len();
-        answer.consume(n);
-    }
-    ensure!(
-        last == Some(b'}'),
-        "the daemon's answer ended before the end of its JSON (see the daemon's log)"
-    );
-    writeln!(out)?;
-    Ok(())
-}
-
-/// How the daemon's error answers begin (`serde_json::json!` writes them compact).
-const ERROR_HEAD: &[u8] = b"{\"error\"";

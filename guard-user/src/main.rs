@@ -1,23 +1,34 @@
 //! connguard: the daemon and its command-line tools.
-mod accounting;
-mod batch;
-mod cgroup;
+//!
+//! The modules are layers, each using only those listed before it: `policy`, `host` and
+//! `kernel` (on guard-common and crates alone), then `enforce`, `listen`, `diagnose`,
+//! `report`, `control`. `daemon` wires them into the daemon; this file wires them into
+//! the other commands.
 mod cli;
+mod control;
 mod daemon;
-mod listeners;
-mod loader;
-mod netns;
+mod diagnose;
+mod enforce;
+mod host;
+mod kernel;
+mod listen;
 mod policy;
-mod ports;
-mod sockdiag;
-mod stats;
-mod top;
+mod report;
 
-use std::process::ExitCode;
+use std::{path::Path, process::ExitCode};
 
 use clap::Parser;
 
-use crate::cli::{Cli, Command};
+use crate::{
+    cli::{Cli, Command, NetnsArgs},
+    control::{
+        client,
+        protocol::{ReloadReply, Request, ScopeReply},
+    },
+    diagnose::{attribution, listeners, ports},
+    host::{cgroup, mounts, netns, ports::PortSettings, sockdiag},
+    report::{snapshot::Snapshot, table, top},
+};
 
 fn main() -> ExitCode {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
@@ -27,21 +38,6 @@ fn main() -> ExitCode {
             eprintln!("connguard: {e:#}");
             ExitCode::FAILURE
         }
-    }
-}
-
-/// Enters the namespace the arguments name, if any; returns its name for reports.
-fn enter_netns(args: &cli::NetnsArgs) -> anyhow::Result<String> {
-    let path = args
-        .netns
-        .clone()
-        .or_else(|| args.pid.map(|p| format!("/proc/{p}/ns/net").into()));
-    match path {
-        Some(path) => {
-            netns::enter(&path)?;
-            Ok(path.display().to_string())
-        }
-        None => Ok("self".to_string()),
     }
 }
 
@@ -73,19 +69,18 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
         },
         // The JSON is passed through as the daemon wrote it (it can be megabytes).
         Command::Stats { json: true, socket } => {
-            daemon::copy_stats(&socket, &mut std::io::stdout().lock())?;
+            client::copy_stats(&socket, &mut std::io::stdout().lock())?;
         }
         Command::Stats {
             json: false,
             socket,
         } => {
-            let mut text = Vec::new();
-            daemon::copy_stats(&socket, &mut text)?;
-            print!("{}", stats::table(&serde_json::from_slice(&text)?));
+            let snap: Snapshot = client::ask(&socket, Request::Stats { top: None })?;
+            print!("{}", table::stats(&snap));
         }
         Command::Ports { json, netns } => {
             let name = enter_netns(&netns)?;
-            let report = ports::collect(&name, &netns.socket)?;
+            let report = ports_report(&name, &netns.socket)?;
             if json {
                 println!("{}", serde_json::to_string(&report)?);
             } else {
@@ -94,38 +89,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
         }
         Command::Listeners { json, netns } => {
             let name = enter_netns(&netns)?;
-            let mut report = listeners::report(
-                &name,
-                &sockdiag::tcp_sockets()?,
-                listeners::read_counters()?,
-            );
-            // The scope of each owning process's cgroup, when a daemon answers.
-            if let Ok(root) = cgroup::cgroup2_mount() {
-                for l in &mut report.listeners {
-                    let Some(cg) = &l.cgroup else { continue };
-                    let Ok(id) = cgroup::cgroup_id(&root.join(cg)) else {
-                        continue;
-                    };
-                    if let Ok(text) = daemon::request(&netns.socket, &format!("scope {id}"))
-                        && let Ok(v) = serde_json::from_str::<serde_json::Value>(&text)
-                    {
-                        l.scope = v["scope"].as_str().map(str::to_string);
-                    }
-                }
-            }
-            // RSTs sent by the daemon's guards, per port.
-            if let Ok(text) = daemon::request(&netns.socket, "stats 0")
-                && let Ok(snap) = serde_json::from_str::<stats::Snapshot>(&text)
-            {
-                for l in &mut report.listeners {
-                    l.rst_shed = snap
-                        .listeners
-                        .iter()
-                        .filter(|g| g.ports.iter().any(|[a, b]| (*a..=*b).contains(&l.port)))
-                        .map(|g| g.rst_shed)
-                        .sum();
-                }
-            }
+            let report = listeners_report(&name, &netns.socket)?;
             if json {
                 println!("{}", serde_json::to_string(&report)?);
             } else {
@@ -134,11 +98,19 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
         }
         Command::Top { netns } => {
             let name = enter_netns(&netns)?;
-            top::run(&name, &netns.socket)?;
+            top::run(&name, || top::View {
+                ports: ports_report(&name, &netns.socket).map_err(|e| format!("{e:#}")),
+                listeners: sockdiag::tcp_sockets()
+                    .map(|socks| {
+                        let counters = listeners::read_counters().unwrap_or_default();
+                        listeners::report(&name, &socks, counters).listeners
+                    })
+                    .unwrap_or_default(),
+                stats: client::ask(&netns.socket, Request::Stats { top: Some(0) }).ok(),
+            })?;
         }
         Command::Reload { socket } => {
-            let reply: daemon::ReloadReply =
-                serde_json::from_str(&daemon::request(&socket, "reload")?)?;
+            let reply: ReloadReply = client::ask(&socket, Request::Reload)?;
             match reply.error {
                 None => println!("reloaded: policy generation {}", reply.generation),
                 Some(e) => {
@@ -149,4 +121,65 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Enters the namespace the arguments name, if any; returns its name for reports.
+fn enter_netns(args: &NetnsArgs) -> anyhow::Result<String> {
+    let path = args
+        .netns
+        .clone()
+        .or_else(|| args.pid.map(|p| format!("/proc/{p}/ns/net").into()));
+    match path {
+        Some(path) => {
+            netns::enter(&path)?;
+            Ok(path.display().to_string())
+        }
+        None => Ok("self".to_string()),
+    }
+}
+
+/// The ports report of the calling thread's namespace (named `name`), with the rates and
+/// attribution of the daemon on `socket` when one answers.
+fn ports_report(name: &str, socket: &Path) -> anyhow::Result<ports::PortsReport> {
+    let mut r = ports::report(name, &PortSettings::read()?, &sockdiag::tcp_sockets()?);
+    if let Ok(from) = client::ask(
+        socket,
+        Request::Ports {
+            netns: netns::cookie()?,
+        },
+    ) {
+        attribution::merge(&mut r, from);
+    }
+    Ok(r)
+}
+
+/// The listeners report of the calling thread's namespace, with each listener's scope
+/// and the RSTs its guard sent, when a daemon answers on `socket`.
+fn listeners_report(name: &str, socket: &Path) -> anyhow::Result<listeners::ListenersReport> {
+    let mut report =
+        listeners::report(name, &sockdiag::tcp_sockets()?, listeners::read_counters()?);
+    // The scope of each owning process's cgroup.
+    if let Ok(root) = mounts::cgroup2_mount() {
+        for l in &mut report.listeners {
+            let Some(cg) = &l.cgroup else { continue };
+            let Ok(cgroup_id) = cgroup::cgroup_id(&root.join(cg)) else {
+                continue;
+            };
+            if let Ok(reply) = client::ask::<ScopeReply>(socket, Request::Scope { cgroup_id }) {
+                l.scope = reply.scope;
+            }
+        }
+    }
+    // RSTs sent by the daemon's guards, per port.
+    if let Ok(snap) = client::ask::<Snapshot>(socket, Request::Stats { top: Some(0) }) {
+        for l in &mut report.listeners {
+            l.rst_shed = snap
+                .listeners
+                .iter()
+                .filter(|g| g.ports.iter().any(|[a, b]| (*a..=*b).contains(&l.port)))
+                .map(|g| g.rst_shed)
+                .sum();
+        }
+    }
+    Ok(report)
 }

@@ -61,7 +61,8 @@ pub fn cgroup2_mount() -> PathBuf {
         .expect("cgroup v2 is not mounted: connguard needs the unified hierarchy")
 }
 
-fn unique(prefix: &str) -> String {
+/// A name no other test of this run uses.
+pub fn unique(prefix: &str) -> String {
     static N: AtomicU64 = AtomicU64::new(0);
     format!(
         "{prefix}-{}-{}",
@@ -258,12 +259,17 @@ impl Daemon {
     }
 
     pub fn start_with(policy: &str, extra: &[&str]) -> Daemon {
+        Self::start_at(policy, None, extra)
+    }
+
+    /// A daemon whose control socket is `socket` (default: in a directory of its own).
+    pub fn start_at(policy: &str, socket: Option<PathBuf>, extra: &[&str]) -> Daemon {
         require_prerequisites();
         let dir = std::env::temp_dir().join(unique("connguard-test"));
         std::fs::create_dir_all(&dir).unwrap();
         let policy_path = dir.join("policy.toml");
         std::fs::write(&policy_path, policy).unwrap();
-        let socket = dir.join("connguard.sock");
+        let socket = socket.unwrap_or_else(|| dir.join("connguard.sock"));
         let mut child = Command::new(connguard_bin())
             .arg("run")
             .arg("--policy")
@@ -525,7 +531,8 @@ pub fn n(v: &Value, field: &str) -> u64 {
         .unwrap_or_else(|| panic!("no number {field} in {v}"))
 }
 
-/// The destination entry `dst` of a scope from `stats --json`.
+/// The entry for `dst` in the `destinations` of a scope from `stats --json`, or of a
+/// `connguard ports --json` report.
 pub fn destination<'a>(scope: &'a Value, dst: &str) -> &'a Value {
     scope["destinations"]
         .as_array()

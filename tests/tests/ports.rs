@@ -1,7 +1,7 @@
 //! Port exhaustion diagnosis on the real kernel (issue 3, CASES 1).
 use std::{collections::BTreeMap, process::Command};
 
-use connguard_tests::{Cgroup, Daemon, Netns, connguard_bin};
+use connguard_tests::{Cgroup, Daemon, Netns, connguard_bin, destination};
 use serde_json::Value;
 
 /// A netns with a 100-port ephemeral range and tcp_tw_reuse 0.
@@ -62,15 +62,6 @@ fn serve(cg: &Cgroup, ns: &Netns) -> connguard_tests::Holder {
     cg.hold_args(&["serve", &ns.path(), "8080", "8081"])
 }
 
-fn dest<'a>(r: &'a Value, dst: &str) -> &'a Value {
-    r["destinations"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|d| d["dst"] == dst)
-        .unwrap_or_else(|| panic!("no {dst} in {r}"))
-}
-
 /// CASES 1 without the daemon: EADDRNOTAVAIL at connection 101 toward :8080, the
 /// destination shown at 100 of 100 ports with exactly the TIME_WAIT entries `ss` sees,
 /// and :8081 still healthy.
@@ -115,7 +106,7 @@ fn exhausted_destination_is_named_with_exact_counts() {
         ),
         (serde_json::json!([40000, 40099]), 100.into(), 0.into())
     );
-    let d = dest(&r, "127.0.0.1:8080");
+    let d = destination(&r, "127.0.0.1:8080");
     let ss = ss(&ns);
     let ss_tw = ss
         .iter()
@@ -132,7 +123,7 @@ fn exhausted_destination_is_named_with_exact_counts() {
         (Some(100), Some(100), Some(0), Some(1.0)),
         "{d}"
     );
-    let other = dest(&r, "127.0.0.1:8081");
+    let other = destination(&r, "127.0.0.1:8081");
     assert_eq!(
         (other["in_use"].as_u64(), other["time_wait"].as_u64()),
         (Some(1), Some(1)),
@@ -245,7 +236,7 @@ fn with_the_daemon_rates_scopes_and_eaddrnotavail_are_attributed() {
     // Rates come from samples every 0.5 s.
     std::thread::sleep(std::time::Duration::from_millis(1200));
     let r = ports_json_with(&ns, &d.socket.display().to_string());
-    let d8080 = dest(&r, "127.0.0.1:8080");
+    let d8080 = destination(&r, "127.0.0.1:8080");
     assert_eq!(d8080["scopes"], serde_json::json!(["client"]), "{d8080}");
     assert!(d8080["time_wait_per_s"].as_f64().unwrap() > 0.0, "{d8080}");
     assert_eq!(
@@ -310,7 +301,7 @@ fn port_watermark_sheds_one_scope_and_keeps_headroom_for_others() {
     );
     assert_eq!(out.ok + out.errors("ECONNREFUSED"), 120, "{out:?}");
     let r = ports_json(&ns);
-    let held = dest(&r, "127.0.0.1:8080")["in_use"].as_u64().unwrap();
+    let held = destination(&r, "127.0.0.1:8080")["in_use"].as_u64().unwrap();
     assert_eq!(
         held, out.ok,
         "one TIME_WAIT entry per admitted connection, the rest is headroom"

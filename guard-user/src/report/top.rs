@@ -2,10 +2,7 @@
 //! per destination, listeners and their accept queues, the daemon's scopes, and the
 //! diagnosis. Works over ssh in any terminal; ratatui redraws only what changed, so it
 //! does not flicker.
-use std::{
-    path::Path,
-    time::{Duration, Instant},
-};
+use std::time::{Duration, Instant};
 
 use ratatui::{
     Frame,
@@ -16,23 +13,18 @@ use ratatui::{
     widgets::{Block, Paragraph, Row, Table, Wrap},
 };
 
-use crate::{
-    daemon,
-    listeners::{self, Listener},
-    ports::{self, PortsReport},
-    stats::Snapshot,
-};
+use super::snapshot::Snapshot;
+use crate::diagnose::{listeners::Listener, ports::PortsReport};
 
 const REFRESH: Duration = Duration::from_secs(1);
 const BAR_WIDTH: usize = 20;
 
-struct View {
-    ports: Result<PortsReport, String>,
-    listeners: Vec<Listener>,
+/// What one refresh shows.
+pub struct View {
+    pub ports: Result<PortsReport, String>,
+    pub listeners: Vec<Listener>,
     /// None without a daemon.
-    stats: Option<Snapshot>,
-    /// When it was gathered, as HH:MM:SS UTC.
-    at: String,
+    pub stats: Option<Snapshot>,
 }
 
 fn time_of_day() -> String {
@@ -48,13 +40,14 @@ fn time_of_day() -> String {
     )
 }
 
-pub fn run(netns: &str, socket: &Path) -> anyhow::Result<()> {
+/// Shows what `gather` returns, gathered again every second, until q or Ctrl-C.
+pub fn run(netns: &str, mut gather: impl FnMut() -> View) -> anyhow::Result<()> {
     let mut terminal = ratatui::init();
     let result = (|| -> anyhow::Result<()> {
-        let mut view = gather(netns, socket);
+        let mut view = (gather(), time_of_day());
         let mut next = Instant::now() + REFRESH;
         loop {
-            terminal.draw(|f| draw(f, netns, &view))?;
+            terminal.draw(|f| draw(f, netns, &view.0, &view.1))?;
             let wait = next.saturating_duration_since(Instant::now());
             if event::poll(wait)? {
                 if let Event::Key(k) = event::read()? {
@@ -66,7 +59,7 @@ pub fn run(netns: &str, socket: &Path) -> anyhow::Result<()> {
                 }
                 continue;
             }
-            view = gather(netns, socket);
+            view = (gather(), time_of_day());
             next = Instant::now() + REFRESH;
         }
     })();
@@ -74,32 +67,13 @@ pub fn run(netns: &str, socket: &Path) -> anyhow::Result<()> {
     result
 }
 
-fn gather(netns: &str, socket: &Path) -> View {
-    View {
-        ports: ports::collect(netns, socket).map_err(|e| format!("{e:#}")),
-        listeners: crate::sockdiag::tcp_sockets()
-            .map(|socks| {
-                listeners::report(
-                    netns,
-                    &socks,
-                    listeners::read_counters().unwrap_or_default(),
-                )
-                .listeners
-            })
-            .unwrap_or_default(),
-        stats: daemon::request(socket, "stats 0")
-            .ok()
-            .and_then(|t| serde_json::from_str(&t).ok()),
-        at: time_of_day(),
-    }
-}
-
 fn bar(ratio: f64) -> String {
     let full = ((ratio.clamp(0.0, 1.0)) * BAR_WIDTH as f64).round() as usize;
     format!("{}{}", "█".repeat(full), "·".repeat(BAR_WIDTH - full))
 }
 
-fn draw(f: &mut Frame, netns: &str, v: &View) {
+/// `at`: when the view was gathered.
+fn draw(f: &mut Frame, netns: &str, v: &View, at: &str) {
     let bold = Style::default().add_modifier(Modifier::BOLD);
     let [header, dests, lists, scopes, warnings] = Layout::vertical([
         Constraint::Length(1),
@@ -152,7 +126,7 @@ fn draw(f: &mut Frame, netns: &str, v: &View) {
     let head = match &v.ports {
         Ok(r) => format!(
             "connguard top — netns {netns} — ephemeral range {}-{} ({} ports), tcp_tw_reuse {} — {} — q quits",
-            r.ephemeral_range[0], r.ephemeral_range[1], r.ephemeral_ports, r.tcp_tw_reuse, v.at
+            r.ephemeral_range[0], r.ephemeral_range[1], r.ephemeral_ports, r.tcp_tw_reuse, at
         ),
         Err(e) => format!("connguard top — netns {netns} — {e}"),
     };

@@ -1,8 +1,8 @@
-//! Policy files: TOML in the vocabulary of DESIGN.md, parsed and validated into
-//! [`Policy`]. Every error names file, line, column and reason.
-use std::{collections::HashSet, fmt, net::IpAddr, ops::Range, path::Path};
+//! Policy files: TOML parsed and validated into [`Policy`]. Every error names file,
+//! line, column and reason. Unknown keys are errors.
+use std::{collections::HashSet, net::IpAddr, ops::Range, path::Path};
 
-use globset::{Glob, GlobBuilder, GlobMatcher};
+use globset::{Glob, GlobBuilder};
 use guard_common::{
     MAX_CANDIDATES, MAX_PORT_RANGES, MAX_RULE_IDS, MAX_SCOPE_IDS, MODE_ENFORCE, MODE_OBSERVE,
     PortRange,
@@ -11,106 +11,10 @@ use ipnet::IpNet;
 use serde::Deserialize;
 use toml::Spanned;
 
-/// The policy used when `connguard run` is given none: observe the whole host.
-pub const DEFAULT_POLICY: &str = include_str!("../../policies/default.toml");
-pub const DEFAULT_SOURCE: &str = "<embedded default>";
-
-#[derive(Debug, Clone)]
-pub struct Policy {
-    /// File name, or DEFAULT_SOURCE.
-    pub source: String,
-    pub scopes: Vec<Scope>,
-    pub listeners: Vec<ListenerPolicy>,
-}
-
-/// A listener guard: shed SYNs with RSTs while the accept queue is past a watermark.
-#[derive(Debug, Clone)]
-pub struct ListenerPolicy {
-    pub name: String,
-    pub ports: Vec<PortRange>,
-    /// The listener's address; None = any.
-    pub addr: Option<IpAddr>,
-    /// Network namespace file; None = the daemon's own.
-    pub netns: Option<std::path::PathBuf>,
-    /// Interfaces to guard in that namespace; empty = all of them, loopback included.
-    pub interfaces: Vec<String>,
-    /// Shed from this accept queue length, in thousandths of the effective backlog.
-    pub accept_queue_watermark: Option<u32>,
-    /// Shed from this many SYN_RECV entries.
-    pub max_syn_recv: Option<u32>,
-    pub mode: u32,
-}
-
-#[derive(Debug, Clone)]
-pub struct Scope {
-    pub name: String,
-    /// Pattern below the cgroup2 mount, without leading or trailing '/'; "" = root.
-    pub cgroup: String,
-    pub matcher: GlobMatcher,
-    pub mode: u32,
-    pub errno: i32,
-    /// Budget of active connections; None = no budget.
-    pub max_connections: Option<u64>,
-    /// Port watermark in thousandths of the ephemeral range; None = none.
-    pub port_watermark: Option<u32>,
-    pub rules: Vec<Rule>,
-}
-
-impl Scope {
-    /// Whether this scope or one of its rules sets a port watermark.
-    pub fn watches_ports(&self) -> bool {
-        self.port_watermark.is_some() || self.rules.iter().any(|r| r.port_watermark.is_some())
-    }
-}
-
-#[derive(Debug, Clone)]
-pub struct Rule {
-    pub name: String,
-    /// Destination networks; IPv4 networks are kept as IPv4 (the loader maps them).
-    /// Empty = every address.
-    pub dst: Vec<IpNet>,
-    /// Empty = every port.
-    pub ports: Vec<PortRange>,
-    pub max_connections: Option<u64>,
-    pub per_endpoint: bool,
-    /// Port watermark in thousandths of the ephemeral range; None = the scope's.
-    pub port_watermark: Option<u32>,
-}
-
-/// A policy error at a place in a file.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PolicyError {
-    pub file: String,
-    pub line: usize,
-    pub column: usize,
-    pub reason: String,
-}
-
-impl fmt::Display for PolicyError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "{}:{}:{}: {}",
-            self.file, self.line, self.column, self.reason
-        )
-    }
-}
-
-impl std::error::Error for PolicyError {}
-
-/// Errnos a scope may return from a shed connect(): the ones a TCP client is written
-/// to handle.
-pub const ERRNOS: &[(&str, i32)] = &[
-    ("ECONNREFUSED", libc::ECONNREFUSED),
-    ("EPERM", libc::EPERM),
-    ("EACCES", libc::EACCES),
-    ("ECONNRESET", libc::ECONNRESET),
-    ("ETIMEDOUT", libc::ETIMEDOUT),
-    ("ENETUNREACH", libc::ENETUNREACH),
-    ("EHOSTUNREACH", libc::EHOSTUNREACH),
-    ("EADDRNOTAVAIL", libc::EADDRNOTAVAIL),
-    ("EAGAIN", libc::EAGAIN),
-];
+use super::{
+    ERRNOS, ListenerPolicy, Policy, PolicyError, Rule, Scope,
+    compile::{candidates_of, rule_prefixes, unmapped_net},
+};
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -514,10 +418,10 @@ fn parse_ports(p: &PortSpec) -> Result<PortRange, String> {
 
 /// The kernel keeps at most MAX_CANDIDATES rules per destination prefix.
 fn check_overlap(rules: &[Rule]) -> Result<(), String> {
-    for prefix in crate::accounting::rule_prefixes(rules) {
-        let n = crate::accounting::candidates_of(rules, &prefix).len();
+    for prefix in rule_prefixes(rules) {
+        let n = candidates_of(rules, &prefix).len();
         if n > MAX_CANDIDATES {
-            let prefix = crate::accounting::unmapped_net(&prefix);
+            let prefix = unmapped_net(&prefix);
             return Err(format!(
                 "{n} rules can match destinations in {prefix}; at most {MAX_CANDIDATES} may overlap"
             ));
@@ -533,20 +437,10 @@ fn line_col(text: &str, offset: usize) -> (usize, usize) {
     (line, column)
 }
 
-/// A one-line summary of a policy, for logs and `connguard check`.
-pub fn describe(p: &Policy) -> String {
-    let rules: usize = p.scopes.iter().map(|s| s.rules.len()).sum();
-    format!(
-        "{} scope(s), {} rule(s), {} listener guard(s)",
-        p.scopes.len(),
-        rules,
-        p.listeners.len()
-    )
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::policy::{DEFAULT_POLICY, DEFAULT_SOURCE};
 
     fn err(text: &str) -> String {
         parse(text, "p.toml").unwrap_err().to_string()

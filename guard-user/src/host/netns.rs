@@ -1,4 +1,4 @@
-//! Network namespaces: which one a command looks at.
+//! Network namespaces: entering one, working inside one, its cookie and interfaces.
 use std::{fs::File, os::fd::AsRawFd, path::Path};
 
 use anyhow::{Context, bail};
@@ -62,4 +62,15 @@ pub fn cookie() -> anyhow::Result<u64> {
         bail!("getsockopt(SO_NETNS_COOKIE): {err}");
     }
     Ok(cookie)
+}
+
+/// The interfaces of the calling thread's network namespace.
+pub fn interfaces() -> anyhow::Result<Vec<String>> {
+    let dev = std::fs::read_to_string("/proc/thread-self/net/dev")
+        .context("reading /proc/thread-self/net/dev")?;
+    Ok(dev
+        .lines()
+        .skip(2)
+        .filter_map(|l| l.split_once(':').map(|(n, _)| n.trim().to_string()))
+        .collect())
 }

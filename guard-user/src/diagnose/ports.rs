@@ -1,93 +1,19 @@
 //! Ephemeral-port and TIME_WAIT exhaustion: how many local ports each (source address,
-//! destination) pair holds, against the namespace's ephemeral range.
-//!
-//! connect() without a prior bind() picks a local port from net.ipv4.ip_local_port_range
-//! (minus net.ipv4.ip_local_reserved_ports) such that the 4-tuple is unique, so the
-//! ports run out per (source address, destination address:port); a TIME_WAIT entry
-//! holds its port for 60 s (TCP_TIMEWAIT_LEN). bind(addr, 0) without
-//! IP_BIND_ADDRESS_NO_PORT picks a port unused by any socket on that address: that pool
-//! is per source address. Sources: net/ipv4/inet_hashtables.c (__inet_hash_connect),
-//! net/ipv4/inet_connection_sock.c (inet_csk_find_open_port), Documentation/networking/
-//! ip-sysctl.rst.
-use std::{
-    collections::{BTreeMap, BTreeSet, HashMap, VecDeque},
-    fmt::Write,
-    net::IpAddr,
-    time::{Duration, Instant},
-};
+//! destination) pair holds against the namespace's ephemeral range (host::ports has the
+//! kernel's rules), in numbers and in plain sentences.
+use std::{collections::BTreeMap, fmt::Write};
 
-use anyhow::Context;
+use guard_common::addr::endpoint;
 use serde::{Deserialize, Serialize};
 
-use guard_common::TimeWaitKey;
-
-use crate::{
-    accounting::unmapped,
-    sockdiag::{TCP_CLOSE, TCP_LISTEN, TCP_TIME_WAIT, TcpSocket, state_name},
+use super::attribution::EaddrnotavailCount;
+use crate::host::{
+    ports::{PortSettings, available, census},
+    sockdiag::TcpSocket,
 };
 
 /// A destination is flagged once it holds this fraction of the ephemeral range.
 pub const WARN_RATIO: f64 = 0.8;
-
-/// The namespace's port settings (/proc/sys/net/ipv4).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PortSettings {
-    /// ip_local_port_range, inclusive.
-    pub range: (u16, u16),
-    /// ip_local_reserved_ports, as inclusive ranges.
-    pub reserved: Vec<(u16, u16)>,
-    /// tcp_tw_reuse: 0 off, 1 on, 2 on for loopback only (the default).
-    pub tcp_tw_reuse: u8,
-}
-
-impl PortSettings {
-    /// Reads the settings of the calling thread's network namespace.
-    pub fn read() -> anyhow::Result<PortSettings> {
-        let read = |name: &str| {
-            let path = format!("/proc/sys/net/ipv4/{name}");
-            std::fs::read_to_string(&path).with_context(|| format!("reading {path}"))
-        };
-        Self::parse(
-            &read("ip_local_port_range")?,
-            &read("ip_local_reserved_ports")?,
-            &read("tcp_tw_reuse")?,
-        )
-    }
-
-    pub fn parse(range: &str, reserved: &str, tw_reuse: &str) -> anyhow::Result<PortSettings> {
-        let mut it = range.split_whitespace().map(str::parse::<u16>);
-        let (Some(Ok(lo)), Some(Ok(hi))) = (it.next(), it.next()) else {
-            anyhow::bail!("ip_local_port_range: cannot parse {range:?}");
-        };
-        let mut ranges = Vec::new();
-        for part in reserved.trim().split(',').filter(|p| !p.is_empty()) {
-            let (a, b) = part.split_once('-').unwrap_or((part, part));
-            ranges.push((a.trim().parse()?, b.trim().parse()?));
-        }
-        Ok(PortSettings {
-            range: (lo, hi),
-            reserved: ranges,
-            tcp_tw_reuse: tw_reuse.trim().parse()?,
-        })
-    }
-
-    /// Whether connect() may pick this port.
-    pub fn ephemeral(&self, port: u16) -> bool {
-        (self.range.0..=self.range.1).contains(&port)
-            && !self.reserved.iter().any(|&(a, b)| (a..=b).contains(&port))
-    }
-
-    /// How many ports connect() can pick from (units: ports). __inet_hash_connect walks
-    /// an even number of ports from the low end (`remaining &= ~1`), so the last port of
-    /// an odd-sized range is never picked.
-    pub fn ephemeral_ports(&self) -> u32 {
-        let span = self.range.1 as u32 + 1 - self.range.0 as u32;
-        let span = if span > 1 { span & !1 } else { span };
-        (0..span)
-            .filter(|i| self.ephemeral((self.range.0 as u32 + i) as u16))
-            .count() as u32
-    }
-}
 
 /// `connguard ports --json`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -153,244 +79,6 @@ pub struct SourcePool {
     pub ratio: f64,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct EaddrnotavailCount {
-    pub scope: String,
-    pub comm: String,
-    pub count: u64,
-}
-
-/// What the daemon adds to a namespace's report: rates and attribution from the eBPF
-/// side (the `ports COOKIE` control request).
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
-pub struct DaemonPorts {
-    /// Destinations with TIME_WAIT entries born within RATE_WINDOW.
-    pub destinations: Vec<DaemonDestination>,
-    /// Destinations (any namespace, any source) with active admitted connections.
-    pub active: Vec<ActiveScopes>,
-    pub eaddrnotavail: Vec<EaddrnotavailCount>,
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct ActiveScopes {
-    pub dst: String,
-    pub scopes: Vec<String>,
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct DaemonDestination {
-    pub src: String,
-    pub dst: String,
-    /// TIME_WAIT entries born per second over the last RATE_WINDOW.
-    pub time_wait_per_s: f64,
-    pub scopes: Vec<String>,
-}
-
-/// Rates are TIME_WAIT births over this window.
-pub const RATE_WINDOW: Duration = Duration::from_secs(5);
-
-/// Samples of the TIME_WAITS map, RATE_WINDOW long, for per-second rates.
-#[derive(Default)]
-pub struct TimeWaitRates {
-    samples: VecDeque<(Instant, HashMap<TimeWaitKey, u64>)>,
-}
-
-impl TimeWaitRates {
-    pub fn sample(&mut self, now: Instant, counts: HashMap<TimeWaitKey, u64>) {
-        self.samples.push_back((now, counts));
-        while self.samples.len() > 2 && now - self.samples[1].0 >= RATE_WINDOW {
-            self.samples.pop_front();
-        }
-    }
-
-    /// Births per second per key, between the oldest and newest sample. A key absent
-    /// from the oldest sample was born within the window and counts from zero.
-    pub fn rates(&self) -> HashMap<TimeWaitKey, f64> {
-        let (Some((t0, old)), Some((t1, new))) = (self.samples.front(), self.samples.back()) else {
-            return HashMap::new();
-        };
-        let secs = (*t1 - *t0).as_secs_f64();
-        if secs <= 0.0 {
-            return HashMap::new();
-        }
-        new.iter()
-            .map(|(k, n)| {
-                (
-                    *k,
-                    n.saturating_sub(old.get(k).copied().unwrap_or(0)) as f64 / secs,
-                )
-            })
-            .collect()
-    }
-}
-
-/// The daemon's view of one namespace: rates summed over scopes per (source,
-/// destination), with the scopes named.
-pub fn daemon_ports(
-    netns: u64,
-    rates: &HashMap<TimeWaitKey, f64>,
-    scope_name: impl Fn(u32) -> String,
-    active: Vec<ActiveScopes>,
-    eaddrnotavail: Vec<EaddrnotavailCount>,
-) -> DaemonPorts {
-    let mut by_dest: BTreeMap<(String, String), (f64, BTreeSet<String>)> = BTreeMap::new();
-    for (k, rate) in rates
-        .iter()
-        .filter(|(k, rate)| k.netns == netns && **rate > 0.0)
-    {
-        let e = by_dest
-            .entry((
-                unmapped(k.src).to_string(),
-                endpoint(unmapped(k.dst), k.dport),
-            ))
-            .or_default();
-        e.0 += rate;
-        e.1.insert(scope_name(k.scope_id));
-    }
-    DaemonPorts {
-        destinations: by_dest
-            .into_iter()
-            .map(|((src, dst), (rate, scopes))| DaemonDestination {
-                src,
-                dst,
-                time_wait_per_s: rate,
-                scopes: scopes.into_iter().collect(),
-            })
-            .collect(),
-        active,
-        eaddrnotavail,
-    }
-}
-
-/// The report for the calling thread's network namespace (named `netns`), with the
-/// rates and attribution of the daemon on `socket` when one answers.
-pub fn collect(netns: &str, socket: &std::path::Path) -> anyhow::Result<PortsReport> {
-    let mut r = report(
-        netns,
-        &PortSettings::read()?,
-        &crate::sockdiag::tcp_sockets()?,
-    );
-    if let Ok(text) = crate::daemon::request(socket, &format!("ports {}", crate::netns::cookie()?))
-    {
-        merge(&mut r, serde_json::from_str(&text)?);
-    }
-    Ok(r)
-}
-
-/// Adds the daemon's rates and attribution to a report, and diagnoses again.
-pub fn merge(r: &mut PortsReport, from: DaemonPorts) {
-    for d in &mut r.destinations {
-        if let Some(a) = from.active.iter().find(|a| a.dst == d.dst) {
-            d.scopes = a.scopes.clone();
-        }
-        let Some(m) = from
-            .destinations
-            .iter()
-            .find(|m| m.src == d.src && m.dst == d.dst)
-        else {
-            continue;
-        };
-        for s in &m.scopes {
-            if !d.scopes.contains(s) {
-                d.scopes.push(s.clone());
-            }
-        }
-        d.time_wait_per_s = Some(m.time_wait_per_s);
-        // TIME_WAIT entries live TCP_TIMEWAIT_LEN (60 s): at this rate the range fills
-        // only if the entries alive at once outnumber the ports left for them.
-        let room = r.ephemeral_ports.saturating_sub(r.bound_ports + d.active);
-        if m.time_wait_per_s * 60.0 >= room as f64 {
-            d.seconds_to_exhaustion = Some(d.available as f64 / m.time_wait_per_s);
-        }
-    }
-    r.eaddrnotavail = from.eaddrnotavail;
-    r.warnings = diagnose(r);
-}
-
-/// `a.b.c.d:port`, or `[v6]:port`, as stats and reports write a destination. IPv4 goes
-/// through itoa: `stats` writes one per tracked destination (100,000s), and `format!`
-/// costs several times more.
-pub fn endpoint(addr: IpAddr, port: u16) -> String {
-    match addr {
-        IpAddr::V4(a) => {
-            let mut s = String::with_capacity("255.255.255.255:65535".len());
-            let mut digits = itoa::Buffer::new();
-            for (i, octet) in a.octets().into_iter().enumerate() {
-                if i > 0 {
-                    s.push('.');
-                }
-                s.push_str(digits.format(octet));
-            }
-            s.push(':');
-            s.push_str(digits.format(port));
-            s
-        }
-        IpAddr::V6(a) => format!("[{a}]:{port}"),
-    }
-}
-
-/// Sockets toward one destination from one source address.
-#[derive(Default)]
-struct Tally {
-    time_wait: u32,
-    active: u32,
-    states: BTreeMap<String, u32>,
-}
-
-/// What a namespace's socket table says about its ephemeral ports.
-struct Census {
-    /// (source, destination, destination port) -> sockets.
-    destinations: BTreeMap<(IpAddr, IpAddr, u16), Tally>,
-    /// Ports taken by bind() or listen(), on any address.
-    bound: BTreeSet<u16>,
-    /// Source address -> (ephemeral ports held by any socket, sockets bound only).
-    pools: BTreeMap<IpAddr, (BTreeSet<u16>, u32)>,
-}
-
-fn census(settings: &PortSettings, sockets: &[TcpSocket]) -> Census {
-    let mut c = Census {
-        destinations: BTreeMap::new(),
-        bound: BTreeSet::new(),
-        pools: BTreeMap::new(),
-    };
-    for s in sockets.iter().filter(|s| settings.ephemeral(s.sport)) {
-        let pool = c.pools.entry(s.src).or_default();
-        pool.0.insert(s.sport);
-        if s.state == TCP_LISTEN || s.state == TCP_CLOSE {
-            // A bind bucket that connect() will not share (fastreuse >= 0).
-            c.bound.insert(s.sport);
-            pool.1 += (s.state == TCP_CLOSE) as u32;
-            continue;
-        }
-        let t = c.destinations.entry((s.src, s.dst, s.dport)).or_default();
-        if s.state == TCP_TIME_WAIT {
-            t.time_wait += 1;
-        } else {
-            t.active += 1;
-            *t.states.entry(state_name(s.state).to_string()).or_default() += 1;
-        }
-    }
-    c
-}
-
-/// Whether connect() from `src` to `dst` may take a port held in TIME_WAIT
-/// (net.ipv4.tcp_tw_reuse: 1 always, 2 between loopback addresses).
-fn tw_reusable(tw_reuse: u8, src: IpAddr, dst: IpAddr) -> bool {
-    tw_reuse == 1 || (tw_reuse == 2 && src.is_loopback() && dst.is_loopback())
-}
-
-/// Ports connect() can still pick toward a destination.
-fn available(settings: &PortSettings, bound: u32, src: IpAddr, dst: IpAddr, t: &Tally) -> u32 {
-    let tw = if tw_reusable(settings.tcp_tw_reuse, src, dst) {
-        0
-    } else {
-        t.time_wait
-    };
-    settings
-        .ephemeral_ports()
-        .saturating_sub(bound + t.active + tw)
-}
-
 /// The report for one namespace from its socket table and settings.
 pub fn report(netns: &str, settings: &PortSettings, sockets: &[TcpSocket]) -> PortsReport {
     let total = settings.ephemeral_ports().max(1);
@@ -439,21 +127,6 @@ pub fn report(netns: &str, settings: &PortSettings, sockets: &[TcpSocket]) -> Po
     };
     r.warnings = diagnose(&r);
     r
-}
-
-/// Ports connect() can no longer pick toward each destination (the most over source
-/// addresses), in thousandths of the ephemeral range: what port watermarks compare
-/// against.
-pub fn port_use(settings: &PortSettings, sockets: &[TcpSocket]) -> HashMap<(IpAddr, u16), u32> {
-    let c = census(settings, sockets);
-    let total = settings.ephemeral_ports().max(1) as u64;
-    let mut out: HashMap<(IpAddr, u16), u32> = HashMap::new();
-    for ((src, dst, dport), t) in &c.destinations {
-        let taken = total - available(settings, c.bound.len() as u32, *src, *dst, t) as u64;
-        let e = out.entry((*dst, *dport)).or_default();
-        *e = (*e).max((taken * 1000 / total) as u32);
-    }
-    out
 }
 
 /// Plain sentences for every destination, and for the ports taken by bind(), past
@@ -601,29 +274,15 @@ pub fn table(r: &PortsReport) -> String {
 
 #[cfg(test)]
 mod tests {
+    use guard_common::linux::{TCP_CLOSE, TCP_ESTABLISHED, TCP_LISTEN, TCP_TIME_WAIT};
+
     use super::*;
+    use crate::{
+        diagnose::attribution::{DaemonDestination, DaemonPorts, merge},
+        host::ports::port_use,
+    };
 
-    #[test]
-    fn endpoints_are_written_as_display_writes_them() {
-        for (addr, port) in [
-            ("0.0.0.0", 0),
-            ("127.1.10.255", 9),
-            ("10.20.0.7", 8080),
-            ("255.255.255.255", 65535),
-            ("1.22.103.4", 100),
-            ("fd00::1", 443),
-            ("::ffff:10.0.0.1", 80),
-        ] {
-            let ip: IpAddr = addr.parse().unwrap();
-            let expected = match ip {
-                IpAddr::V4(a) => format!("{a}:{port}"),
-                IpAddr::V6(a) => format!("[{a}]:{port}"),
-            };
-            assert_eq!(endpoint(ip, port), expected);
-        }
-    }
-
-    fn sock(state: u8, src: &str, sport: u16, dst: &str, dport: u16) -> TcpSocket {
+    fn sock(state: u32, src: &str, sport: u16, dst: &str, dport: u16) -> TcpSocket {
         TcpSocket {
             state,
             src: src.parse().unwrap(),
@@ -637,24 +296,16 @@ mod tests {
     }
 
     #[test]
-    fn settings_parse_and_count_reserved_ports() {
-        let s = PortSettings::parse("40000\t40099\n", "40010-40019,40050\n", "0\n").unwrap();
-        assert_eq!(s.range, (40000, 40099));
-        assert_eq!(s.ephemeral_ports(), 89);
-        assert!(!s.ephemeral(40015) && s.ephemeral(40020));
-    }
-
-    #[test]
     fn ports_are_counted_per_source_and_destination() {
         let s = PortSettings::parse("40000 40003", "", "0").unwrap();
         let socks = [
             sock(TCP_TIME_WAIT, "127.0.0.1", 40000, "127.0.0.1", 8080),
             sock(TCP_TIME_WAIT, "127.0.0.1", 40001, "127.0.0.1", 8080),
             sock(TCP_TIME_WAIT, "127.0.0.1", 40002, "127.0.0.1", 8080),
-            sock(1, "127.0.0.1", 40003, "127.0.0.1", 8080),
-            sock(1, "127.0.0.1", 40000, "127.0.0.1", 8081),
+            sock(TCP_ESTABLISHED, "127.0.0.1", 40003, "127.0.0.1", 8080),
+            sock(TCP_ESTABLISHED, "127.0.0.1", 40000, "127.0.0.1", 8081),
             // The server side of those connections and the listener: not ephemeral.
-            sock(1, "127.0.0.1", 8080, "127.0.0.1", 40003),
+            sock(TCP_ESTABLISHED, "127.0.0.1", 8080, "127.0.0.1", 40003),
             sock(TCP_LISTEN, "0.0.0.0", 8080, "0.0.0.0", 0),
             sock(TCP_CLOSE, "10.0.0.1", 40002, "0.0.0.0", 0),
         ];

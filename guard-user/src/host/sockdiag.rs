@@ -12,21 +12,17 @@ use netlink_packet_sock_diag::{
 };
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_SOCK_DIAG};
 
-/// Pseudo-state that asks for sockets bound to a port but neither listening nor
-/// connected (TCP_BOUND_INACTIVE, include/net/tcp_states.h; checked on 6.18, older
-/// kernels ignore the bit). The kernel reports them in state TCP_CLOSE.
-pub const TCP_BOUND_INACTIVE: u8 = 13;
-pub const TCP_CLOSE: u8 = 7;
-pub const TCP_SYN_RECV: u8 = 3;
-pub const TCP_TIME_WAIT: u8 = 6;
-pub const TCP_LISTEN: u8 = 10;
+use guard_common::linux::{
+    TCP_BOUND_INACTIVE, TCP_CLOSE, TCP_CLOSE_WAIT, TCP_CLOSING, TCP_ESTABLISHED, TCP_FIN_WAIT1,
+    TCP_FIN_WAIT2, TCP_LAST_ACK, TCP_LISTEN, TCP_SYN_RECV, TCP_SYN_SENT, TCP_TIME_WAIT,
+};
 
 /// One TCP socket. Addresses are as the kernel reports them, IPv4-mapped IPv6 turned
 /// into IPv4; ports in host byte order.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TcpSocket {
-    /// TCP state number (include/net/tcp_states.h).
-    pub state: u8,
+    /// TCP state number (guard_common::linux, include/net/tcp_states.h).
+    pub state: u32,
     pub src: IpAddr,
     pub sport: u16,
     pub dst: IpAddr,
@@ -94,7 +90,7 @@ fn dump(family: u8, out: &mut Vec<TcpSocket>) -> anyhow::Result<()> {
                 NetlinkPayload::InnerMessage(SockDiagMessage::InetResponse(r)) => {
                     let id = &r.header.socket_id;
                     out.push(TcpSocket {
-                        state: r.header.state,
+                        state: r.header.state as u32,
                         src: plain(id.source_address),
                         sport: id.source_port,
                         dst: plain(id.destination_address),
@@ -117,6 +113,18 @@ fn dump(family: u8, out: &mut Vec<TcpSocket>) -> anyhow::Result<()> {
     }
 }
 
+/// Half-open connections toward a listener.
+pub fn syn_recv_of(sockets: &[TcpSocket], l: &TcpSocket) -> u32 {
+    sockets
+        .iter()
+        .filter(|s| {
+            s.state == TCP_SYN_RECV
+                && s.sport == l.sport
+                && (l.src.is_unspecified() || s.src == l.src)
+        })
+        .count() as u32
+}
+
 /// IPv4-mapped IPv6 as IPv4.
 fn plain(addr: IpAddr) -> IpAddr {
     match addr {
@@ -126,19 +134,19 @@ fn plain(addr: IpAddr) -> IpAddr {
 }
 
 /// The name `ss` uses for a TCP state.
-pub fn state_name(state: u8) -> &'static str {
+pub fn state_name(state: u32) -> &'static str {
     match state {
-        1 => "ESTAB",
-        2 => "SYN-SENT",
-        3 => "SYN-RECV",
-        4 => "FIN-WAIT-1",
-        5 => "FIN-WAIT-2",
-        6 => "TIME-WAIT",
-        7 => "UNCONN",
-        8 => "CLOSE-WAIT",
-        9 => "LAST-ACK",
-        10 => "LISTEN",
-        11 => "CLOSING",
+        TCP_ESTABLISHED => "ESTAB",
+        TCP_SYN_SENT => "SYN-SENT",
+        TCP_SYN_RECV => "SYN-RECV",
+        TCP_FIN_WAIT1 => "FIN-WAIT-1",
+        TCP_FIN_WAIT2 => "FIN-WAIT-2",
+        TCP_TIME_WAIT => "TIME-WAIT",
+        TCP_CLOSE => "UNCONN",
+        TCP_CLOSE_WAIT => "CLOSE-WAIT",
+        TCP_LAST_ACK => "LAST-ACK",
+        TCP_LISTEN => "LISTEN",
+        TCP_CLOSING => "CLOSING",
         _ => "UNKNOWN",
     }
 }

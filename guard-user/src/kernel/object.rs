@@ -1,5 +1,5 @@
-//! Loads the embedded eBPF object and attaches every program.
-use std::{ffi::CString, fs::File, path::Path};
+//! The embedded eBPF object: loading it, attaching its programs, and their costs.
+use std::{fs::File, path::Path};
 
 use anyhow::{Context, bail};
 use aya::{
@@ -10,24 +10,21 @@ use aya::{
     },
     util::KernelVersion,
 };
+use guard_common::names::program;
 use serde::{Deserialize, Serialize};
-
-use crate::cgroup;
 
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/guard-ebpf"));
 
 /// Programs on the cgroup2 root, inherited by every cgroup, including those created
 /// later. They are attached as bpf_links, which the kernel always adds in
 /// BPF_F_ALLOW_MULTI mode, so programs of systemd or a CNI on the same cgroups keep
-/// working. (A link refuses attach flags: CgroupAttachMode::Single makes
-/// bpf_link_create fail with EINVAL on 6.18, so the mode passed is the default.)
-const CGROUP_SOCK_ADDR: &[&str] = &["connect4", "connect6"];
-const CGROUP_SOCK: &[&str] = &["sock_create", "sock_release"];
-const SOCK_OPS: &[&str] = &["sock_state"];
-/// tc ingress program of listener guards, attached per namespace by listeners.rs.
-pub const LISTENER_PROGRAM: &str = "listener_shed";
+/// working. A link takes no attach flags (CgroupAttachMode::AllowMultiple makes
+/// bpf_link_create fail with EINVAL on 6.18), so the default mode, Single, is passed.
+const CGROUP_SOCK_ADDR: &[&str] = &[program::CONNECT4, program::CONNECT6];
+const CGROUP_SOCK: &[&str] = &[program::SOCK_CREATE, program::SOCK_RELEASE];
+const SOCK_OPS: &[&str] = &[program::SOCK_STATE];
 /// (program, BTF tracepoint)
-const TP_BTF: &[(&str, &str)] = &[("sock_set_state", "inet_sock_set_state")];
+const TP_BTF: &[(&str, &str)] = &[(program::SOCK_SET_STATE, program::SOCK_SET_STATE_TRACEPOINT)];
 
 /// Fails with a plain message unless we run as root.
 pub fn require_root() -> anyhow::Result<()> {
@@ -36,36 +33,6 @@ pub fn require_root() -> anyhow::Result<()> {
             "connguard must run as root: it loads eBPF programs and attaches them to the \
              cgroup v2 root (CAP_BPF, CAP_NET_ADMIN, CAP_SYS_ADMIN); try `sudo connguard run`"
         );
-    }
-    Ok(())
-}
-
-/// Mounts bpffs and tracefs where they are missing (neither is mounted at boot on some
-/// hosts); later features pin maps in bpffs and read tracepoint formats from tracefs.
-pub fn ensure_mounts() -> anyhow::Result<()> {
-    let info = std::fs::read_to_string("/proc/self/mountinfo")?;
-    for (fstype, target) in [("bpf", "/sys/fs/bpf"), ("tracefs", "/sys/kernel/tracing")] {
-        if cgroup::mount_of(&info, fstype).is_some() {
-            continue;
-        }
-        std::fs::create_dir_all(target).ok();
-        let c = |s: &str| CString::new(s).expect("no NUL");
-        let rc = unsafe {
-            libc::mount(
-                c(fstype).as_ptr(),
-                c(target).as_ptr(),
-                c(fstype).as_ptr(),
-                0,
-                std::ptr::null(),
-            )
-        };
-        if rc != 0 {
-            bail!(
-                "mounting {fstype} at {target}: {}",
-                std::io::Error::last_os_error()
-            );
-        }
-        log::info!("mounted {fstype} at {target}");
     }
     Ok(())
 }
@@ -106,9 +73,9 @@ pub fn load_and_attach(cgroup_root: &Path) -> anyhow::Result<Ebpf> {
         prog.attach(&cgroup, CgroupAttachMode::Single)
             .with_context(|| format!("attaching {name} to {}", cgroup_root.display()))?;
     }
-    let prog: &mut SchedClassifier = program(&mut ebpf, LISTENER_PROGRAM)?.try_into()?;
-    prog.load()
-        .with_context(|| format!("loading {LISTENER_PROGRAM}"))?;
+    let name = program::LISTENER_SHED;
+    let prog: &mut SchedClassifier = program(&mut ebpf, name)?.try_into()?;
+    prog.load().with_context(|| format!("loading {name}"))?;
     let btf = Btf::from_sys_fs().context("reading kernel BTF from /sys/kernel/btf/vmlinux")?;
     for (name, tracepoint) in TP_BTF {
         let prog: &mut BtfTracePoint = program(&mut ebpf, name)?.try_into()?;
@@ -120,9 +87,10 @@ pub fn load_and_attach(cgroup_root: &Path) -> anyhow::Result<Ebpf> {
     Ok(ebpf)
 }
 
-/// Attaches a loaded tc program to an interface's ingress: tcx on Linux 6.6+, a clsact
-/// qdisc before.
-pub fn attach_tc_ingress(prog: &mut SchedClassifier, iface: &str) -> anyhow::Result<()> {
+/// Attaches the loaded listener program to an interface's ingress, in the calling
+/// thread's network namespace: tcx on Linux 6.6+, a clsact qdisc before.
+pub fn attach_listener(ebpf: &mut Ebpf, iface: &str) -> anyhow::Result<()> {
+    let prog: &mut SchedClassifier = program(ebpf, program::LISTENER_SHED)?.try_into()?;
     if !KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0)) {
         // Already there is fine.
         let _ = aya::programs::tc::qdisc_add_clsact(iface);
@@ -159,4 +127,28 @@ pub fn program_costs(ebpf: &Ebpf) -> Vec<ProgramCost> {
             })
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+
+    use guard_common::names;
+
+    use super::OBJECT;
+
+    /// The names the daemon looks up are exactly those the eBPF crate declares.
+    #[test]
+    fn the_object_holds_exactly_the_named_maps_and_programs() {
+        let obj = aya_obj::Object::parse(OBJECT).expect("parse the embedded object");
+        let maps: BTreeSet<&str> = obj
+            .maps
+            .keys()
+            .map(String::as_str)
+            .filter(|n| !n.starts_with('.'))
+            .collect();
+        assert_eq!(maps, names::map::ALL.iter().copied().collect());
+        let programs: BTreeSet<&str> = obj.programs.keys().map(String::as_str).collect();
+        assert_eq!(programs, names::program::ALL.iter().copied().collect());
+    }
 }

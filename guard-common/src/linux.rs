@@ -1,0 +1,23 @@
+//! Kernel constants both sides use, with the header each comes from.
+
+/// include/uapi/linux/in.h
+pub const IPPROTO_TCP: u32 = 6;
+/// include/linux/socket.h
+pub const AF_INET: u32 = 2;
+pub const AF_INET6: u32 = 10;
+
+/// TCP states, include/net/tcp_states.h.
+pub const TCP_ESTABLISHED: u32 = 1;
+pub const TCP_SYN_SENT: u32 = 2;
+pub const TCP_SYN_RECV: u32 = 3;
+pub const TCP_FIN_WAIT1: u32 = 4;
+pub const TCP_FIN_WAIT2: u32 = 5;
+pub const TCP_TIME_WAIT: u32 = 6;
+pub const TCP_CLOSE: u32 = 7;
+pub const TCP_CLOSE_WAIT: u32 = 8;
+pub const TCP_LAST_ACK: u32 = 9;
+pub const TCP_LISTEN: u32 = 10;
+pub const TCP_CLOSING: u32 = 11;
+/// Bound to a port, neither listening nor connected (Linux 6.9+; sock_diag reports such
+/// sockets in TCP_CLOSE, and older kernels ignore the bit that asks for them).
+pub const TCP_BOUND_INACTIVE: u32 = 13;

@@ -1,0 +1,66 @@
+//! Names of the eBPF object's maps and programs. The eBPF crate declares each with the
+//! identifier spelled here (aya's macros take the name from the identifier); the daemon
+//! looks them up by these constants, and a unit test of the daemon checks that the
+//! object holds exactly these.
+
+/// Maps, by the static that declares each in guard-ebpf's `maps` module.
+pub mod map {
+    pub const ACTIVE_GEN: &str = "ACTIVE_GEN";
+    pub const SCOPES: &str = "SCOPES";
+    pub const RULES: &str = "RULES";
+    pub const COUNTERS: &str = "COUNTERS";
+    pub const SCOPE_COUNTERS: &str = "SCOPE_COUNTERS";
+    pub const RULE_COUNTERS: &str = "RULE_COUNTERS";
+    pub const TIME_WAITS: &str = "TIME_WAITS";
+    pub const EADDRNOTAVAIL: &str = "EADDRNOTAVAIL";
+    pub const PORT_USE: &str = "PORT_USE";
+    pub const LISTENERS_SHED: &str = "LISTENERS_SHED";
+    pub const RST_SHED: &str = "RST_SHED";
+    pub const WOULD_RST: &str = "WOULD_RST";
+    pub const SOCKS: &str = "SOCKS";
+    pub const STATS: &str = "STATS";
+    /// Every map of the object.
+    pub const ALL: &[&str] = &[
+        ACTIVE_GEN,
+        SCOPES,
+        RULES,
+        COUNTERS,
+        SCOPE_COUNTERS,
+        RULE_COUNTERS,
+        TIME_WAITS,
+        EADDRNOTAVAIL,
+        PORT_USE,
+        LISTENERS_SHED,
+        RST_SHED,
+        WOULD_RST,
+        SOCKS,
+        STATS,
+    ];
+}
+
+/// Programs, by the function that defines each in guard-ebpf.
+pub mod program {
+    /// cgroup sock_addr connect4 / connect6: admit or shed.
+    pub const CONNECT4: &str = "connect4";
+    pub const CONNECT6: &str = "connect6";
+    /// cgroup sock_create / sock_release.
+    pub const SOCK_CREATE: &str = "sock_create";
+    pub const SOCK_RELEASE: &str = "sock_release";
+    /// sock_ops: arms and takes the state callbacks that release admissions.
+    pub const SOCK_STATE: &str = "sock_state";
+    /// tp_btf on [`SOCK_SET_STATE_TRACEPOINT`]: counts EADDRNOTAVAIL.
+    pub const SOCK_SET_STATE: &str = "sock_set_state";
+    pub const SOCK_SET_STATE_TRACEPOINT: &str = "inet_sock_set_state";
+    /// tc ingress of listener guards.
+    pub const LISTENER_SHED: &str = "listener_shed";
+    /// Every program of the object.
+    pub const ALL: &[&str] = &[
+        CONNECT4,
+        CONNECT6,
+        SOCK_CREATE,
+        SOCK_RELEASE,
+        SOCK_STATE,
+        SOCK_SET_STATE,
+        LISTENER_SHED,
+    ];
+}

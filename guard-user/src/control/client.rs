@@ -1,0 +1,82 @@
+//! The tools' side of the control socket.
+use std::{
+    io::{BufRead, BufReader, Read, Write},
+    os::unix::net::UnixStream,
+    path::Path,
+    time::Duration,
+};
+
+use anyhow::{Context, bail, ensure};
+use serde::de::DeserializeOwned;
+
+use super::protocol::{ErrorReply, Request};
+
+/// Asks a running daemon; fails with the daemon's error when it answers with one.
+pub fn ask<T: DeserializeOwned>(socket: &Path, request: Request) -> anyhow::Result<T> {
+    let mut text = String::new();
+    send(socket, request)?.read_to_string(&mut text)?;
+    if text.starts_with(ERROR_HEAD_STR) {
+        let reply: ErrorReply = serde_json::from_str(&text)?;
+        bail!("the daemon answered: {}", reply.error);
+    }
+    serde_json::from_str(&text).with_context(|| format!("reading the daemon's answer to {request}"))
+}
+
+/// Sends one request to a running daemon; its JSON answer is on the returned stream.
+fn send(socket: &Path, request: Request) -> anyhow::Result<UnixStream> {
+    let mut stream = UnixStream::connect(socket).with_context(|| {
+        format!("no connguard daemon answers on {} (is `connguard run` running? pass --socket if it uses another path)", socket.display())
+    })?;
+    // A stalled daemon must not freeze the caller (`top` polls every second).
+    stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+    stream.write_all(format!("{request}\n").as_bytes())?;
+    stream.shutdown(std::net::Shutdown::Write)?;
+    Ok(stream)
+}
+
+/// Copies the daemon's answer to `stats` to `out` as it arrives, without decoding it,
+/// then a newline; fails with the daemon's error when it answers with one.
+pub fn copy_stats(socket: &Path, out: &mut impl Write) -> anyhow::Result<()> {
+    let mut answer = BufReader::with_capacity(1 << 16, send(socket, Request::Stats { top: None })?);
+    // An error answer is a small {"error": ...} object; a snapshot starts {"policy":.
+    let mut head = Vec::new();
+    while head.len() < ERROR_HEAD.len() {
+        let chunk = answer.fill_buf()?;
+        if chunk.is_empty() {
+            break;
+        }
+        let n = chunk.len();
+        head.extend_from_slice(chunk);
+        answer.consume(n);
+    }
+    if head.starts_with(ERROR_HEAD) {
+        answer.read_to_end(&mut head)?;
+        let reply: ErrorReply = serde_json::from_slice(&head)?;
+        bail!("the daemon answered: {}", reply.error);
+    }
+    // Copied as it comes; a snapshot the daemon failed to finish (it logs why) ends
+    // before its closing brace, which must not pass for a whole one.
+    let last_byte = |b: &[u8]| b.iter().rev().copied().find(|b| !b.is_ascii_whitespace());
+    out.write_all(&head)?;
+    let mut last = last_byte(&head);
+    loop {
+        let chunk = answer.fill_buf()?;
+        if chunk.is_empty() {
+            break;
+        }
+        last = last_byte(chunk).or(last);
+        out.write_all(chunk)?;
+        let n = chunk.len();
+        answer.consume(n);
+    }
+    ensure!(
+        last == Some(b'}'),
+        "the daemon's answer ended before the end of its JSON (see the daemon's log)"
+    );
+    writeln!(out)?;
+    Ok(())
+}
+
+/// How the daemon's error answers begin (serde_json writes them compact).
+const ERROR_HEAD_STR: &str = "{\"error\"";
+const ERROR_HEAD: &[u8] = ERROR_HEAD_STR.as_bytes();

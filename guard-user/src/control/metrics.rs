@@ -1,0 +1,47 @@
+//! The Prometheus endpoint: GET /metrics over HTTP/1.1, each scrape rendered on the
+//! blocking pool (it reads the kernel's maps).
+use std::sync::Arc;
+
+use axum::{
+    Router,
+    http::{StatusCode, header},
+    response::IntoResponse,
+    routing::get,
+};
+
+use super::server::release_freed_memory;
+
+/// Renders the exposition text of one scrape.
+pub type Render = Arc<dyn Fn() -> String + Send + Sync>;
+
+/// Serves /metrics forever.
+pub async fn serve(listener: std::net::TcpListener, render: Render) -> anyhow::Result<()> {
+    listener.set_nonblocking(true)?;
+    let listener = tokio::net::TcpListener::from_std(listener)?;
+    let app = Router::new()
+        .route("/metrics", get(move || scrape(render.clone())))
+        .fallback(|| async { (StatusCode::NOT_FOUND, "see /metrics\n") });
+    axum::serve(listener, app).await?;
+    Ok(())
+}
+
+async fn scrape(render: Render) -> impl IntoResponse {
+    let text = tokio::task::spawn_blocking(move || {
+        let text = render();
+        release_freed_memory();
+        text
+    })
+    .await;
+    match text {
+        Ok(text) => (
+            StatusCode::OK,
+            [(
+                header::CONTENT_TYPE,
+                "text/plain; version=0.0.4; charset=utf-8",
+            )],
+            text,
+        )
+            .into_response(),
+        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
+    }
+}

@@ -1,0 +1,122 @@
+//! The control protocol, over a Unix stream socket: one request line per connection (at
+//! most MAX_REQUEST bytes, newline-terminated), answered with one JSON document, then the
+//! daemon closes the connection. Every error is answered `{"error": "..."}`.
+//!
+//! Requests: `stats` (everything), `stats N` (at most N destinations per scope, the rest
+//! summed), `reload`, `ports NETNS_COOKIE`, `scope CGROUP_ID`.
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use crate::{diagnose::attribution::DaemonPorts, report::snapshot::Snapshot};
+
+/// Longest request line, in bytes, newline excluded.
+pub const MAX_REQUEST: usize = 4096;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Request {
+    /// Everything `connguard stats` shows; with `top`, each scope lists at most that many
+    /// destinations and sums the rest (for callers that want totals: `listeners`, `top`).
+    Stats { top: Option<usize> },
+    /// Re-read the policy file.
+    Reload,
+    /// What the daemon adds to a ports report of the network namespace with this cookie.
+    Ports { netns: u64 },
+    /// The scope governing the cgroup with this id.
+    Scope { cgroup_id: u64 },
+}
+
+impl Request {
+    pub fn parse(line: &str) -> Result<Request, String> {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        let number = |w: &str| {
+            w.parse::<u64>()
+                .map_err(|_| format!("{w:?} is not a number, in request {:?}", line.trim()))
+        };
+        match words[..] {
+            ["stats"] => Ok(Request::Stats { top: None }),
+            ["stats", n] => Ok(Request::Stats {
+                top: Some(number(n)? as usize),
+            }),
+            ["reload"] => Ok(Request::Reload),
+            ["ports", n] => Ok(Request::Ports { netns: number(n)? }),
+            ["scope", n] => Ok(Request::Scope {
+                cgroup_id: number(n)?,
+            }),
+            _ => Err(format!("unknown request {:?}", line.trim())),
+        }
+    }
+}
+
+impl fmt::Display for Request {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Request::Stats { top: None } => write!(f, "stats"),
+            Request::Stats { top: Some(n) } => write!(f, "stats {n}"),
+            Request::Reload => write!(f, "reload"),
+            Request::Ports { netns } => write!(f, "ports {netns}"),
+            Request::Scope { cgroup_id } => write!(f, "scope {cgroup_id}"),
+        }
+    }
+}
+
+/// The answer to a request, written as the JSON of its content.
+#[derive(Debug, Serialize)]
+#[serde(untagged)]
+pub enum Reply {
+    Stats(Box<Snapshot>),
+    Reload(ReloadReply),
+    Ports(DaemonPorts),
+    Scope(ScopeReply),
+    Error(ErrorReply),
+}
+
+impl Reply {
+    pub fn error(why: impl Into<String>) -> Reply {
+        Reply::Error(ErrorReply { error: why.into() })
+    }
+}
+
+/// Answer of `reload`: the generation in force, and why a new policy was rejected.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct ReloadReply {
+    pub generation: u64,
+    pub error: Option<String>,
+}
+
+/// Answer of `scope`: the scope's name, null when none governs the cgroup.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct ScopeReply {
+    pub scope: Option<String>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub struct ErrorReply {
+    pub error: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_read_back_as_written() {
+        for r in [
+            Request::Stats { top: None },
+            Request::Stats { top: Some(0) },
+            Request::Reload,
+            Request::Ports { netns: 4097 },
+            Request::Scope { cgroup_id: 1 },
+        ] {
+            assert_eq!(Request::parse(&format!("{r}\n")), Ok(r));
+        }
+        assert_eq!(
+            Request::parse("stats x"),
+            Err("\"x\" is not a number, in request \"stats x\"".into())
+        );
+        assert_eq!(
+            Request::parse("stop"),
+            Err("unknown request \"stop\"".into())
+        );
+    }
+}

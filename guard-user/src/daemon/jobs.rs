@@ -1,0 +1,163 @@
+//! The daemon's periodic jobs. Each is a tokio task that runs its work on the blocking
+//! pool (the work reads socket tables over netlink and maps through bpf(2)) once per
+//! period. A run that fails is logged with its cause, when it starts failing or fails
+//! differently, and the job runs again at its next period; recovery is logged too. A
+//! panic ends the whole process (the daemon's panic hook aborts), so no job dies alone
+//! while the daemon looks alive.
+use std::{
+    collections::VecDeque,
+    sync::{Arc, Mutex, PoisonError},
+    time::{Duration, Instant},
+};
+
+use tokio::time::MissedTickBehavior;
+
+use crate::report::snapshot::JobStats;
+
+/// Runs kept for the period figures of `stats`.
+const KEPT_RUNS: usize = 257;
+
+pub type Work = Arc<dyn Fn() -> anyhow::Result<()> + Send + Sync>;
+
+#[derive(Default)]
+pub struct Jobs {
+    jobs: Mutex<Vec<Arc<Mutex<Job>>>>,
+}
+
+struct Job {
+    name: &'static str,
+    period: Duration,
+    runs: u64,
+    failures: u64,
+    last_error: Option<String>,
+    /// When the last KEPT_RUNS runs started.
+    starts: VecDeque<Instant>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl Jobs {
+    /// Starts `work` every `period` on the current tokio runtime, for the daemon's life.
+    pub fn spawn(&self, name: &'static str, period: Duration, work: Work) {
+        let job = Arc::new(Mutex::new(Job {
+            name,
+            period,
+            runs: 0,
+            failures: 0,
+            last_error: None,
+            starts: VecDeque::with_capacity(KEPT_RUNS),
+        }));
+        lock(&self.jobs).push(job.clone());
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(period);
+            // A run longer than the period delays the next one instead of bunching them.
+            tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                {
+                    let mut j = lock(&job);
+                    if j.starts.len() == KEPT_RUNS {
+                        j.starts.pop_front();
+                    }
+                    j.starts.push_back(Instant::now());
+                }
+                let w = work.clone();
+                let result = match tokio::task::spawn_blocking(move || w()).await {
+                    Ok(r) => r,
+                    Err(e) => Err(anyhow::anyhow!("the run ended abnormally: {e}")),
+                };
+                lock(&job).record(result);
+            }
+        });
+    }
+
+    pub fn stats(&self) -> Vec<JobStats> {
+        lock(&self.jobs).iter().map(|j| lock(j).stats()).collect()
+    }
+}
+
+impl Job {
+    fn record(&mut self, result: anyhow::Result<()>) {
+        self.runs += 1;
+        match result {
+            Ok(()) => {
+                if self.last_error.take().is_some() {
+                    log::info!("job {}: running again without error", self.name);
+                }
+            }
+            Err(e) => {
+                self.failures += 1;
+                let why = format!("{e:#}");
+                if self.last_error.as_deref() != Some(&why) {
+                    log::warn!(
+                        "job {} failed: {why}; it runs again every {} ms",
+                        self.name,
+                        self.period.as_millis()
+                    );
+                }
+                self.last_error = Some(why);
+            }
+        }
+    }
+
+    fn stats(&self) -> JobStats {
+        let mut periods: Vec<f64> = self
+            .starts
+            .iter()
+            .zip(self.starts.iter().skip(1))
+            .map(|(a, b)| (*b - *a).as_nanos() as f64 / 1e6)
+            .collect();
+        periods.sort_by(f64::total_cmp);
+        // Nearest rank.
+        let rank = |q: f64| {
+            (!periods.is_empty()).then(|| {
+                periods[((q * periods.len() as f64).ceil() as usize).clamp(1, periods.len()) - 1]
+            })
+        };
+        JobStats {
+            name: self.name.to_string(),
+            period_ms: self.period.as_nanos() as f64 / 1e6,
+            runs: self.runs,
+            failures: self.failures,
+            last_error: self.last_error.clone(),
+            period_p50_ms: rank(0.5),
+            period_p99_ms: rank(0.99),
+            period_max_ms: periods.last().copied(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn failures_are_counted_and_periods_ranked() {
+        let start = Instant::now();
+        let mut j = Job {
+            name: "t",
+            period: Duration::from_millis(50),
+            runs: 0,
+            failures: 0,
+            last_error: None,
+            // Periods of 1, 2, ..., 100 ms.
+            starts: (0..=100u64)
+                .map(|i| start + Duration::from_millis(i * (i + 1) / 2))
+                .collect(),
+        };
+        j.record(Err(anyhow::anyhow!("no netns")));
+        j.record(Ok(()));
+        j.record(Err(anyhow::anyhow!("no netns")));
+        let s = j.stats();
+        assert_eq!(
+            (s.runs, s.failures, s.last_error.as_deref()),
+            (3, 2, Some("no netns"))
+        );
+        assert_eq!(
+            (s.period_p50_ms, s.period_p99_ms, s.period_max_ms),
+            (Some(50.0), Some(99.0), Some(100.0))
+        );
+    }
+}

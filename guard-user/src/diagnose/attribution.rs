@@ -1,0 +1,185 @@
+//! What the daemon adds to a namespace's ports report (the `ports COOKIE` control
+//! request): TIME_WAIT birth rates per (source, destination), the scopes whose admitted
+//! connections hold ports, and EADDRNOTAVAIL failures per scope and process.
+use std::{
+    collections::{BTreeMap, BTreeSet, HashMap, VecDeque},
+    time::{Duration, Instant},
+};
+
+use guard_common::{
+    Counter, CounterKey, EaddrKey, TimeWaitKey,
+    addr::{endpoint, unmapped},
+};
+use serde::{Deserialize, Serialize};
+
+use super::ports::{PortsReport, diagnose};
+
+/// connect() failures with EADDRNOTAVAIL of one process name in one scope (total).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct EaddrnotavailCount {
+    pub scope: String,
+    pub comm: String,
+    pub count: u64,
+}
+
+/// What the daemon adds to a namespace's report: rates and attribution from the eBPF
+/// side (the `ports COOKIE` control request).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct DaemonPorts {
+    /// Destinations with TIME_WAIT entries born within RATE_WINDOW.
+    pub destinations: Vec<DaemonDestination>,
+    /// Destinations (any namespace, any source) with active admitted connections.
+    pub active: Vec<ActiveScopes>,
+    pub eaddrnotavail: Vec<EaddrnotavailCount>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ActiveScopes {
+    pub dst: String,
+    pub scopes: Vec<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct DaemonDestination {
+    pub src: String,
+    pub dst: String,
+    /// TIME_WAIT entries born per second over the last RATE_WINDOW.
+    pub time_wait_per_s: f64,
+    pub scopes: Vec<String>,
+}
+
+/// Rates are TIME_WAIT births over this window.
+pub const RATE_WINDOW: Duration = Duration::from_secs(5);
+
+/// Samples of the TIME_WAITS map, RATE_WINDOW long, for per-second rates.
+#[derive(Default)]
+pub struct TimeWaitRates {
+    samples: VecDeque<(Instant, HashMap<TimeWaitKey, u64>)>,
+}
+
+impl TimeWaitRates {
+    pub fn sample(&mut self, now: Instant, counts: HashMap<TimeWaitKey, u64>) {
+        self.samples.push_back((now, counts));
+        while self.samples.len() > 2 && now - self.samples[1].0 >= RATE_WINDOW {
+            self.samples.pop_front();
+        }
+    }
+
+    /// Births per second per key, between the oldest and newest sample. A key absent
+    /// from the oldest sample was born within the window and counts from zero.
+    pub fn rates(&self) -> HashMap<TimeWaitKey, f64> {
+        let (Some((t0, old)), Some((t1, new))) = (self.samples.front(), self.samples.back()) else {
+            return HashMap::new();
+        };
+        let secs = (*t1 - *t0).as_secs_f64();
+        if secs <= 0.0 {
+            return HashMap::new();
+        }
+        new.iter()
+            .map(|(k, n)| {
+                (
+                    *k,
+                    n.saturating_sub(old.get(k).copied().unwrap_or(0)) as f64 / secs,
+                )
+            })
+            .collect()
+    }
+}
+
+/// The daemon's view of one namespace (cookie `netns`): TIME_WAIT rates summed over
+/// scopes per (source, destination) with the scopes named, the scopes with active
+/// connections per destination, and EADDRNOTAVAIL counts.
+pub fn daemon_ports(
+    netns: u64,
+    rates: &HashMap<TimeWaitKey, f64>,
+    destinations: &[(CounterKey, Counter)],
+    eaddrnotavail: &[(EaddrKey, u64)],
+    scope_name: impl Fn(u32) -> String,
+) -> DaemonPorts {
+    let mut by_dest: BTreeMap<(String, String), (f64, BTreeSet<String>)> = BTreeMap::new();
+    for (k, rate) in rates
+        .iter()
+        .filter(|(k, rate)| k.netns == netns && **rate > 0.0)
+    {
+        let e = by_dest
+            .entry((
+                unmapped(k.src).to_string(),
+                endpoint(unmapped(k.dst), k.dport),
+            ))
+            .or_default();
+        e.0 += rate;
+        e.1.insert(scope_name(k.scope_id));
+    }
+    let mut active: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for (k, _) in destinations.iter().filter(|(_, c)| c.active > 0) {
+        active
+            .entry(endpoint(unmapped(k.addr), k.port))
+            .or_default()
+            .insert(scope_name(k.scope_id));
+    }
+    DaemonPorts {
+        destinations: by_dest
+            .into_iter()
+            .map(|((src, dst), (rate, scopes))| DaemonDestination {
+                src,
+                dst,
+                time_wait_per_s: rate,
+                scopes: scopes.into_iter().collect(),
+            })
+            .collect(),
+        active: active
+            .into_iter()
+            .map(|(dst, scopes)| ActiveScopes {
+                dst,
+                scopes: scopes.into_iter().collect(),
+            })
+            .collect(),
+        eaddrnotavail: eaddrnotavail_counts(eaddrnotavail, scope_name),
+    }
+}
+
+/// EADDRNOTAVAIL counts with their scope and process named.
+pub fn eaddrnotavail_counts(
+    raw: &[(EaddrKey, u64)],
+    scope_name: impl Fn(u32) -> String,
+) -> Vec<EaddrnotavailCount> {
+    raw.iter()
+        .map(|(k, count)| EaddrnotavailCount {
+            scope: scope_name(k.scope_id),
+            comm: String::from_utf8_lossy(&k.comm)
+                .trim_end_matches('\0')
+                .to_string(),
+            count: *count,
+        })
+        .collect()
+}
+
+/// Adds the daemon's rates and attribution to a report, and diagnoses again.
+pub fn merge(r: &mut PortsReport, from: DaemonPorts) {
+    for d in &mut r.destinations {
+        if let Some(a) = from.active.iter().find(|a| a.dst == d.dst) {
+            d.scopes = a.scopes.clone();
+        }
+        let Some(m) = from
+            .destinations
+            .iter()
+            .find(|m| m.src == d.src && m.dst == d.dst)
+        else {
+            continue;
+        };
+        for s in &m.scopes {
+            if !d.scopes.contains(s) {
+                d.scopes.push(s.clone());
+            }
+        }
+        d.time_wait_per_s = Some(m.time_wait_per_s);
+        // TIME_WAIT entries live TCP_TIMEWAIT_LEN (60 s): at this rate the range fills
+        // only if the entries alive at once outnumber the ports left for them.
+        let room = r.ephemeral_ports.saturating_sub(r.bound_ports + d.active);
+        if m.time_wait_per_s * 60.0 >= room as f64 {
+            d.seconds_to_exhaustion = Some(d.available as f64 / m.time_wait_per_s);
+        }
+    }
+    r.eaddrnotavail = from.eaddrnotavail;
+    r.warnings = diagnose(r);
+}

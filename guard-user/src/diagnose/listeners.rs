@@ -1,0 +1,165 @@
+//! Listeners and their queues: which listener is saturated, and by whom.
+//!
+//! A listener's accept queue holds established connections not yet accept()ed; it is
+//! full once it holds more than the effective backlog, min(listen() backlog,
+//! net.core.somaxconn) (sk_acceptq_is_full, include/net/sock.h), so it holds backlog + 1.
+//! Then the kernel drops new SYNs and final ACKs silently (ListenOverflows and
+//! ListenDrops grow, per network namespace), and clients wait on SYN retransmits.
+//! sock_diag reports a listener's queue length as Recv-Q and its backlog as Send-Q
+//! (net/ipv4/tcp_diag.c), and half-open connections as SYN_RECV entries.
+use std::{collections::BTreeMap, fmt::Write};
+
+use guard_common::{addr::endpoint, linux::TCP_LISTEN};
+use serde::{Deserialize, Serialize};
+
+use crate::host::{
+    procfs::{socket_owners, tcp_ext_counters},
+    sockdiag::{TcpSocket, syn_recv_of},
+};
+
+/// TcpExt counters of /proc/net/netstat shown with the listeners (all per namespace).
+pub const COUNTERS: &[&str] = &[
+    "ListenOverflows",
+    "ListenDrops",
+    "TCPReqQFullDrop",
+    "TCPReqQFullDoCookies",
+    "SyncookiesSent",
+    "TCPSynRetrans",
+];
+
+/// `connguard listeners --json`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ListenersReport {
+    pub netns: String,
+    /// Fullest first.
+    pub listeners: Vec<Listener>,
+    /// The namespace's TcpExt counters (totals since the namespace was created), as
+    /// `nstat -az` shows them.
+    pub counters: BTreeMap<String, u64>,
+    pub warnings: Vec<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Listener {
+    pub netns: String,
+    /// `a.b.c.d:port` or `[v6]:port` (0.0.0.0 or :: for every address).
+    pub addr: String,
+    /// The port alone, host order.
+    pub port: u16,
+    /// Owning process as `comm[pid]`, when one holds the socket.
+    pub process: Option<String>,
+    /// Its cgroup, below the cgroup2 mount.
+    pub cgroup: Option<String>,
+    /// Its scope (asked from the daemon; null without one or outside every scope).
+    pub scope: Option<String>,
+    /// Connections waiting to be accept()ed.
+    pub accept_queue: u32,
+    /// Effective backlog: min(listen() backlog, net.core.somaxconn).
+    pub backlog: u32,
+    /// Half-open connections (SYN received, SYN-ACK sent). The kernel counts accept
+    /// queue overflows per namespace only: see the report's `counters.ListenOverflows`.
+    pub syn_recv: u32,
+    /// SYNs answered with RST by connguard's guard for this port (from the daemon).
+    pub rst_shed: u64,
+    /// "full" when the queue holds more than the backlog (new SYNs are dropped), else "ok".
+    pub state: String,
+}
+
+/// The listeners of the calling thread's namespace.
+pub fn report(
+    netns: &str,
+    sockets: &[TcpSocket],
+    counters: BTreeMap<String, u64>,
+) -> ListenersReport {
+    let owners = socket_owners();
+    let mut listeners: Vec<Listener> = sockets
+        .iter()
+        .filter(|s| s.state == TCP_LISTEN)
+        .map(|l| {
+            let syn_recv = syn_recv_of(sockets, l);
+            let owner = owners.get(&l.inode);
+            Listener {
+                netns: netns.to_string(),
+                addr: endpoint(l.src, l.sport),
+                port: l.sport,
+                process: owner.map(|o| format!("{}[{}]", o.comm, o.pid)),
+                cgroup: owner.and_then(|o| o.cgroup.clone()),
+                scope: None,
+                accept_queue: l.recv_queue,
+                backlog: l.send_queue,
+                syn_recv,
+                rst_shed: 0,
+                state: if l.recv_queue > l.send_queue {
+                    "full"
+                } else {
+                    "ok"
+                }
+                .into(),
+            }
+        })
+        .collect();
+    listeners.sort_by(|a, b| {
+        let fill = |l: &Listener| l.accept_queue as f64 / l.backlog.max(1) as f64;
+        fill(b).total_cmp(&fill(a)).then(a.addr.cmp(&b.addr))
+    });
+    let mut r = ListenersReport {
+        netns: netns.to_string(),
+        listeners,
+        counters,
+        warnings: Vec::new(),
+    };
+    r.warnings = r
+        .listeners
+        .iter()
+        .filter(|l| l.state == "full")
+        .map(|l| {
+            format!(
+                "{} ({}) has {} connections waiting to be accepted, past its backlog of {}: new SYNs are \
+                 dropped and clients wait on SYN retransmits (1 s, 3 s, 7 s). ListenOverflows is {} in this \
+                 namespace. Remedies: accept faster (more workers, a shorter critical path); raise the \
+                 listen() backlog and net.core.somaxconn for bursts.",
+                l.addr,
+                l.process.as_deref().unwrap_or("no process"),
+                l.accept_queue,
+                l.backlog,
+                r.counters.get("ListenOverflows").copied().unwrap_or(0)
+            )
+        })
+        .collect();
+    r
+}
+
+/// The calling thread's namespace's COUNTERS.
+pub fn read_counters() -> anyhow::Result<BTreeMap<String, u64>> {
+    tcp_ext_counters(COUNTERS)
+}
+
+/// The readable form of `connguard listeners`.
+pub fn table(r: &ListenersReport) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "netns {}", r.netns);
+    let _ = writeln!(
+        out,
+        "\n{:<28} {:>8} {:>8} {:>9} {:<6} {:<24} {:<16}",
+        "LISTENER", "QUEUE", "BACKLOG", "SYN_RECV", "STATE", "PROCESS", "SCOPE"
+    );
+    for l in &r.listeners {
+        let _ = writeln!(
+            out,
+            "{:<28} {:>8} {:>8} {:>9} {:<6} {:<24} {:<16}",
+            l.addr,
+            l.accept_queue,
+            l.backlog,
+            l.syn_recv,
+            l.state,
+            l.process.as_deref().unwrap_or("-"),
+            l.scope.as_deref().unwrap_or("-")
+        );
+    }
+    let counters: Vec<String> = r.counters.iter().map(|(k, v)| format!("{k} {v}")).collect();
+    let _ = writeln!(out, "\nnamespace counters: {}", counters.join(", "));
+    for w in &r.warnings {
+        let _ = writeln!(out, "\nWARNING: {w}");
+    }
+    out
+}

@@ -1,0 +1,123 @@
+//! What the programs counted: per destination, rule and scope; TIME_WAIT births,
+//! EADDRNOTAVAIL failures, internal errors. Idle destinations are forgotten so that the
+//! map of a long-running daemon holds the destinations in use.
+use std::collections::HashMap;
+
+use guard_common::{Counter, CounterKey, EaddrKey, STAT_INTERNAL_ERRORS, TimeWaitKey};
+
+use crate::kernel::{batch, maps::CounterMaps};
+
+pub struct Counters {
+    maps: CounterMaps,
+    /// Destination entries that had no active connection at the last `forget_idle`,
+    /// with their totals (admitted + shed + would_shed) then.
+    idle_seen: HashMap<CounterKey, u64>,
+    /// TIME_WAITS entries as seen at the last `forget_idle`.
+    tw_seen: HashMap<TimeWaitKey, u64>,
+    /// Counts of forgotten TIME_WAITS entries per scope, so that totals never go down.
+    tw_forgotten: HashMap<u32, u64>,
+}
+
+/// Everything the counters hold at one moment, for a snapshot built elsewhere.
+pub struct CounterDump {
+    pub destinations: Vec<(CounterKey, Counter)>,
+    /// Indexed by scope id and by rule id.
+    pub scopes: Vec<Counter>,
+    pub rules: Vec<Counter>,
+    /// TIME_WAIT entries born on each scope's connections since the daemon started.
+    pub time_wait_created: HashMap<u32, u64>,
+    pub eaddrnotavail: Vec<(EaddrKey, u64)>,
+    pub internal_errors: u64,
+}
+
+impl Counters {
+    pub fn new(maps: CounterMaps) -> Self {
+        Counters {
+            maps,
+            idle_seen: HashMap::new(),
+            tw_seen: HashMap::new(),
+            tw_forgotten: HashMap::new(),
+        }
+    }
+
+    /// Reads every counter; `(scopes, rules)`: how many scope and rule ids are assigned.
+    pub fn dump(&self, (scopes, rules): (u32, u32)) -> CounterDump {
+        CounterDump {
+            destinations: self.destinations(),
+            scopes: batch::array_prefix(&self.maps.scope_counters, scopes),
+            rules: batch::array_prefix(&self.maps.rule_counters, rules),
+            time_wait_created: self.time_wait_created(),
+            eaddrnotavail: self.eaddrnotavail(),
+            internal_errors: self.internal_errors(),
+        }
+    }
+
+    /// Every destination counter in the kernel.
+    pub fn destinations(&self) -> Vec<(CounterKey, Counter)> {
+        batch::entries(&self.maps.counters)
+    }
+
+    /// Forgets destination entries that stayed idle (no active connection, no new
+    /// admission or shed) since the previous call. Scope and rule totals (in their own
+    /// arrays) keep counting. Returns how many entries were forgotten.
+    pub fn forget_idle(&mut self) -> usize {
+        let mut idle = HashMap::new();
+        let mut forgotten = 0;
+        for (key, c) in self.destinations() {
+            if c.active != 0 {
+                continue;
+            }
+            let total = c.admitted + c.shed + c.would_shed;
+            if self.idle_seen.get(&key) == Some(&total) {
+                // A connect racing this removal charges an entry that is going away;
+                // its release then skips the entry created again (epoch differs).
+                if self.maps.counters.remove(&key).is_ok() {
+                    forgotten += 1;
+                }
+            } else {
+                idle.insert(key, total);
+            }
+        }
+        self.idle_seen = idle;
+        // TIME_WAIT birth counts that did not move: their rate is 0 and their scope
+        // no longer creates entries there.
+        let now = self.time_waits();
+        for (key, n) in &now {
+            if self.tw_seen.get(key) == Some(n) && self.maps.time_waits.remove(key).is_ok() {
+                *self.tw_forgotten.entry(key.scope_id).or_default() += n;
+                forgotten += 1;
+            }
+        }
+        self.tw_seen = now;
+        forgotten
+    }
+
+    /// TIME_WAIT entries born on admitted connections, by key (totals).
+    pub fn time_waits(&self) -> HashMap<TimeWaitKey, u64> {
+        batch::entries(&self.maps.time_waits).into_iter().collect()
+    }
+
+    /// TIME_WAIT entries born on each scope's connections since the daemon started, by
+    /// scope id.
+    fn time_wait_created(&self) -> HashMap<u32, u64> {
+        let mut out = self.tw_forgotten.clone();
+        for (k, n) in self.time_waits() {
+            *out.entry(k.scope_id).or_default() += n;
+        }
+        out
+    }
+
+    /// connect() failures with EADDRNOTAVAIL by scope and process name (totals).
+    pub fn eaddrnotavail(&self) -> Vec<(EaddrKey, u64)> {
+        batch::entries(&self.maps.eaddrnotavail)
+    }
+
+    /// Internal errors summed over CPUs (fail-open events).
+    fn internal_errors(&self) -> u64 {
+        self.maps
+            .stats
+            .get(&STAT_INTERNAL_ERRORS, 0)
+            .map(|v| v.iter().sum())
+            .unwrap_or(0)
+    }
+}

@@ -1,0 +1,144 @@
+//! Stable ids for scope and rule names: the keys of their counters.
+use std::collections::{HashMap, HashSet};
+
+use anyhow::bail;
+use guard_common::{MAX_RULE_IDS, MAX_SCOPE_IDS};
+
+use crate::policy::Policy;
+
+/// Stable numeric ids for scope and rule names, for the daemon's life: a scope or rule
+/// removed by a reload and added again by a later one gets its id, and so its counts,
+/// back. Ids index the kernel's SCOPE_COUNTERS and RULE_COUNTERS arrays, so there are
+/// at most MAX_SCOPE_IDS scope ids and MAX_RULE_IDS rule ids (unique across scopes);
+/// a policy that needs more is refused.
+#[derive(Default, Clone)]
+pub struct Ids {
+    scopes: HashMap<String, u32>,
+    rules: HashMap<(String, String), u32>,
+}
+
+impl Ids {
+    /// Gives every scope and rule of `policy` an id, or, when that would take more
+    /// ids than the arrays hold, none (and says so).
+    pub fn assign(&mut self, policy: &Policy) -> anyhow::Result<()> {
+        let new_scopes: HashSet<&str> = policy
+            .scopes
+            .iter()
+            .map(|s| s.name.as_str())
+            .filter(|name| !self.scopes.contains_key(*name))
+            .collect();
+        let new_rules: HashSet<(&str, &str)> = policy
+            .scopes
+            .iter()
+            .flat_map(|s| s.rules.iter().map(|r| (s.name.as_str(), r.name.as_str())))
+            .filter(|(s, r)| !self.rules.contains_key(&(s.to_string(), r.to_string())))
+            .collect();
+        if self.scopes.len() + new_scopes.len() > MAX_SCOPE_IDS as usize {
+            bail!(
+                "too many scope names: {} used since the daemon started and {} new, at most \
+                 {MAX_SCOPE_IDS} (counts are kept by name for the daemon's life; restart it to \
+                 start over)",
+                self.scopes.len(),
+                new_scopes.len()
+            );
+        }
+        if self.rules.len() + new_rules.len() > MAX_RULE_IDS as usize {
+            bail!(
+                "too many rule names: {} (scope, rule) pairs used since the daemon started and \
+                 {} new, at most {MAX_RULE_IDS} (counts are kept by name for the daemon's life; \
+                 restart it to start over)",
+                self.rules.len(),
+                new_rules.len()
+            );
+        }
+        // In policy order, so ids follow the file on a first start.
+        for s in &policy.scopes {
+            let next = self.scopes.len() as u32;
+            self.scopes.entry(s.name.clone()).or_insert(next);
+            for r in &s.rules {
+                let next = self.rules.len() as u32;
+                self.rules
+                    .entry((s.name.clone(), r.name.clone()))
+                    .or_insert(next);
+            }
+        }
+        Ok(())
+    }
+
+    /// The id of a scope name, once assigned.
+    pub fn scope(&self, name: &str) -> Option<u32> {
+        self.scopes.get(name).copied()
+    }
+
+    /// The id of a rule of a scope, once assigned.
+    pub fn rule(&self, scope: &str, rule: &str) -> Option<u32> {
+        self.rules
+            .get(&(scope.to_string(), rule.to_string()))
+            .copied()
+    }
+
+    /// How many scope ids and rule ids are assigned (ids are below these).
+    pub fn counts(&self) -> (u32, u32) {
+        (self.scopes.len() as u32, self.rules.len() as u32)
+    }
+
+    pub fn scope_name(&self, id: u32) -> Option<&str> {
+        self.scopes
+            .iter()
+            .find(|(_, v)| **v == id)
+            .map(|(name, _)| name.as_str())
+    }
+
+    /// Rule id -> rule name, for every rule named so far.
+    pub fn rule_names(&self) -> HashMap<u32, &str> {
+        self.rules
+            .iter()
+            .map(|((_, r), id)| (*id, r.as_str()))
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::parse;
+
+    #[test]
+    fn ids_follow_names_and_stop_at_the_array_sizes() {
+        let policy = |names: &[&str]| {
+            let text: String = names
+                .iter()
+                .map(|n| {
+                    format!(
+                        "[[scope]]\nname = \"{n}\"\ncgroup = \"x\"\n[[scope.rule]]\nname = \"r\"\n"
+                    )
+                })
+                .collect();
+            parse(&text, "t").unwrap()
+        };
+        let mut ids = Ids::default();
+        ids.assign(&policy(&["a", "b"])).unwrap();
+        ids.assign(&policy(&["b"])).unwrap();
+        ids.assign(&policy(&["c", "a"])).unwrap();
+        assert_eq!(
+            (ids.scope("a"), ids.scope("b"), ids.scope("c")),
+            (Some(0), Some(1), Some(2))
+        );
+        // Rule ids are unique across scopes.
+        assert_eq!(
+            (ids.rule("a", "r"), ids.rule("b", "r"), ids.rule("c", "r")),
+            (Some(0), Some(1), Some(2))
+        );
+        assert_eq!(ids.counts(), (3, 3));
+
+        let names: Vec<String> = (0..MAX_SCOPE_IDS - 3).map(|i| format!("s{i}")).collect();
+        let names: Vec<&str> = names.iter().map(String::as_str).collect();
+        ids.assign(&policy(&names)).unwrap();
+        assert_eq!(ids.counts().0, MAX_SCOPE_IDS);
+        let err = ids.assign(&policy(&["a", "new"])).unwrap_err().to_string();
+        assert!(err.starts_with("too many scope names"), "{err}");
+        assert_eq!(ids.scope("new"), None, "nothing assigned");
+        assert_eq!(ids.counts().0, MAX_SCOPE_IDS);
+        ids.assign(&policy(&["a", "s7"])).unwrap();
+    }
+}

@@ -1,0 +1,126 @@
+//! Every map of the object, taken out of it by name (guard_common::names::map) with its
+//! key and value types, grouped by the module that owns it on the daemon's side.
+use std::{collections::HashMap, hash::Hash};
+
+use anyhow::Context;
+use aya::{
+    Ebpf, Pod,
+    maps::{Array, HashMap as BpfHash, LpmTrie, Map, MapData, MapError, PerCpuArray},
+};
+use guard_common::{
+    Candidates, CgroupKey, Counter, CounterKey, EaddrKey, ListenerKey, ListenerShed, PortUseKey,
+    RuleAddrKey, ScopeConf, TimeWaitKey, names::map,
+};
+
+pub type Hashed<K, V> = BpfHash<MapData, K, V>;
+
+/// The policy in force, in two generations (enforce::generations).
+pub struct PolicyMaps {
+    pub active_gen: Array<MapData, u32>,
+    pub scopes: Hashed<CgroupKey, ScopeConf>,
+    pub rules: LpmTrie<MapData, RuleAddrKey, Candidates>,
+}
+
+/// What the programs count (enforce::counters).
+pub struct CounterMaps {
+    pub counters: Hashed<CounterKey, Counter>,
+    pub scope_counters: Array<MapData, Counter>,
+    pub rule_counters: Array<MapData, Counter>,
+    pub time_waits: Hashed<TimeWaitKey, u64>,
+    pub eaddrnotavail: Hashed<EaddrKey, u64>,
+    pub stats: PerCpuArray<MapData, u64>,
+}
+
+/// Listener guards' decisions and counts (listen).
+pub struct ListenerMaps {
+    pub shed: Hashed<ListenerKey, ListenerShed>,
+    pub rst_shed: Hashed<u32, u64>,
+    pub would_rst: Hashed<u32, u64>,
+}
+
+/// The maps the daemon uses. SOCKS (socket storage) is the programs' alone.
+pub struct Maps {
+    pub policy: PolicyMaps,
+    pub counters: CounterMaps,
+    /// Ports held toward destinations near a watermark (enforce::port_watch).
+    pub port_use: Hashed<PortUseKey, u32>,
+    pub listeners: ListenerMaps,
+}
+
+impl Maps {
+    pub fn take(ebpf: &mut Ebpf) -> anyhow::Result<Maps> {
+        Ok(Maps {
+            policy: PolicyMaps {
+                active_gen: take(ebpf, map::ACTIVE_GEN)?,
+                scopes: take(ebpf, map::SCOPES)?,
+                rules: take(ebpf, map::RULES)?,
+            },
+            counters: CounterMaps {
+                counters: take(ebpf, map::COUNTERS)?,
+                scope_counters: take(ebpf, map::SCOPE_COUNTERS)?,
+                rule_counters: take(ebpf, map::RULE_COUNTERS)?,
+                time_waits: take(ebpf, map::TIME_WAITS)?,
+                eaddrnotavail: take(ebpf, map::EADDRNOTAVAIL)?,
+                stats: take(ebpf, map::STATS)?,
+            },
+            port_use: take(ebpf, map::PORT_USE)?,
+            listeners: ListenerMaps {
+                shed: take(ebpf, map::LISTENERS_SHED)?,
+                rst_shed: take(ebpf, map::RST_SHED)?,
+                would_rst: take(ebpf, map::WOULD_RST)?,
+            },
+        })
+    }
+}
+
+/// The map `name`, taken out of the object as `T` (which checks key and value sizes).
+fn take<T: TryFrom<Map, Error = MapError>>(ebpf: &mut Ebpf, name: &str) -> anyhow::Result<T> {
+    let m = ebpf
+        .take_map(name)
+        .with_context(|| format!("map {name} missing from the eBPF object"))?;
+    T::try_from(m).with_context(|| format!("map {name} is not of the type the daemon expects"))
+}
+
+/// A hash map whose whole contents the daemon decides from its own readings, with a copy
+/// of what it wrote.
+pub struct Mirrored<K, V> {
+    map: Hashed<K, V>,
+    written: HashMap<K, V>,
+}
+
+impl<K: Pod + Eq + Hash, V: Pod> Mirrored<K, V> {
+    pub fn new(map: Hashed<K, V>) -> Self {
+        Mirrored {
+            map,
+            written: HashMap::new(),
+        }
+    }
+
+    /// Makes the map hold exactly `entries`. Stale entries go first, and a failed insert
+    /// leaves out only its own entry, so a failure never keeps a stale decision in force
+    /// (fail-open); the first error is returned after every entry was tried.
+    pub fn sync(&mut self, entries: HashMap<K, V>) -> anyhow::Result<()> {
+        for stale in self.written.keys().filter(|k| !entries.contains_key(k)) {
+            let _ = self.map.remove(stale);
+        }
+        self.written.clear();
+        let mut failed = None;
+        for (key, value) in entries {
+            match self.map.insert(key, value, 0) {
+                Ok(()) => {
+                    self.written.insert(key, value);
+                }
+                Err(e) => failed = failed.or(Some(e)),
+            }
+        }
+        match failed {
+            Some(e) => Err(anyhow::Error::new(e).context("some entries were left out")),
+            None => Ok(()),
+        }
+    }
+
+    /// What the map holds, as last written.
+    pub fn entries(&self) -> &HashMap<K, V> {
+        &self.written
+    }
+}

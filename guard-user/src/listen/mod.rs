@@ -1,0 +1,280 @@
+//! Listener guards: the tc program attached in each guarded network namespace, and
+//! LISTENERS_SHED kept current from the listeners' queues, read every 50 ms from the
+//! namespaces' socket tables. A namespace that cannot be read sheds nothing
+//! (fail-open), and says so in the log once, and again when it can be read again.
+use std::{
+    collections::{BTreeMap, BTreeSet, HashMap},
+    path::{Path, PathBuf},
+};
+
+use anyhow::Context;
+use aya::Ebpf;
+use guard_common::{
+    ListenerKey, ListenerShed,
+    addr::{endpoint, mapped},
+    linux::TCP_LISTEN,
+};
+use serde::{Deserialize, Serialize};
+
+use crate::{
+    host::{
+        netns,
+        sockdiag::{self, TcpSocket, syn_recv_of},
+    },
+    kernel::{
+        maps::{Hashed, ListenerMaps, Mirrored},
+        object,
+    },
+    policy::{ListenerPolicy, mode_name},
+};
+
+/// One guarded listener socket's queues at the last reading (units: connections).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct QueueReading {
+    #[serde(skip)]
+    pub listener_id: u32,
+    pub addr: String,
+    pub accept_queue: u32,
+    pub backlog: u32,
+    pub syn_recv: u32,
+}
+
+/// Live state of one `[[listener]]` policy, for `stats`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ListenerStats {
+    pub name: String,
+    /// The policy's netns file, or "self".
+    pub netns: String,
+    /// The policy's ports, as inclusive [first, last] ranges.
+    pub ports: Vec<[u16; 2]>,
+    pub mode: String,
+    /// True while its accept queue is past the watermark.
+    pub shedding: bool,
+    /// SYNs answered with RST (enforce mode).
+    pub rst_shed: u64,
+    /// SYNs observe mode would have answered with RST.
+    pub would_rst: u64,
+    /// The matching listener sockets at the last reading (every 50 ms).
+    pub queues: Vec<QueueReading>,
+}
+
+/// The daemon's side of listener guards.
+pub struct ListenerGuard {
+    shed: Mirrored<ListenerKey, ListenerShed>,
+    rst_shed: Hashed<u32, u64>,
+    would_rst: Hashed<u32, u64>,
+    policies: Vec<ListenerPolicy>,
+    /// Listener name -> id of its RST_SHED and WOULD_RST counters, stable across reloads.
+    ids: HashMap<String, u32>,
+    readings: Vec<QueueReading>,
+    /// Namespaces (policy netns paths, "" for the daemon's own) already attached.
+    attached: BTreeSet<String>,
+    /// Namespaces whose socket table could not be read at the last reading, with why.
+    unreadable: BTreeMap<String, String>,
+}
+
+/// What one reading of the guarded namespaces found.
+pub struct Reading {
+    shed: HashMap<ListenerKey, ListenerShed>,
+    queues: Vec<QueueReading>,
+    /// Namespace -> why its socket table could not be read.
+    unreadable: BTreeMap<String, String>,
+}
+
+impl ListenerGuard {
+    pub fn new(maps: ListenerMaps) -> Self {
+        ListenerGuard {
+            shed: Mirrored::new(maps.shed),
+            rst_shed: maps.rst_shed,
+            would_rst: maps.would_rst,
+            policies: Vec::new(),
+            ids: HashMap::new(),
+            readings: Vec::new(),
+            attached: BTreeSet::new(),
+            unreadable: BTreeMap::new(),
+        }
+    }
+
+    /// Takes the listener policies of the policy in force, and attaches the RST program
+    /// in each namespace not attached yet: to the policy's `interfaces`, or to all of
+    /// them, loopback included. Links live as long as the daemon; the first policy naming
+    /// a namespace chooses its interfaces. A namespace that fails is logged and tried
+    /// again at the next reload; the others still get theirs.
+    pub fn set_policies(&mut self, ebpf: &mut Ebpf, policies: Vec<ListenerPolicy>) {
+        for p in &policies {
+            let key = netns_name(p.netns.as_deref());
+            if self.attached.contains(&key) {
+                continue;
+            }
+            let attached = netns::within(p.netns.as_deref(), || {
+                let all = netns::interfaces()?;
+                if let Some(missing) = p.interfaces.iter().find(|i| !all.contains(i)) {
+                    anyhow::bail!("no interface {missing:?}");
+                }
+                let chosen: Vec<String> = all
+                    .into_iter()
+                    .filter(|i| p.interfaces.is_empty() || p.interfaces.contains(i))
+                    .collect();
+                for iface in &chosen {
+                    object::attach_listener(ebpf, iface)
+                        .with_context(|| format!("attaching the listener guard to {iface}"))?;
+                }
+                Ok(chosen)
+            });
+            match attached {
+                Ok(ifaces) => {
+                    log::info!(
+                        "listener guard attached to {} in netns {key}",
+                        ifaces.join(", ")
+                    );
+                    self.attached.insert(key);
+                }
+                Err(e) => log::error!("listener guard {:?} in netns {key}: {e:#}", p.name),
+            }
+        }
+        for p in &policies {
+            let next = self.ids.len() as u32;
+            self.ids.entry(p.name.clone()).or_insert(next);
+        }
+        self.policies = policies;
+    }
+
+    /// The policies to read, with their counter ids: taken under the daemon's lock, read
+    /// without it.
+    pub fn to_read(&self) -> Vec<(ListenerPolicy, u32)> {
+        self.policies
+            .iter()
+            .map(|p| (p.clone(), self.ids[&p.name]))
+            .collect()
+    }
+
+    /// Makes LISTENERS_SHED hold what `reading` found, and logs namespaces that became
+    /// unreadable or readable again.
+    pub fn apply(&mut self, reading: Reading) -> anyhow::Result<()> {
+        for (ns, why) in &reading.unreadable {
+            if !self.unreadable.contains_key(ns) {
+                log::warn!(
+                    "listener guard: cannot read the socket table of netns {ns}: {why}; its \
+                     listeners are not shed until it can be read again"
+                );
+            }
+        }
+        for ns in self.unreadable.keys() {
+            if !reading.unreadable.contains_key(ns) {
+                log::info!("listener guard: netns {ns} can be read again");
+            }
+        }
+        self.unreadable = reading.unreadable;
+        self.readings = reading.queues;
+        self.shed
+            .sync(reading.shed)
+            .context("writing LISTENERS_SHED")
+    }
+
+    /// Leaves LISTENERS_SHED empty: nothing is shed once the daemon is gone, even where
+    /// the tc program outlives it (clsact filters, kernels before 6.6).
+    pub fn clear(&mut self) -> anyhow::Result<()> {
+        self.shed.sync(HashMap::new())
+    }
+
+    pub fn stats(&self) -> Vec<ListenerStats> {
+        self.policies
+            .iter()
+            .map(|p| {
+                let id = self.ids[&p.name];
+                ListenerStats {
+                    name: p.name.clone(),
+                    netns: netns_name(p.netns.as_deref()),
+                    ports: p.ports.iter().map(|r| [r.first, r.last]).collect(),
+                    mode: mode_name(p.mode).into(),
+                    shedding: self.shed.entries().values().any(|v| v.listener_id == id),
+                    rst_shed: self.rst_shed.get(&id, 0).unwrap_or(0),
+                    would_rst: self.would_rst.get(&id, 0).unwrap_or(0),
+                    queues: self
+                        .readings
+                        .iter()
+                        .filter(|r| r.listener_id == id)
+                        .cloned()
+                        .collect(),
+                }
+            })
+            .collect()
+    }
+}
+
+/// A policy's netns as logs and stats name it: its file, or "self".
+fn netns_name(netns: Option<&Path>) -> String {
+    netns.map_or("self".into(), |n| n.display().to_string())
+}
+
+/// Reads the socket tables of the policies' namespaces: the listeners past their
+/// watermark, and every guarded listener's queues.
+pub fn read(policies: &[(ListenerPolicy, u32)]) -> Reading {
+    let mut reading = Reading {
+        shed: HashMap::new(),
+        queues: Vec::new(),
+        unreadable: BTreeMap::new(),
+    };
+    let namespaces: BTreeSet<Option<PathBuf>> =
+        policies.iter().map(|(p, _)| p.netns.clone()).collect();
+    for ns in namespaces {
+        let sockets = match netns::within(ns.as_deref(), sockdiag::tcp_sockets) {
+            Ok(s) => s,
+            Err(e) => {
+                reading
+                    .unreadable
+                    .insert(netns_name(ns.as_deref()), format!("{e:#}"));
+                continue;
+            }
+        };
+        for (p, id) in policies.iter().filter(|(p, _)| p.netns == ns) {
+            judge(p, *id, &sockets, &mut reading);
+        }
+    }
+    reading
+}
+
+/// Adds the listeners of one policy in one namespace's socket table to `reading`.
+fn judge(p: &ListenerPolicy, id: u32, sockets: &[TcpSocket], reading: &mut Reading) {
+    for l in sockets.iter().filter(|l| {
+        l.state == TCP_LISTEN
+            && p.ports
+                .iter()
+                .any(|r| (r.first..=r.last).contains(&l.sport))
+            && p.addr.is_none_or(|a| a == l.src)
+    }) {
+        let syn_recv = syn_recv_of(sockets, l);
+        reading.queues.push(QueueReading {
+            listener_id: id,
+            addr: endpoint(l.src, l.sport),
+            accept_queue: l.recv_queue,
+            backlog: l.send_queue,
+            syn_recv,
+        });
+        // A backlog of 0 still queues one connection: compare against 1.
+        let backlog = l.send_queue.max(1) as u64;
+        let queue_over = p
+            .accept_queue_watermark
+            .is_some_and(|w| l.recv_queue as u64 * 1000 >= w as u64 * backlog);
+        let syn_over = p.max_syn_recv.is_some_and(|m| syn_recv >= m);
+        if queue_over || syn_over {
+            // A wildcard listener (0.0.0.0 or ::) is keyed all zeros.
+            let addr = if l.src.is_unspecified() {
+                [0; 16]
+            } else {
+                mapped(l.src)
+            };
+            reading.shed.insert(
+                ListenerKey {
+                    port: l.sport,
+                    _pad: 0,
+                    addr,
+                },
+                ListenerShed {
+                    listener_id: id,
+                    mode: p.mode,
+                },
+            );
+        }
+    }
+}

@@ -1,0 +1,134 @@
+//! The policy: what each scope governs and with which budgets, and the listener guards.
+//! `parse` reads it from TOML and validates it; `compile` turns it into the entries the
+//! kernel maps take.
+use std::{fmt, net::IpAddr, path::PathBuf};
+
+use globset::GlobMatcher;
+use guard_common::{MODE_ENFORCE, PortRange};
+use ipnet::IpNet;
+
+pub mod compile;
+mod parse;
+
+pub use parse::{load_file, parse};
+
+/// The policy used when `connguard run` is given none: observe the whole host.
+pub const DEFAULT_POLICY: &str = include_str!("../../../policies/default.toml");
+pub const DEFAULT_SOURCE: &str = "<embedded default>";
+
+#[derive(Debug, Clone)]
+pub struct Policy {
+    /// File name, or DEFAULT_SOURCE.
+    pub source: String,
+    pub scopes: Vec<Scope>,
+    pub listeners: Vec<ListenerPolicy>,
+}
+
+/// A listener guard: shed SYNs with RSTs while the accept queue is past a watermark.
+#[derive(Debug, Clone)]
+pub struct ListenerPolicy {
+    pub name: String,
+    pub ports: Vec<PortRange>,
+    /// The listener's address; None = any.
+    pub addr: Option<IpAddr>,
+    /// Network namespace file; None = the daemon's own.
+    pub netns: Option<PathBuf>,
+    /// Interfaces to guard in that namespace; empty = all of them, loopback included.
+    pub interfaces: Vec<String>,
+    /// Shed from this accept queue length, in thousandths of the effective backlog.
+    pub accept_queue_watermark: Option<u32>,
+    /// Shed from this many SYN_RECV entries.
+    pub max_syn_recv: Option<u32>,
+    pub mode: u32,
+}
+
+#[derive(Debug, Clone)]
+pub struct Scope {
+    pub name: String,
+    /// Pattern below the cgroup2 mount, without leading or trailing '/'; "" = root.
+    pub cgroup: String,
+    pub matcher: GlobMatcher,
+    pub mode: u32,
+    pub errno: i32,
+    /// Budget of active connections; None = no budget.
+    pub max_connections: Option<u64>,
+    /// Port watermark in thousandths of the ephemeral range; None = none.
+    pub port_watermark: Option<u32>,
+    pub rules: Vec<Rule>,
+}
+
+impl Scope {
+    /// Whether this scope or one of its rules sets a port watermark.
+    pub fn watches_ports(&self) -> bool {
+        self.port_watermark.is_some() || self.rules.iter().any(|r| r.port_watermark.is_some())
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Rule {
+    pub name: String,
+    /// Destination networks; IPv4 networks are kept as IPv4 (the loader maps them).
+    /// Empty = every address.
+    pub dst: Vec<IpNet>,
+    /// Empty = every port.
+    pub ports: Vec<PortRange>,
+    pub max_connections: Option<u64>,
+    pub per_endpoint: bool,
+    /// Port watermark in thousandths of the ephemeral range; None = the scope's.
+    pub port_watermark: Option<u32>,
+}
+
+/// A policy error at a place in a file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PolicyError {
+    pub file: String,
+    pub line: usize,
+    pub column: usize,
+    pub reason: String,
+}
+
+impl fmt::Display for PolicyError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}:{}:{}: {}",
+            self.file, self.line, self.column, self.reason
+        )
+    }
+}
+
+impl std::error::Error for PolicyError {}
+
+/// Errnos a scope may return from a shed connect(): the ones a TCP client is written
+/// to handle.
+pub const ERRNOS: &[(&str, i32)] = &[
+    ("ECONNREFUSED", libc::ECONNREFUSED),
+    ("EPERM", libc::EPERM),
+    ("EACCES", libc::EACCES),
+    ("ECONNRESET", libc::ECONNRESET),
+    ("ETIMEDOUT", libc::ETIMEDOUT),
+    ("ENETUNREACH", libc::ENETUNREACH),
+    ("EHOSTUNREACH", libc::EHOSTUNREACH),
+    ("EADDRNOTAVAIL", libc::EADDRNOTAVAIL),
+    ("EAGAIN", libc::EAGAIN),
+];
+
+/// A one-line summary of a policy, for logs and `connguard check`.
+pub fn describe(p: &Policy) -> String {
+    let rules: usize = p.scopes.iter().map(|s| s.rules.len()).sum();
+    format!(
+        "{} scope(s), {} rule(s), {} listener guard(s)",
+        p.scopes.len(),
+        rules,
+        p.listeners.len()
+    )
+}
+
+/// How stats and logs write a mode (MODE_ENFORCE or MODE_OBSERVE).
+pub fn mode_name(mode: u32) -> &'static str {
+    if mode == MODE_ENFORCE {
+        "enforce"
+    } else {
+        "observe"
+    }
+}

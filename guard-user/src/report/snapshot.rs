@@ -1,0 +1,358 @@
+//! The snapshot the daemon reports (`connguard stats --json`, the README's shape), built
+//! from raw counter dumps without any of the daemon's locks held.
+use std::{cmp::Reverse, collections::HashMap, sync::Arc};
+
+use guard_common::{
+    Counter, NO_RULE,
+    addr::{endpoint, unmapped},
+};
+use serde::{Deserialize, Serialize};
+
+use crate::{
+    diagnose::attribution::EaddrnotavailCount,
+    enforce::{counters::CounterDump, ids::Ids, port_watch::WatchedPort},
+    kernel::object::ProgramCost,
+    listen::ListenerStats,
+    policy::{Policy, mode_name},
+};
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Snapshot {
+    pub policy: PolicyStatus,
+    pub scopes: Vec<ScopeStats>,
+    /// Fail-open events: a full map or another internal problem let a connection
+    /// through uncounted.
+    pub internal_errors: u64,
+    /// Per-program cost from the kernel's bpf_stats (`connguard run --bpf-stats`).
+    pub programs: Vec<ProgramCost>,
+    /// connect() failures with EADDRNOTAVAIL, per scope and process name.
+    pub eaddrnotavail: Vec<EaddrnotavailCount>,
+    /// Destinations near a port watermark, as last read from the socket tables.
+    pub watched_ports: Vec<WatchedPort>,
+    /// `[[listener]]` guards.
+    pub listeners: Vec<ListenerStats>,
+    /// The daemon's periodic jobs.
+    pub jobs: Vec<JobStats>,
+}
+
+/// One periodic job of the daemon (cgroup rescan, listener watch, ...). A job that fails
+/// is logged and run again at its next period.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct JobStats {
+    pub name: String,
+    /// The period it is meant to keep, ms.
+    pub period_ms: f64,
+    /// Runs (total), and of those, runs that failed.
+    pub runs: u64,
+    pub failures: u64,
+    /// The error of the last run, when it failed.
+    pub last_error: Option<String>,
+    /// Time from the start of one run to the start of the next, ms: median, 99th
+    /// percentile and highest over the last runs (at most 256). Null before 2 runs.
+    pub period_p50_ms: Option<f64>,
+    pub period_p99_ms: Option<f64>,
+    pub period_max_ms: Option<f64>,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct PolicyStatus {
+    pub source: String,
+    /// 1 for the first policy applied, +1 per successful reload.
+    pub generation: u64,
+    /// The last rejected policy's error (file:line:column: reason), until a reload succeeds.
+    pub last_error: Option<String>,
+}
+
+/// Counts in connections; counters are totals since the daemon started.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Counts {
+    pub active: u64,
+    pub peak: u64,
+    pub admitted: u64,
+    pub shed: u64,
+    pub would_shed: u64,
+}
+
+impl Counts {
+    /// Adds `c`'s active, admitted, shed and would_shed (peaks do not add up).
+    fn add_totals(&mut self, c: &Counts) {
+        self.active += c.active;
+        self.admitted += c.admitted;
+        self.shed += c.shed;
+        self.would_shed += c.would_shed;
+    }
+}
+
+impl From<&Counter> for Counts {
+    fn from(c: &Counter) -> Self {
+        Counts {
+            active: c.active,
+            peak: c.peak,
+            admitted: c.admitted,
+            shed: c.shed,
+            would_shed: c.would_shed,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ScopeStats {
+    pub name: String,
+    pub cgroup: String,
+    pub mode: String,
+    pub max_connections: Option<u64>,
+    #[serde(flatten)]
+    pub counts: Counts,
+    /// TIME_WAIT entries born on the scope's connections (total).
+    pub time_wait_created: u64,
+    pub rules: Vec<RuleStats>,
+    pub destinations: Vec<DestStats>,
+    /// The destinations left out of `destinations` (see [`scopes`]), summed; `peak` is
+    /// not summed. Not part of the JSON.
+    #[serde(skip)]
+    pub other: Option<Counts>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RuleStats {
+    pub name: String,
+    pub max_connections: Option<u64>,
+    /// "endpoint" or "rule".
+    pub per: String,
+    #[serde(flatten)]
+    pub counts: Counts,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct DestStats {
+    /// The rule that matched, or null when none did (shared by its destinations).
+    pub rule: Option<Arc<str>>,
+    /// `a.b.c.d:port` or `[v6]:port`.
+    pub dst: String,
+    #[serde(flatten)]
+    pub counts: Counts,
+}
+
+/// The scopes of `policy` with their counters from `dump`, destinations busiest first.
+/// With `top`, each scope lists at most that many destinations and sums the others in
+/// [`ScopeStats::other`] (what a scrape needs, without sorting every destination).
+pub fn scopes(
+    policy: &Policy,
+    ids: &Ids,
+    dump: CounterDump,
+    top: Option<usize>,
+) -> Vec<ScopeStats> {
+    // Ids (assigned when the policy was applied), then one reverse map of rule names.
+    let scope_ids: Vec<(Option<u32>, Vec<Option<u32>>)> = policy
+        .scopes
+        .iter()
+        .map(|s| {
+            let scope_id = ids.scope(&s.name);
+            let rules = s.rules.iter().map(|r| ids.rule(&s.name, &r.name));
+            (scope_id, rules.collect())
+        })
+        .collect();
+    let rule_names: HashMap<u32, Arc<str>> = ids
+        .rule_names()
+        .into_iter()
+        .map(|(id, name)| (id, name.into()))
+        .collect();
+    // Scope and rule totals by id, from their arrays; one pass over the destination
+    // counters, by scope.
+    let scope_totals = dump.scopes;
+    let rule_totals = dump.rules;
+    let total = |totals: &[Counter], id: Option<u32>| -> Counts {
+        id.and_then(|id| totals.get(id as usize))
+            .map(Counts::from)
+            .unwrap_or_default()
+    };
+    let mut destinations_of: HashMap<u32, Vec<DestStats>> = HashMap::new();
+    for (k, c) in dump.destinations {
+        let rule = (k.rule_id != NO_RULE).then(|| {
+            rule_names
+                .get(&k.rule_id)
+                .cloned()
+                .unwrap_or_else(|| "?".into())
+        });
+        destinations_of
+            .entry(k.scope_id)
+            .or_default()
+            .push(DestStats {
+                rule,
+                dst: endpoint(unmapped(k.addr), k.port),
+                counts: (&c).into(),
+            });
+    }
+    let time_waits = dump.time_wait_created;
+    let mut out = Vec::new();
+    for (s, (scope_id, rule_ids)) in policy.scopes.iter().zip(scope_ids) {
+        let rules = s
+            .rules
+            .iter()
+            .zip(rule_ids)
+            .map(|(r, id)| RuleStats {
+                name: r.name.clone(),
+                max_connections: r.max_connections,
+                per: if r.per_endpoint { "endpoint" } else { "rule" }.into(),
+                counts: total(&rule_totals, id),
+            })
+            .collect();
+        let all = scope_id
+            .and_then(|id| destinations_of.remove(&id))
+            .unwrap_or_default();
+        let (order, other) = busiest_first(&all, top);
+        let destinations = in_order(all, &order);
+        out.push(ScopeStats {
+            name: s.name.clone(),
+            cgroup: if s.cgroup.is_empty() {
+                "/".into()
+            } else {
+                s.cgroup.clone()
+            },
+            mode: mode_name(s.mode).into(),
+            max_connections: s.max_connections,
+            counts: total(&scope_totals, scope_id),
+            time_wait_created: scope_id
+                .and_then(|id| time_waits.get(&id).copied())
+                .unwrap_or(0),
+            rules,
+            destinations,
+            other,
+        });
+    }
+    out
+}
+
+/// Indices of `destinations` busiest first: most active, then most admitted, then by address
+/// text. With `top`, only the first `top`, and the counts of the others summed.
+///
+/// The order is worked out on small keys, not on the destinations, and the first 16 bytes of
+/// the text (as a number) settle most ties without reaching the strings. Rows that
+/// compare equal (one endpoint under two rules) have no order to keep.
+fn busiest_first(destinations: &[DestStats], top: Option<usize>) -> (Vec<usize>, Option<Counts>) {
+    let mut order: Vec<(Reverse<u64>, Reverse<u64>, u128, usize)> = destinations
+        .iter()
+        .enumerate()
+        .map(|(i, d)| {
+            let c = &d.counts;
+            (Reverse(c.active), Reverse(c.admitted), text_head(&d.dst), i)
+        })
+        .collect();
+    let cmp = |a: &(Reverse<u64>, Reverse<u64>, u128, usize),
+               b: &(Reverse<u64>, Reverse<u64>, u128, usize)| {
+        (a.0, a.1, a.2)
+            .cmp(&(b.0, b.1, b.2))
+            .then_with(|| destinations[a.3].dst.cmp(&destinations[b.3].dst))
+    };
+    let mut other = None;
+    if let Some(top) = top.filter(|&top| top < order.len()) {
+        order.select_nth_unstable_by(top, cmp);
+        let mut rest = Counts::default();
+        for &(.., i) in &order[top..] {
+            rest.add_totals(&destinations[i].counts);
+        }
+        order.truncate(top);
+        other = Some(rest);
+    }
+    order.sort_unstable_by(cmp);
+    (order.into_iter().map(|(.., i)| i).collect(), other)
+}
+
+/// `items[order[0]], items[order[1]], ...`: in place when `order` is a permutation of
+/// all the items (no second 100,000-entry vector), else taken out one by one.
+fn in_order<T: Default>(mut items: Vec<T>, order: &[usize]) -> Vec<T> {
+    if order.len() < items.len() {
+        return order
+            .iter()
+            .map(|&i| std::mem::take(&mut items[i]))
+            .collect();
+    }
+    // Follow each cycle of the permutation: slot i takes the item now at order[i],
+    // which is still its original item except for the cycle's start (then it is done).
+    let mut placed = vec![false; items.len()];
+    for start in 0..items.len() {
+        let mut i = start;
+        while !placed[i] {
+            placed[i] = true;
+            let from = order[i];
+            if from == start {
+                break;
+            }
+            items.swap(i, from);
+            i = from;
+        }
+    }
+    items
+}
+
+/// The first 16 bytes of `text`, zero-padded, as a number that orders like the text.
+fn text_head(text: &str) -> u128 {
+    let mut head = [0u8; 16];
+    let n = text.len().min(head.len());
+    head[..n].copy_from_slice(&text.as_bytes()[..n]);
+    u128::from_be_bytes(head)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(dst: &str, active: u64, admitted: u64) -> DestStats {
+        let counts = Counts {
+            active,
+            admitted,
+            shed: 1,
+            ..Default::default()
+        };
+        DestStats {
+            rule: None,
+            dst: dst.to_string(),
+            counts,
+        }
+    }
+
+    #[test]
+    fn destinations_are_ordered_busiest_then_by_text_and_cut_to_the_top() {
+        let rows = vec![
+            row("127.1.0.10:9", 0, 1),
+            row("127.1.0.1:9", 0, 1),
+            row("[fd00::1]:8080", 2, 5),
+            row("192.168.100.200:8081", 0, 1),
+            row("192.168.100.200:8080", 0, 1),
+            row("127.1.0.2:9", 0, 3),
+            row("10.0.0.1:80", 1, 1),
+            row("127.1.0.1:10", 0, 1),
+        ];
+        let mut expected: Vec<usize> = (0..rows.len()).collect();
+        expected.sort_by(|&a, &b| {
+            let (a, b) = (&rows[a], &rows[b]);
+            let (ca, cb) = (&a.counts, &b.counts);
+            (cb.active, cb.admitted, &a.dst).cmp(&(ca.active, ca.admitted, &b.dst))
+        });
+        assert_eq!(busiest_first(&rows, None), (expected.clone(), None));
+        assert_eq!(busiest_first(&rows, Some(rows.len())).0, expected);
+        let (top, other) = busiest_first(&rows, Some(3));
+        assert_eq!(top, expected[..3]);
+        let mut rest = Counts::default();
+        for &i in &expected[3..] {
+            rest.add_totals(&rows[i].counts);
+        }
+        assert_eq!(other, Some(rest));
+        assert_eq!(other.unwrap().shed, 5);
+    }
+
+    #[test]
+    fn items_are_put_in_order_in_place_or_taken_out() {
+        let n = 1000;
+        let items: Vec<usize> = (0..n).map(|i| i * 10).collect();
+        for order in [
+            (0..n).map(|i| (i * 7 + 3) % n).collect::<Vec<_>>(),
+            (0..n).rev().collect(),
+            (0..n).collect(),
+            vec![5, 999, 0],
+        ] {
+            let expected: Vec<usize> = order.iter().map(|&i| items[i]).collect();
+            assert_eq!(in_order(items.clone(), &order), expected);
+        }
+    }
+}

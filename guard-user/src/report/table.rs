@@ -1,0 +1,68 @@
+//! The readable form of `connguard stats`.
+use std::fmt::Write;
+
+use super::snapshot::Snapshot;
+
+/// The readable form of `connguard stats`.
+pub fn stats(snap: &Snapshot) -> String {
+    let mut out = String::new();
+    let p = &snap.policy;
+    let _ = writeln!(out, "policy: {} (generation {})", p.source, p.generation);
+    if let Some(e) = &p.last_error {
+        let _ = writeln!(
+            out,
+            "last reload REJECTED, previous policy still in force: {e}"
+        );
+    }
+    let _ = writeln!(out, "internal errors (fail-open): {}", snap.internal_errors);
+    for s in &snap.scopes {
+        let budget = s
+            .max_connections
+            .map_or("none".to_string(), |m| m.to_string());
+        let _ = writeln!(
+            out,
+            "\nscope {} [{}] cgroup {}  budget {}",
+            s.name, s.mode, s.cgroup, budget
+        );
+        let c = &s.counts;
+        let _ = writeln!(
+            out,
+            "  active {}  peak {}  admitted {}  shed {}  would_shed {}",
+            c.active, c.peak, c.admitted, c.shed, c.would_shed
+        );
+        if s.destinations.is_empty() {
+            continue;
+        }
+        let _ = writeln!(
+            out,
+            "  {:<16} {:<46} {:>8} {:>8} {:>10} {:>8} {:>10}",
+            "RULE", "DESTINATION", "ACTIVE", "PEAK", "ADMITTED", "SHED", "WOULD_SHED"
+        );
+        for d in &s.destinations {
+            let c = &d.counts;
+            let _ = writeln!(
+                out,
+                "  {:<16} {:<46} {:>8} {:>8} {:>10} {:>8} {:>10}",
+                d.rule.as_deref().unwrap_or("-"),
+                d.dst,
+                c.active,
+                c.peak,
+                c.admitted,
+                c.shed,
+                c.would_shed
+            );
+        }
+    }
+    if snap.programs.iter().any(|p| p.run_count > 0) {
+        let _ = writeln!(out, "\nprogram costs (kernel bpf_stats):");
+        for p in &snap.programs {
+            let avg = p.avg_ns.map_or("-".into(), |a| format!("{a:.0} ns"));
+            let _ = writeln!(
+                out,
+                "  {:<22} runs {:>10}  avg {}",
+                p.name, p.run_count, avg
+            );
+        }
+    }
+    out
+}
