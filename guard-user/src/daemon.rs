@@ -249,6 +249,13 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
         report(info);
         std::process::abort();
     }));
+    // One malloc arena for every thread: requests are served on whichever thread of the
+    // blocking pool is free, and a snapshot of 100,000 destinations (about 25 MiB while
+    // it is built) left each of their arenas holding memory. Measured with 3 `stats` and
+    // 3 scrapes at 100,000 destinations: 59 MiB at the peak and 49 MiB after, against
+    // 30 and 8 with one arena.
+    // SAFETY: mallopt only sets a glibc parameter; no thread has started yet.
+    unsafe { libc::mallopt(libc::M_ARENA_MAX, 1) };
     object::require_root()?;
     // A bad policy stops the start before anything is attached.
     let policy = read_policy(opts.policy.as_deref())?;

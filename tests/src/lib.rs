@@ -506,8 +506,10 @@ impl Netns {
 
 impl Drop for Netns {
     fn drop(&mut self) {
+        // Quiet: a test may have deleted it already.
         let _ = Command::new("ip")
             .args(["netns", "delete", &self.name])
+            .stderr(Stdio::null())
             .status();
     }
 }

@@ -301,7 +301,9 @@ fn port_watermark_sheds_one_scope_and_keeps_headroom_for_others() {
     );
     assert_eq!(out.ok + out.errors("ECONNREFUSED"), 120, "{out:?}");
     let r = ports_json(&ns);
-    let held = destination(&r, "127.0.0.1:8080")["in_use"].as_u64().unwrap();
+    let held = destination(&r, "127.0.0.1:8080")["in_use"]
+        .as_u64()
+        .unwrap();
     assert_eq!(
         held, out.ok,
         "one TIME_WAIT entry per admitted connection, the rest is headroom"

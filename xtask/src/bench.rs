@@ -156,7 +156,11 @@ pub fn run(quick: bool) -> anyhow::Result<()> {
     // own work, done after) and one GET of /metrics, with many tracked destinations.
     let stats_ms = {
         let many = if quick { 10_000 } else { 100_000 };
-        let d = Daemon::with_metrics(&policy);
+        // With a listener guard, so that the listener watcher reads a socket table at
+        // every tick (observe mode: nothing is refused).
+        let d = Daemon::with_metrics(
+            &(policy.clone() + &connguard_tests::listener_policy(&s.ns, "observe")),
+        );
         spray(&s, many)?;
         let (mut stats, mut scrape, mut listed) = (Vec::new(), Vec::new(), 0);
         for _ in 0..ONE_SHOTS {
@@ -171,7 +175,15 @@ pub fn run(quick: bool) -> anyhow::Result<()> {
             d.metrics();
             scrape.push(ms(t));
         }
-        json!({"destinations": listed, "stats": summary(&stats), "scrape": summary(&scrape), "daemon_peak_rss_mib": memory_mib(d.pid(), "VmHWM")?})
+        let peak_rss = memory_mib(d.pid(), "VmHWM")?;
+        // The listener watcher's period (start to start, 50 ms meant) over its last
+        // 256 runs, at rest and while 4 clients pull `stats --json` in a loop.
+        std::thread::sleep(PERIOD_WINDOW);
+        let idle = listener_period(&d)?;
+        let loaded = stats_load(&d, 4, PERIOD_WINDOW)?;
+        let busy = listener_period(&d)?;
+        json!({"destinations": listed, "stats": summary(&stats), "scrape": summary(&scrape), "daemon_peak_rss_mib": peak_rss,
+               "listener_period_ms": {"idle": idle, "under_stats_load": busy, "stats_answered": loaded}})
     };
 
     // 6: `connguard ports` with many TIME_WAIT entries, next to `ss` listing them; both
@@ -263,6 +275,55 @@ pub fn run(quick: bool) -> anyhow::Result<()> {
     print!("{}", markdown(&report));
     eprintln!("bench: JSON in {}", path.display());
     Ok(())
+}
+
+/// Long enough for the listener watcher's last 256 runs (50 ms apart) to fall in it.
+const PERIOD_WINDOW: Duration = Duration::from_secs(14);
+
+/// The listener watcher's period figures from the daemon's stats (asked for without
+/// destinations, so that asking adds no load).
+fn listener_period(d: &Daemon) -> anyhow::Result<Value> {
+    use std::io::{Read, Write};
+    let mut c = std::os::unix::net::UnixStream::connect(&d.socket)?;
+    c.write_all(b"stats 0\n")?;
+    let mut text = String::new();
+    c.read_to_string(&mut text)?;
+    let stats: Value = serde_json::from_str(&text)?;
+    let job = stats["jobs"]
+        .as_array()
+        .and_then(|jobs| jobs.iter().find(|j| j["name"] == "listener_watch"))
+        .context("no listener_watch job in the daemon's stats")?;
+    Ok(
+        json!({"p50": job["period_p50_ms"], "p99": job["period_p99_ms"], "max": job["period_max_ms"]}),
+    )
+}
+
+/// `clients` threads running `connguard stats --json` back to back for `window`; how
+/// many answers came, every one a whole document.
+fn stats_load(d: &Daemon, clients: usize, window: Duration) -> anyhow::Result<u64> {
+    let until = Instant::now() + window;
+    std::thread::scope(|s| {
+        let threads: Vec<_> = (0..clients)
+            .map(|_| {
+                s.spawn(|| -> anyhow::Result<u64> {
+                    let mut n = 0;
+                    while Instant::now() < until {
+                        let out = d.cli(&["stats", "--json"]);
+                        anyhow::ensure!(
+                            out.status.success() && out.stdout.trim_ascii_end().ends_with(b"}"),
+                            "connguard stats --json failed under load"
+                        );
+                        n += 1;
+                    }
+                    Ok(n)
+                })
+            })
+            .collect();
+        threads
+            .into_iter()
+            .map(|t| t.join().expect("stats client"))
+            .sum()
+    })
 }
 
 /// Churn rate (connections/s): N connect + client-first close to the local server, from
@@ -642,6 +703,21 @@ fn markdown(r: &Value) -> String {
             "`ss -tan state time-wait`: {:.1} ms ({ports_ratio:.2}×)",
             f(&po["ss"]["median"])
         ),
+    );
+    let lp = &st["listener_period_ms"];
+    out += &format!(
+        "\n| listener watcher period (50 ms meant), last 256 runs | p50 ms | p99 ms | max ms |\n|---|---|---|---|\n\
+         | at rest, {} destinations tracked | {:.1} | {:.1} | {:.1} |\n\
+         | 4 clients pulling `stats --json` in a loop ({} answers in {} s) | {:.1} | {:.1} | {:.1} |\n",
+        st["destinations"],
+        f(&lp["idle"]["p50"]),
+        f(&lp["idle"]["p99"]),
+        f(&lp["idle"]["max"]),
+        lp["stats_answered"],
+        PERIOD_WINDOW.as_secs(),
+        f(&lp["under_stats_load"]["p50"]),
+        f(&lp["under_stats_load"]["p99"]),
+        f(&lp["under_stats_load"]["max"]),
     );
     let d = &r["daemon"];
     out += "\n| daemon | RSS MiB | CPU % of a core |\n|---|---|---|\n";

@@ -148,8 +148,8 @@ async fn read_request(
 
 /// Gives the memory freed after a request back to the kernel. A snapshot of 100,000
 /// destinations takes about 25 MiB while it is built, and glibc keeps freed memory in
-/// each thread's arena: without this, after three `stats` and three scrapes the daemon
-/// stayed at 39 MiB resident (54 at most), against 12 to 20 (38 at most) with it.
+/// its arena: without this, after three `stats` and three scrapes the daemon stayed at
+/// 39 MiB resident (54 at most), against 12 to 20 (38 at most) with it.
 pub fn release_freed_memory() {
     // SAFETY: malloc_trim only walks and shrinks glibc's own heaps.
     unsafe { libc::malloc_trim(0) };
