@@ -100,7 +100,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             let name = enter_netns(&netns)?;
             top::run(&name, || top::View {
                 ports: ports_report(&name, &netns.socket).map_err(|e| format!("{e:#}")),
-                listeners: sockdiag::tcp_sockets()
+                listeners: sockdiag::listeners_and_syn_recv()
                     .map(|socks| {
                         let counters = listeners::read_counters().unwrap_or_default();
                         listeners::report(&name, &socks, counters).listeners
@@ -157,7 +157,7 @@ fn ports_report(name: &str, socket: &Path) -> anyhow::Result<ports::PortsReport>
 /// and the RSTs its guard sent, when a daemon answers on `socket`.
 fn listeners_report(name: &str, socket: &Path) -> anyhow::Result<listeners::ListenersReport> {
     let mut report =
-        listeners::report(name, &sockdiag::tcp_sockets()?, listeners::read_counters()?);
+        listeners::report(name, &sockdiag::listeners_and_syn_recv()?, listeners::read_counters()?);
     // The scope of each owning process's cgroup.
     if let Ok(root) = mounts::cgroup2_mount() {
         for l in &mut report.listeners {

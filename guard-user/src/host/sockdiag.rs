@@ -40,21 +40,34 @@ pub struct TcpSocket {
 /// Every TCP socket of the current network namespace, IPv4 and IPv6, in every state
 /// (TIME_WAIT and bound-inactive included).
 pub fn tcp_sockets() -> anyhow::Result<Vec<TcpSocket>> {
+    tcp_sockets_in(StateFlags::all() | StateFlags::from_bits_retain(1 << TCP_BOUND_INACTIVE))
+}
+
+/// The listeners and SYN_RECV entries of the current network namespace: the kernel
+/// skips every other socket, so the cost does not grow with TIME_WAIT entries (asking
+/// for SYN_RECV includes request sockets, TCP_NEW_SYN_RECV, inet_diag_dump_icsk in
+/// net/ipv4/inet_diag.c).
+pub fn listeners_and_syn_recv() -> anyhow::Result<Vec<TcpSocket>> {
+    tcp_sockets_in(StateFlags::from_bits_retain(
+        (1 << TCP_LISTEN) | (1 << TCP_SYN_RECV),
+    ))
+}
+
+fn tcp_sockets_in(states: StateFlags) -> anyhow::Result<Vec<TcpSocket>> {
     let mut out = Vec::new();
     for family in [AF_INET, AF_INET6] {
-        dump(family, &mut out)?;
+        dump(family, states.clone(), &mut out)?;
     }
     Ok(out)
 }
 
-fn dump(family: u8, out: &mut Vec<TcpSocket>) -> anyhow::Result<()> {
+fn dump(family: u8, states: StateFlags, out: &mut Vec<TcpSocket>) -> anyhow::Result<()> {
     let mut socket =
         Socket::new(NETLINK_SOCK_DIAG).context("opening a sock_diag netlink socket")?;
     socket.bind_auto()?;
     socket.connect(&SocketAddr::new(0, 0))?;
     let mut header = NetlinkHeader::default();
     header.flags = NLM_F_REQUEST | NLM_F_DUMP;
-    let states = StateFlags::all() | StateFlags::from_bits_retain(1 << TCP_BOUND_INACTIVE);
     let mut request = NetlinkMessage::new(
         header,
         SockDiagMessage::InetRequest(InetRequest {

@@ -218,7 +218,7 @@ pub fn read(policies: &[(ListenerPolicy, u32)]) -> Reading {
     let namespaces: BTreeSet<Option<PathBuf>> =
         policies.iter().map(|(p, _)| p.netns.clone()).collect();
     for ns in namespaces {
-        let sockets = match netns::within(ns.as_deref(), sockdiag::tcp_sockets) {
+        let sockets = match netns::within(ns.as_deref(), sockdiag::listeners_and_syn_recv) {
             Ok(s) => s,
             Err(e) => {
                 reading
