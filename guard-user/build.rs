@@ -1,5 +1,5 @@
 //! Builds the eBPF object (guard-ebpf) for bpfel-unknown-none with Debian's rustc, which
-//! ships a precompiled `core` for that target (../shared/TOOLCHAIN.md), and leaves it in
+//! ships a precompiled `core` for that target, and leaves it in
 //! OUT_DIR for `include_bytes!`. `cargo xtask setup` installs what this needs.
 use std::{env, path::PathBuf, process::Command};
 

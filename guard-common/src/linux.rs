@@ -4,7 +4,6 @@
 pub const IPPROTO_TCP: u32 = 6;
 /// include/linux/socket.h
 pub const AF_INET: u32 = 2;
-pub const AF_INET6: u32 = 10;
 
 /// TCP states, include/net/tcp_states.h.
 pub const TCP_ESTABLISHED: u32 = 1;

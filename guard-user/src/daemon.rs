@@ -241,6 +241,15 @@ impl Handler for Daemon {
     }
 }
 
+/// A file removed when this is dropped.
+struct RemovedOnDrop(PathBuf);
+
+impl Drop for RemovedOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
 pub fn run(opts: Options) -> anyhow::Result<()> {
     // A panic anywhere ends the process, so the kernel detaches the programs and traffic
     // flows (fail-open), instead of one task dying while the daemon looks alive.
@@ -261,8 +270,6 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
     let policy = read_policy(opts.policy.as_deref())?;
     mounts::ensure_bpffs()?;
     let root = mounts::cgroup2_mount()?;
-    // Bound before any thread starts (see server::bind).
-    let control = control::server::bind(&opts.socket)?;
     let metrics = match &opts.metrics {
         Some(addr) => Some(
             std::net::TcpListener::bind(addr.as_str())
@@ -270,6 +277,10 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
         ),
         None => None,
     };
+    // Bound before any thread starts (see server::bind); removed when `run` returns,
+    // whether the daemon stops or fails to start.
+    let control = control::server::bind(&opts.socket)?;
+    let _socket_file = RemovedOnDrop(opts.socket.clone());
     let _stats_fd = if opts.bpf_stats {
         Some(
             aya::sys::enable_stats(aya::sys::Stats::RunTime)
@@ -353,7 +364,6 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
         log::info!("signal received: detaching and exiting");
         anyhow::Ok(())
     });
-    let _ = std::fs::remove_file(&opts.socket);
     // Links detach when the process exits; clsact filters (kernels before 6.6) stay, so
     // leave them nothing to shed.
     if let Err(e) = lock(&daemon.listeners).clear() {

@@ -1,4 +1,6 @@
-//! Budgets enforced on real sockets: DESIGN.md invariants 1, 3, 4 and 5.
+//! Budgets enforced on real sockets: a budget of N is never exceeded, an attempt is
+//! admitted once however it is made, non-TCP sockets pass uncounted, and internal
+//! problems fail open.
 use std::{net::SocketAddr, time::Duration};
 
 use connguard_tests::{Cgroup, Daemon, Server, budget_policy, destination, n};
@@ -116,7 +118,7 @@ fn observe_mode_counts_would_shed_equal_to_enforce_shed() {
     );
 }
 
-/// (e) and CASES 7: UDP connect/send toward a budgeted destination is untouched.
+/// UDP connect/send toward a budgeted destination is untouched.
 #[test]
 fn udp_is_untouched_and_uncounted() {
     let udp = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
@@ -152,7 +154,7 @@ fn ipv6_destination_budget() {
     assert_eq!((n(dst, "active"), n(dst, "shed")), (3, 2), "{s}");
 }
 
-/// (f) and CASES 6: `::ffff:127.0.0.1` through an AF_INET6 socket shares the IPv4 key.
+/// `::ffff:127.0.0.1` through an AF_INET6 socket shares the IPv4 key.
 #[test]
 fn ipv4_mapped_ipv6_shares_the_ipv4_budget() {
     let server = Server::start("127.0.0.1:0");
@@ -244,8 +246,8 @@ fn cgroup_created_after_start_is_governed_within_a_second() {
     assert_eq!(n(&d.scope("j"), "shed"), 2);
 }
 
-/// DESIGN.md "scope": a socket belongs to the cgroup it was created in, not to the
-/// cgroup of the task that calls connect().
+/// A socket belongs to the scope of the cgroup it was created in, not to the cgroup of
+/// the task that calls connect().
 #[test]
 fn socket_counts_for_the_cgroup_it_was_created_in() {
     let server = Server::start("127.0.0.1:0");

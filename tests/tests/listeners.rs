@@ -1,4 +1,4 @@
-//! Listener accept-queue exhaustion, detected (issue 4, CASES 3).
+//! Listener accept-queue exhaustion: detected, and shed with RSTs by listener guards.
 use std::process::Command;
 
 use connguard_tests::{Cgroup, Daemon, Netns, connguard_bin, listener_policy};
@@ -18,7 +18,7 @@ fn nstat(ns: &Netns, name: &str) -> u64 {
         .unwrap_or_else(|| panic!("no {name} in nstat output {text:?}"))
 }
 
-/// CASES 3: somaxconn 1 and listen(1000), never accepting: the queue holds backlog + 1,
+/// somaxconn 1 and listen(1000), never accepting: the queue holds backlog + 1,
 /// so 2 connects complete and the 3rd waits; the listener is shown 2 of 1, full, with
 /// its process and scope, and the overflow counters equal nstat's.
 #[test]

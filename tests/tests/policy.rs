@@ -1,4 +1,5 @@
-//! Policy files on the command line and on reload (DESIGN.md invariant 6).
+//! Policy files on the command line and on reload: a reload is atomic and keeps the
+//! counts; a bad policy changes nothing.
 use std::{process::Command, time::Duration};
 
 use connguard_tests::{Cgroup, Daemon, Server, budget_policy, connguard_bin, n};
@@ -55,7 +56,7 @@ fn check_rejects_bad_files_with_line_and_column() {
     assert_eq!((code, msg.as_str()), (0, ""));
 }
 
-/// (h) and CASES 4: reloads keep the counts; a bad reload changes nothing.
+/// Reloads keep the counts; a bad reload changes nothing.
 #[test]
 fn reload_keeps_counts_and_a_bad_file_changes_nothing() {
     let server = Server::start("127.0.0.1:0");

@@ -1,4 +1,4 @@
-//! Port exhaustion diagnosis on the real kernel (issue 3, CASES 1).
+//! Ephemeral-port and TIME_WAIT exhaustion, diagnosed on the real kernel.
 use std::{collections::BTreeMap, process::Command};
 
 use connguard_tests::{Cgroup, Daemon, Netns, connguard_bin, destination};
@@ -62,7 +62,8 @@ fn serve(cg: &Cgroup, ns: &Netns) -> connguard_tests::Holder {
     cg.hold_args(&["serve", &ns.path(), "8080", "8081"])
 }
 
-/// CASES 1 without the daemon: EADDRNOTAVAIL at connection 101 toward :8080, the
+/// A namespace whose range holds 100 ports, without the daemon: EADDRNOTAVAIL at
+/// connection 101 toward :8080, the
 /// destination shown at 100 of 100 ports with exactly the TIME_WAIT entries `ss` sees,
 /// and :8081 still healthy.
 #[test]
@@ -72,7 +73,7 @@ fn exhausted_destination_is_named_with_exact_counts() {
     let servers = serve(&cg, &ns);
     let out = cg.probe(&["churn", &ns.path(), "127.0.0.1:8080", "150", "0"]);
     // The 101st fails (about 1 run in 5 here a TIME_WAIT entry goes early and the 102nd
-    // does: the kernel's "near 101" of CASES 1); after the first, every one fails.
+    // does); after the first, every one fails.
     let first = out.categories["first_eaddrnotavail"];
     assert!((101..=102).contains(&first), "{out:?}");
     assert_eq!(

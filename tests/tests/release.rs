@@ -1,4 +1,4 @@
-//! Every admission is released exactly once, on every path (DESIGN.md invariant 2).
+//! Every admission is released exactly once, on every path.
 use std::time::Duration;
 
 use connguard_tests::{Cgroup, Daemon, Netns, Server, n};
@@ -94,7 +94,7 @@ fn ten_thousand_mixed_outcomes_leave_every_count_at_zero() {
     assert_eq!(n(&d.stats(), "internal_errors"), 0);
 }
 
-/// CASES 5: limit 2; connect twice, close both (one after the server reset it);
+/// A budget of 2; connect twice, close both (one after the server reset it);
 /// the third is admitted.
 #[test]
 fn slot_is_freed_after_a_reset() {

@@ -1,7 +1,7 @@
 //! `cargo xtask bench [--quick]`: connguard's cost, measured side by side in one run on
 //! a noisy shared machine: interleaved rounds, medians and spread, ratios to no guard,
 //! and the kernel's own per-program statistics. Prints a markdown report (with the
-//! targets of issue 5, met or not) and writes the same as JSON to target/bench.json.
+//! performance targets, met or not) and writes the same as JSON to target/bench.json.
 use std::{
     collections::BTreeMap,
     io::Write,
@@ -729,7 +729,7 @@ fn markdown(r: &Value) -> String {
         );
     }
 
-    // The targets of issue 5.
+    // The performance targets.
     let ratio = f(&r["round_ratio_to_no_guard"]["connguard"]["median"]);
     let nft_ratio = f(&r["round_ratio_to_no_guard"]["nftables"]["median"]);
     let cost = |p: &str| f(&r["program_ns_per_run"][p]["median"]);
@@ -747,7 +747,7 @@ fn markdown(r: &Value) -> String {
     let (rss, idle_cpu) = (f(&d["idle"]["rss_mib"]), f(&d["idle"]["cpu_percent"]));
     let peak_rss = f(&st["daemon_peak_rss_mib"]).max(rss);
     let (stats, scrape) = (f(&st["stats"]["median"]), f(&st["scrape"]["median"]));
-    out += "\n| target (issue 5) | measured | |\n|---|---|---|\n";
+    out += "\n| target | measured | |\n|---|---|---|\n";
     for (target, measured, met) in [
         (
             "churn ratio ≥ 0.97 (median) and above nftables".to_string(),

@@ -1,4 +1,5 @@
-//! Installs the toolchain of ../shared/TOOLCHAIN.md and the test tools, skipping what is
+//! Installs the toolchain for Rust eBPF (Debian's BPF-capable rustc and its `core`, LLVM 22
+//! for bpf-linker) and the test tools, skipping what is
 //! already there.
 use std::process::Command;
 

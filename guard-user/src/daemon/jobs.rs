@@ -6,16 +6,20 @@
 //! while the daemon looks alive.
 use std::{
     collections::VecDeque,
-    sync::{Arc, Mutex, PoisonError},
+    sync::{Arc, Mutex},
     time::{Duration, Instant},
 };
 
 use tokio::time::MissedTickBehavior;
 
+use super::lock;
 use crate::report::snapshot::JobStats;
 
 /// Runs kept for the period figures of `stats`.
 const KEPT_RUNS: usize = 257;
+/// A run still going after this long is logged (again every time as long), and shown
+/// in `stats` as `running_ms`: every job's run takes far less.
+const STALLED: Duration = Duration::from_secs(10);
 
 pub type Work = Arc<dyn Fn() -> anyhow::Result<()> + Send + Sync>;
 
@@ -32,10 +36,8 @@ struct Job {
     last_error: Option<String>,
     /// When the last KEPT_RUNS runs started.
     starts: VecDeque<Instant>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
+    /// Whether a run is going now (it started at the back of `starts`).
+    running: bool,
 }
 
 impl Jobs {
@@ -48,6 +50,7 @@ impl Jobs {
             failures: 0,
             last_error: None,
             starts: VecDeque::with_capacity(KEPT_RUNS),
+            running: false,
         }));
         lock(&self.jobs).push(job.clone());
         tokio::spawn(async move {
@@ -62,11 +65,23 @@ impl Jobs {
                         j.starts.pop_front();
                     }
                     j.starts.push_back(Instant::now());
+                    j.running = true;
                 }
                 let w = work.clone();
-                let result = match tokio::task::spawn_blocking(move || w()).await {
-                    Ok(r) => r,
-                    Err(e) => Err(anyhow::anyhow!("the run ended abnormally: {e}")),
+                let mut run = tokio::task::spawn_blocking(move || w());
+                let mut waited = Duration::ZERO;
+                let result = loop {
+                    match tokio::time::timeout(STALLED, &mut run).await {
+                        Ok(Ok(r)) => break r,
+                        Ok(Err(e)) => break Err(anyhow::anyhow!("the run ended abnormally: {e}")),
+                        Err(_) => {
+                            waited += STALLED;
+                            log::warn!(
+                                "job {name}: a run has been going for {} s and has not ended",
+                                waited.as_secs()
+                            );
+                        }
+                    }
                 };
                 lock(&job).record(result);
             }
@@ -81,6 +96,7 @@ impl Jobs {
 impl Job {
     fn record(&mut self, result: anyhow::Result<()>) {
         self.runs += 1;
+        self.running = false;
         match result {
             Ok(()) => {
                 if self.last_error.take().is_some() {
@@ -125,6 +141,11 @@ impl Job {
             period_p50_ms: rank(0.5),
             period_p99_ms: rank(0.99),
             period_max_ms: periods.last().copied(),
+            running_ms: self
+                .starts
+                .back()
+                .filter(|_| self.running)
+                .map(|t| t.elapsed().as_nanos() as f64 / 1e6),
         }
     }
 }
@@ -142,6 +163,7 @@ mod tests {
             runs: 0,
             failures: 0,
             last_error: None,
+            running: true,
             // Periods of 1, 2, ..., 100 ms.
             starts: (0..=100u64)
                 .map(|i| start + Duration::from_millis(i * (i + 1) / 2))
@@ -152,8 +174,8 @@ mod tests {
         j.record(Err(anyhow::anyhow!("no netns")));
         let s = j.stats();
         assert_eq!(
-            (s.runs, s.failures, s.last_error.as_deref()),
-            (3, 2, Some("no netns"))
+            (s.runs, s.failures, s.last_error.as_deref(), s.running_ms),
+            (3, 2, Some("no netns"), None)
         );
         assert_eq!(
             (s.period_p50_ms, s.period_p99_ms, s.period_max_ms),

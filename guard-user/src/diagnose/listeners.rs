@@ -39,6 +39,8 @@ pub struct ListenersReport {
     pub warnings: Vec<String>,
 }
 
+/// One listening socket. The kernel counts accept-queue overflows per namespace, not per
+/// listener: they are in the report's `counters`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Listener {
     pub netns: String,
@@ -56,8 +58,7 @@ pub struct Listener {
     pub accept_queue: u32,
     /// Effective backlog: min(listen() backlog, net.core.somaxconn).
     pub backlog: u32,
-    /// Half-open connections (SYN received, SYN-ACK sent). The kernel counts accept
-    /// queue overflows per namespace only: see the report's `counters.ListenOverflows`.
+    /// Half-open connections (SYN received, SYN-ACK sent).
     pub syn_recv: u32,
     /// SYNs answered with RST by connguard's guard for this port (from the daemon).
     pub rst_shed: u64,

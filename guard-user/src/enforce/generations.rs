@@ -96,6 +96,8 @@ impl Generations {
                     rule_keys.push(key);
                 }
             }
+            // The switch: from here the programs read the new generation.
+            self.maps.active_gen.set(0, next, 0)?;
             Ok(())
         })();
         if let Err(e) = result {
@@ -108,7 +110,6 @@ impl Generations {
             }
             return Err(e.context("writing the policy into the kernel maps"));
         }
-        self.maps.active_gen.set(0, next, 0)?;
         self.idle_scopes = std::mem::replace(&mut self.written_scopes, scopes)
             .into_keys()
             .collect();

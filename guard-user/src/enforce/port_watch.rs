@@ -41,8 +41,7 @@ impl PortWatch {
         }
     }
 
-    /// Makes PORT_USE hold exactly these destinations. Without a fresh reading the
-    /// caller passes none, so that no destination stays shed on a stale one.
+    /// Makes PORT_USE hold exactly these destinations.
     pub fn sync(&mut self, entries: HashMap<PortUseKey, u32>) -> anyhow::Result<()> {
         self.port_use.sync(entries)
     }

@@ -12,7 +12,7 @@ pub fn cgroup2_mount() -> anyhow::Result<PathBuf> {
 }
 
 /// Mounts bpffs at /sys/fs/bpf when no bpffs is mounted (some hosts do not mount it at
-/// boot); pinned maps and links live there.
+/// boot): aya and bpftool look for it there.
 pub fn ensure_bpffs() -> anyhow::Result<()> {
     if mount_of(&mountinfo()?, "bpf").is_some() {
         return Ok(());

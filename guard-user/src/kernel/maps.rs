@@ -1,5 +1,5 @@
 //! Every map of the object, taken out of it by name (guard_common::names::map) with its
-//! key and value types, grouped by the module that owns it on the daemon's side.
+//! key and value types, grouped by what they hold.
 use std::{collections::HashMap, hash::Hash};
 
 use anyhow::Context;
@@ -14,14 +14,14 @@ use guard_common::{
 
 pub type Hashed<K, V> = BpfHash<MapData, K, V>;
 
-/// The policy in force, in two generations (enforce::generations).
+/// The policy in force, in two generations.
 pub struct PolicyMaps {
     pub active_gen: Array<MapData, u32>,
     pub scopes: Hashed<CgroupKey, ScopeConf>,
     pub rules: LpmTrie<MapData, RuleAddrKey, Candidates>,
 }
 
-/// What the programs count (enforce::counters).
+/// What the programs count.
 pub struct CounterMaps {
     pub counters: Hashed<CounterKey, Counter>,
     pub scope_counters: Array<MapData, Counter>,
@@ -31,7 +31,7 @@ pub struct CounterMaps {
     pub stats: PerCpuArray<MapData, u64>,
 }
 
-/// Listener guards' decisions and counts (listen).
+/// Listener guards' decisions and counts.
 pub struct ListenerMaps {
     pub shed: Hashed<ListenerKey, ListenerShed>,
     pub rst_shed: Hashed<u32, u64>,
@@ -42,7 +42,7 @@ pub struct ListenerMaps {
 pub struct Maps {
     pub policy: PolicyMaps,
     pub counters: CounterMaps,
-    /// Ports held toward destinations near a watermark (enforce::port_watch).
+    /// Ports held toward destinations near a port watermark.
     pub port_use: Hashed<PortUseKey, u32>,
     pub listeners: ListenerMaps,
 }
@@ -96,9 +96,10 @@ impl<K: Pod + Eq + Hash, V: Pod> Mirrored<K, V> {
         }
     }
 
-    /// Makes the map hold exactly `entries`. Stale entries go first, and a failed insert
-    /// leaves out only its own entry, so a failure never keeps a stale decision in force
-    /// (fail-open); the first error is returned after every entry was tried.
+    /// Makes the map hold exactly `entries`. Stale entries go first, and an entry that
+    /// cannot be written is removed (an update that fails leaves the old value in place),
+    /// so a failure never keeps a stale decision in force (fail-open); the first error is
+    /// returned after every entry was tried.
     pub fn sync(&mut self, entries: HashMap<K, V>) -> anyhow::Result<()> {
         for stale in self.written.keys().filter(|k| !entries.contains_key(k)) {
             let _ = self.map.remove(stale);
@@ -110,7 +111,10 @@ impl<K: Pod + Eq + Hash, V: Pod> Mirrored<K, V> {
                 Ok(()) => {
                     self.written.insert(key, value);
                 }
-                Err(e) => failed = failed.or(Some(e)),
+                Err(e) => {
+                    let _ = self.map.remove(&key);
+                    failed = failed.or(Some(e));
+                }
             }
         }
         match failed {

@@ -67,10 +67,12 @@ pub struct ListenerGuard {
     /// Listener name -> id of its RST_SHED and WOULD_RST counters, stable across reloads.
     ids: HashMap<String, u32>,
     readings: Vec<QueueReading>,
-    /// Namespaces (policy netns paths, "" for the daemon's own) already attached.
+    /// Namespaces (as `netns_name` writes them) already attached.
     attached: BTreeSet<String>,
     /// Namespaces whose socket table could not be read at the last reading, with why.
     unreadable: BTreeMap<String, String>,
+    /// Set for good by `clear`: a reading that finishes later writes nothing.
+    cleared: bool,
 }
 
 /// What one reading of the guarded namespaces found.
@@ -92,6 +94,7 @@ impl ListenerGuard {
             readings: Vec::new(),
             attached: BTreeSet::new(),
             unreadable: BTreeMap::new(),
+            cleared: false,
         }
     }
 
@@ -139,8 +142,8 @@ impl ListenerGuard {
         self.policies = policies;
     }
 
-    /// The policies to read, with their counter ids: taken under the daemon's lock, read
-    /// without it.
+    /// The policies to read, with their counter ids: taken under the guard's lock, so
+    /// that the socket tables are read without it.
     pub fn to_read(&self) -> Vec<(ListenerPolicy, u32)> {
         self.policies
             .iter()
@@ -151,6 +154,9 @@ impl ListenerGuard {
     /// Makes LISTENERS_SHED hold what `reading` found, and logs namespaces that became
     /// unreadable or readable again.
     pub fn apply(&mut self, reading: Reading) -> anyhow::Result<()> {
+        if self.cleared {
+            return Ok(());
+        }
         for (ns, why) in &reading.unreadable {
             if !self.unreadable.contains_key(ns) {
                 log::warn!(
@@ -171,9 +177,11 @@ impl ListenerGuard {
             .context("writing LISTENERS_SHED")
     }
 
-    /// Leaves LISTENERS_SHED empty: nothing is shed once the daemon is gone, even where
-    /// the tc program outlives it (clsact filters, kernels before 6.6).
+    /// Leaves LISTENERS_SHED empty for good, for a daemon that stops: nothing is shed
+    /// once it is gone, even where the tc program outlives it (clsact filters, kernels
+    /// before 6.6), and a reading still under way when it stops writes nothing.
     pub fn clear(&mut self) -> anyhow::Result<()> {
+        self.cleared = true;
         self.shed.sync(HashMap::new())
     }
 

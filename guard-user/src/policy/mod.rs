@@ -67,7 +67,7 @@ impl Scope {
 #[derive(Debug, Clone)]
 pub struct Rule {
     pub name: String,
-    /// Destination networks; IPv4 networks are kept as IPv4 (the loader maps them).
+    /// Destination networks; IPv4 networks are kept as IPv4 (`compile` maps them).
     /// Empty = every address.
     pub dst: Vec<IpNet>,
     /// Empty = every port.

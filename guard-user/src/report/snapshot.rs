@@ -31,7 +31,9 @@ pub struct Snapshot {
     pub watched_ports: Vec<WatchedPort>,
     /// `[[listener]]` guards.
     pub listeners: Vec<ListenerStats>,
-    /// The daemon's periodic jobs.
+    /// The daemon's periodic jobs (absent from the answers of daemons older than this
+    /// field).
+    #[serde(default)]
     pub jobs: Vec<JobStats>,
 }
 
@@ -52,6 +54,9 @@ pub struct JobStats {
     pub period_p50_ms: Option<f64>,
     pub period_p99_ms: Option<f64>,
     pub period_max_ms: Option<f64>,
+    /// How long the run going now has been going, ms; null between runs. A run that
+    /// goes on for 10 s is logged.
+    pub running_ms: Option<f64>,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
