@@ -471,28 +471,40 @@ fn program_costs(stats: &Value) -> BTreeMap<String, (f64, f64)> {
 }
 
 /// Resident memory (MiB) and CPU share (% of one core, from the scheduler's
-/// nanoseconds in /proc/PID/schedstat) of a process while `work` runs again and again
+/// nanoseconds, summed over its threads) of a process while `work` runs again and again
 /// for `secs`.
 fn usage(
     pid: i32,
     secs: Duration,
     mut work: impl FnMut() -> anyhow::Result<()>,
 ) -> anyhow::Result<Value> {
-    let cpu_ns = || -> anyhow::Result<f64> {
-        let path = format!("/proc/{pid}/schedstat");
-        let text = std::fs::read_to_string(&path).context(path.clone())?;
-        text.split_whitespace()
-            .next()
-            .and_then(|v| v.parse().ok())
-            .context(path)
+    // Each thread's run time in ns (/proc/PID/task/TID/schedstat): the daemon works on
+    // tokio's threads. A thread that ends within the window loses its share.
+    let cpu_ns = || -> anyhow::Result<BTreeMap<String, f64>> {
+        let mut out = BTreeMap::new();
+        for task in std::fs::read_dir(format!("/proc/{pid}/task"))?.flatten() {
+            let path = task.path().join("schedstat");
+            if let Some(ns) = std::fs::read_to_string(&path)
+                .ok()
+                .and_then(|t| t.split_whitespace().next()?.parse().ok())
+            {
+                out.insert(task.file_name().to_string_lossy().into_owned(), ns);
+            }
+        }
+        anyhow::ensure!(!out.is_empty(), "no threads of {pid}");
+        Ok(out)
     };
     let (c0, t0) = (cpu_ns()?, Instant::now());
     while t0.elapsed() < secs {
         work()?;
     }
     let (c1, elapsed) = (cpu_ns()?, t0.elapsed().as_secs_f64());
+    let used: f64 = c1
+        .iter()
+        .map(|(tid, ns)| ns - c0.get(tid).copied().unwrap_or(0.0))
+        .sum();
     Ok(
-        json!({"rss_mib": memory_mib(pid, "VmRSS")?, "cpu_percent": (c1 - c0) / 1e9 / elapsed * 100.0, "seconds": elapsed}),
+        json!({"rss_mib": memory_mib(pid, "VmRSS")?, "cpu_percent": used / 1e9 / elapsed * 100.0, "seconds": elapsed}),
     )
 }
 
