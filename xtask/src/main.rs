@@ -41,7 +41,7 @@ enum Task {
     /// Measure connguard's cost side by side with no guard and with nftables, in
     /// interleaved rounds; prints a markdown table, writes target/bench.json.
     Bench {
-        /// 3 rounds and smaller tables instead of 20 rounds (about 30 s instead of 90 s).
+        /// 3 rounds and smaller tables instead of 20 rounds (about a minute instead of 3).
         #[arg(long)]
         quick: bool,
     },
