@@ -80,21 +80,15 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
         }
         Command::Ports { json, netns } => {
             let name = enter_netns(&netns)?;
-            let report = ports_report(&name, &netns.socket)?;
-            if json {
-                println!("{}", serde_json::to_string(&report)?);
-            } else {
-                print!("{}", ports::table(&report));
-            }
+            print_report(&ports_report(&name, &netns.socket)?, json, ports::table)?;
         }
         Command::Listeners { json, netns } => {
             let name = enter_netns(&netns)?;
-            let report = listeners_report(&name, &netns.socket)?;
-            if json {
-                println!("{}", serde_json::to_string(&report)?);
-            } else {
-                print!("{}", listeners::table(&report));
-            }
+            print_report(
+                &listeners_report(&name, &netns.socket)?,
+                json,
+                listeners::table,
+            )?;
         }
         Command::Top { netns } => {
             let name = enter_netns(&netns)?;
@@ -121,6 +115,20 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Prints a report as JSON, or as its table.
+fn print_report<T: serde::Serialize>(
+    report: &T,
+    json: bool,
+    table: impl Fn(&T) -> String,
+) -> anyhow::Result<()> {
+    if json {
+        println!("{}", serde_json::to_string(report)?);
+    } else {
+        print!("{}", table(report));
+    }
+    Ok(())
 }
 
 /// Enters the namespace the arguments name, if any; returns its name for reports.

@@ -283,6 +283,10 @@ fn port_watermark_sheds_one_scope_and_keeps_headroom_for_others() {
     let other = Cgroup::new("wm-other");
     let servers = Cgroup::new("wm-servers");
     let _servers = serve(&servers, &ns);
+    // The daemon watches the namespaces of the scope's processes: one that stays (a
+    // listener outside the ephemeral range, as a service would have) keeps the
+    // namespace watched after the churn's process has exited.
+    let _resident = churner.hold_args(&["listen", &ns.path(), "127.0.0.1:9000", "1"]);
     let d = Daemon::start(&format!(
         "[[scope]]\nname = \"churner\"\ncgroup = \"{}\"\nport_watermark = 0.8\n\n\
          [[scope]]\nname = \"other\"\ncgroup = \"{}\"\n",
