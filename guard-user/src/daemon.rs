@@ -364,11 +364,13 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
         log::info!("signal received: detaching and exiting");
         anyhow::Ok(())
     });
-    // Links detach when the process exits; clsact filters (kernels before 6.6) stay, so
-    // leave them nothing to shed.
-    if let Err(e) = lock(&daemon.listeners).clear() {
+    // Links detach when the process exits; clsact filters (kernels before 6.6) do not.
+    // The same lock order as set_listeners: ebpf, then listeners.
+    let mut ebpf = lock(&daemon.ebpf);
+    if let Err(e) = lock(&daemon.listeners).stop(&mut ebpf) {
         log::warn!("emptying LISTENERS_SHED: {e:#}");
     }
+    drop(ebpf);
     // Tasks still running (a client being served) end with the runtime.
     runtime.shutdown_timeout(Duration::from_secs(1));
     served

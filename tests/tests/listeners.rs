@@ -287,3 +287,59 @@ fn established_connections_exchange_data_while_new_ones_are_shed() {
     assert_eq!((talk.ok, talk.attempts), (50, 50), "{talk:?}");
     assert_eq!(d.stats()["listeners"][0]["rst_shed"], 13);
 }
+
+/// The ids of the loaded eBPF programs named `name` (bpftool).
+fn program_ids(name: &str) -> Vec<u64> {
+    let out = Command::new("bpftool")
+        .args(["-j", "prog", "show", "name", name])
+        .output()
+        .expect("run bpftool");
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+    let one = |p: &Value| p["id"].as_u64();
+    match &v {
+        Value::Array(all) => all.iter().filter_map(one).collect(),
+        Value::Object(_) => one(&v).into_iter().collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// A daemon with a listener guard, stopped with SIGTERM, leaves nothing behind: none of
+/// the programs it loaded, and no tc filter on the guarded interface (a clsact filter,
+/// on kernels before 6.6, outlives a process that does not remove it).
+#[test]
+fn a_clean_stop_leaves_no_program_or_filter_behind() {
+    let ns = Netns::new("cgstop");
+    ns.exec("ip", &["link", "set", "lo", "up"]);
+    let names = [
+        "connect4",
+        "connect6",
+        "sock_create",
+        "sock_release",
+        "sock_state",
+        "sock_set_state",
+        "listener_shed",
+    ];
+    let before: Vec<Vec<u64>> = names.iter().map(|n| program_ids(n)).collect();
+    let d = Daemon::start(&listener_policy(&ns, "enforce"));
+    let ours: Vec<u64> = names
+        .iter()
+        .zip(&before)
+        .flat_map(|(n, old)| program_ids(n).into_iter().filter(|id| !old.contains(id)))
+        .collect();
+    assert_eq!(ours.len(), names.len(), "one program of each name loaded");
+    let filters = || {
+        let out = Command::new("tc")
+            .args(["-n", &ns.name, "filter", "show", "dev", "lo", "ingress"])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    drop(d);
+    let left: Vec<u64> = names
+        .iter()
+        .flat_map(|n| program_ids(n))
+        .filter(|id| ours.contains(id))
+        .collect();
+    assert_eq!(left, Vec::<u64>::new(), "programs left loaded");
+    assert_eq!(filters(), "", "tc filters left on lo");
+}

@@ -2,6 +2,7 @@
 mod bench;
 mod demo;
 mod setup;
+mod vm;
 
 use std::{path::PathBuf, process::Command};
 
@@ -31,6 +32,11 @@ enum Task {
     /// Build, then run every test: unit tests and the integration tests on the real
     /// kernel (root and cgroup v2 required).
     Test {
+        /// Instead of the host, run the integration tests in a qemu guest booted on the
+        /// newest Debian kernel of this series (5.10, 6.1, 6.12 or 7), fetched once
+        /// into target/vm.
+        #[arg(long, value_name = "SERIES")]
+        kernel: Option<String>,
         /// Extra arguments for the test binaries (e.g. a test name filter).
         #[arg(last = true)]
         args: Vec<String>,
@@ -59,12 +65,27 @@ fn main() -> anyhow::Result<()> {
                 .status()?;
             std::process::exit(status.code().unwrap_or(1));
         }
-        Task::Test { args } => {
+        Task::Test { kernel: None, args } => {
             build()?;
             cargo(
                 &["test", "--release", "--workspace", "--", "--test-threads=1"],
                 &args,
             )
+        }
+        Task::Test {
+            kernel: Some(series),
+            args,
+        } => {
+            build()?;
+            let tests = integration_tests()?
+                .into_iter()
+                .map(|t| {
+                    let mut run = vec![t, "--test-threads=1".to_string()];
+                    run.extend(args.iter().cloned());
+                    run
+                })
+                .collect::<Vec<_>>();
+            vm::run(&root(), &series, &tests)
         }
         Task::Bench { quick } => {
             build()?;
@@ -94,6 +115,42 @@ fn cargo(args: &[&str], extra: &[String]) -> anyhow::Result<()> {
         bail!("cargo {} failed: {status}", args.join(" "));
     }
     Ok(())
+}
+
+/// The integration test binaries (tests/tests/*.rs), built.
+fn integration_tests() -> anyhow::Result<Vec<String>> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let out = Command::new(cargo)
+        .current_dir(root())
+        .args([
+            "test",
+            "--release",
+            "-p",
+            "connguard-tests",
+            "--tests",
+            "--no-run",
+        ])
+        .args(["--message-format=json"])
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .context("building the integration tests")?;
+    if !out.status.success() {
+        bail!("building the integration tests failed");
+    }
+    let mut tests = Vec::new();
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let Ok(msg) = serde_json::from_str::<serde_json::Value>(line) else {
+            continue;
+        };
+        let is_test = msg["target"]["kind"]
+            .as_array()
+            .is_some_and(|k| k.iter().any(|k| k == "test"));
+        if let (true, Some(exe)) = (is_test, msg["executable"].as_str()) {
+            tests.push(exe.to_string());
+        }
+    }
+    tests.sort();
+    Ok(tests)
 }
 
 /// The workspace root.

@@ -24,21 +24,7 @@ const PACKAGES: &[&str] = &[
 const BPF_LINKER_VERSION: &str = "0.13.0";
 
 pub fn run() -> anyhow::Result<()> {
-    let missing: Vec<&str> = PACKAGES.iter().copied().filter(|p| !installed(p)).collect();
-    if !missing.is_empty() {
-        require_root(&format!("install {}", missing.join(" ")))?;
-        eprintln!("setup: installing {}", missing.join(" "));
-        sh("apt-get", &["update", "-q"])?;
-        let mut args = vec!["install", "-y", "-q", "--no-install-recommends"];
-        args.extend(&missing);
-        let status = Command::new("apt-get")
-            .args(&args)
-            .env("DEBIAN_FRONTEND", "noninteractive")
-            .status()?;
-        if !status.success() {
-            bail!("apt-get install {} failed", missing.join(" "));
-        }
-    }
+    install(PACKAGES)?;
     if !bpf_linker_ok() {
         eprintln!("setup: installing bpf-linker {BPF_LINKER_VERSION} (about a minute)");
         // bpf-linker's build script must find LLVM 22, not an older llvm-config.
@@ -54,6 +40,26 @@ pub fn run() -> anyhow::Result<()> {
             .status()?;
         if !status.success() {
             bail!("cargo install bpf-linker failed");
+        }
+    }
+    Ok(())
+}
+
+/// Installs the Debian packages of `packages` that are missing (none: nothing is run).
+pub fn install(packages: &[&str]) -> anyhow::Result<()> {
+    let missing: Vec<&str> = packages.iter().copied().filter(|p| !installed(p)).collect();
+    if !missing.is_empty() {
+        require_root(&format!("install {}", missing.join(" ")))?;
+        eprintln!("setup: installing {}", missing.join(" "));
+        sh("apt-get", &["update", "-q"])?;
+        let mut args = vec!["install", "-y", "-q", "--no-install-recommends"];
+        args.extend(&missing);
+        let status = Command::new("apt-get")
+            .args(&args)
+            .env("DEBIAN_FRONTEND", "noninteractive")
+            .status()?;
+        if !status.success() {
+            bail!("apt-get install {} failed", missing.join(" "));
         }
     }
     Ok(())

@@ -8,7 +8,7 @@ use std::{
 };
 
 use anyhow::Context;
-use aya::Ebpf;
+use aya::{Ebpf, programs::tc::SchedClassifierLinkId};
 use guard_common::{
     ListenerKey, ListenerShed,
     addr::{endpoint, mapped},
@@ -67,8 +67,9 @@ pub struct ListenerGuard {
     /// Listener name -> id of its RST_SHED and WOULD_RST counters, stable across reloads.
     ids: HashMap<String, u32>,
     readings: Vec<QueueReading>,
-    /// Namespaces (as `netns_name` writes them) already attached.
-    attached: BTreeSet<String>,
+    /// Namespaces (as `netns_name` writes them) already attached: the namespace file and
+    /// the links in it.
+    attached: BTreeMap<String, (Option<PathBuf>, Vec<SchedClassifierLinkId>)>,
     /// Namespaces whose socket table could not be read at the last reading, with why.
     unreadable: BTreeMap<String, String>,
     /// Set for good by `clear`: a reading that finishes later writes nothing.
@@ -92,7 +93,7 @@ impl ListenerGuard {
             policies: Vec::new(),
             ids: HashMap::new(),
             readings: Vec::new(),
-            attached: BTreeSet::new(),
+            attached: BTreeMap::new(),
             unreadable: BTreeMap::new(),
             cleared: false,
         }
@@ -106,9 +107,11 @@ impl ListenerGuard {
     pub fn set_policies(&mut self, ebpf: &mut Ebpf, policies: Vec<ListenerPolicy>) {
         for p in &policies {
             let key = netns_name(p.netns.as_deref());
-            if self.attached.contains(&key) {
+            if self.attached.contains_key(&key) {
                 continue;
             }
+            let slot = self.attached.len() as u16 + 1;
+            let mut links = Vec::new();
             let attached = netns::within(p.netns.as_deref(), || {
                 let all = netns::interfaces()?;
                 if let Some(missing) = p.interfaces.iter().find(|i| !all.contains(i)) {
@@ -119,8 +122,9 @@ impl ListenerGuard {
                     .filter(|i| p.interfaces.is_empty() || p.interfaces.contains(i))
                     .collect();
                 for iface in &chosen {
-                    object::attach_listener(ebpf, iface)
+                    let link = object::attach_listener(ebpf, iface, slot)
                         .with_context(|| format!("attaching the listener guard to {iface}"))?;
+                    links.push(link);
                 }
                 Ok(chosen)
             });
@@ -130,9 +134,14 @@ impl ListenerGuard {
                         "listener guard attached to {} in netns {key}",
                         ifaces.join(", ")
                     );
-                    self.attached.insert(key);
+                    self.attached.insert(key, (p.netns.clone(), links));
                 }
-                Err(e) => log::error!("listener guard {:?} in netns {key}: {e:#}", p.name),
+                Err(e) => {
+                    log::error!("listener guard {:?} in netns {key}: {e:#}", p.name);
+                    // What was attached before the failure goes: the next reload tries
+                    // the namespace again from the start.
+                    detach_in(ebpf, p.netns.as_deref(), links);
+                }
             }
         }
         for p in &policies {
@@ -177,12 +186,17 @@ impl ListenerGuard {
             .context("writing LISTENERS_SHED")
     }
 
-    /// Leaves LISTENERS_SHED empty for good, for a daemon that stops: nothing is shed
-    /// once it is gone, even where the tc program outlives it (clsact filters, kernels
-    /// before 6.6), and a reading still under way when it stops writes nothing.
-    pub fn clear(&mut self) -> anyhow::Result<()> {
+    /// For a daemon that stops: leaves LISTENERS_SHED empty for good (a reading still
+    /// under way writes nothing), then detaches the program from every namespace (a
+    /// clsact filter, on kernels before 6.6, would outlive the process). If a detach
+    /// fails, the empty map still sheds nothing.
+    pub fn stop(&mut self, ebpf: &mut Ebpf) -> anyhow::Result<()> {
         self.cleared = true;
-        self.shed.sync(HashMap::new())
+        let emptied = self.shed.sync(HashMap::new());
+        for (_, (ns, links)) in std::mem::take(&mut self.attached) {
+            detach_in(ebpf, ns.as_deref(), links);
+        }
+        emptied
     }
 
     pub fn stats(&self) -> Vec<ListenerStats> {
@@ -207,6 +221,25 @@ impl ListenerGuard {
                 }
             })
             .collect()
+    }
+}
+
+/// Detaches `links` in the namespace at `ns` (None: the daemon's own), logging failures.
+fn detach_in(ebpf: &mut Ebpf, ns: Option<&Path>, links: Vec<SchedClassifierLinkId>) {
+    if links.is_empty() {
+        return;
+    }
+    let detached = netns::within(ns, || {
+        for link in links {
+            object::detach_listener(ebpf, link)?;
+        }
+        Ok(())
+    });
+    if let Err(e) = detached {
+        log::warn!(
+            "listener guard: detaching in netns {}: {e:#}",
+            netns_name(ns)
+        );
     }
 }
 

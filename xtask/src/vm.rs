@@ -1,0 +1,433 @@
+//! The integration tests inside qemu guests booted on Debian's kernels.
+//!
+//! A kernel series is fetched once from Debian's mirrors with a private apt setup (its
+//! own sources, lists and cache under target/vm/apt; the host's sources are left
+//! alone) and unpacked under target/vm/kernels/SERIES. The guest boots the kernel's
+//! uncompressed vmlinux through its PVH entry under TCG (KVM does not work on these
+//! machines), with an initramfs of busybox and the kernel's virtio, 9p and overlay
+//! modules. Its /init mounts the host's root read-only over 9p with a tmpfs overlay,
+//! mounts cgroup2, bpffs, tracefs and debugfs, brings loopback up, runs the host's own
+//! test binaries (same paths, same libraries) and writes their output and exit status
+//! to a virtio serial port backed by a host file.
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use anyhow::{Context, bail, ensure};
+
+/// What the guests need on the host.
+const PACKAGES: &[&str] = &[
+    "qemu-system-x86",
+    "busybox-static",
+    "kmod",
+    "cpio",
+    "xz-utils",
+    "zstd",
+];
+
+/// Debian's suites that carry the kernels, all on deb.debian.org.
+const SOURCES: &[(&str, &str)] = &[
+    ("debian", "bullseye"),
+    ("debian-security", "bullseye-security"),
+    ("debian", "bookworm"),
+    ("debian-security", "bookworm-security"),
+    ("debian", "trixie"),
+    ("debian", "sid"),
+];
+
+/// A kernel series and the packages that hold its image and its modules: the newest
+/// package whose name starts with each prefix and ends in "-amd64" (the generic flavour:
+/// the cloud kernels have no 9p) or "-amd64-unsigned".
+struct Series {
+    name: &'static str,
+    prefixes: &'static [&'static str],
+}
+
+const SERIES: &[Series] = &[
+    Series {
+        name: "5.10",
+        prefixes: &["linux-image-5.10."],
+    },
+    Series {
+        name: "6.1",
+        prefixes: &["linux-image-6.1."],
+    },
+    Series {
+        name: "6.12",
+        prefixes: &["linux-image-6.12."],
+    },
+    // sid splits the kernel into the image and its modules.
+    Series {
+        name: "7",
+        prefixes: &["linux-binary-7.", "linux-modules-7."],
+    },
+];
+
+/// Modules the guest loads at boot, with their dependencies: the host root over 9p,
+/// the result port, the overlay, and what the tests use (veth pairs, clsact and tc BPF
+/// filters on kernels without tcx, sock_diag for TCP).
+const MODULES: &[&str] = &[
+    "virtio_pci",
+    "9pnet_virtio",
+    "9p",
+    "virtio_console",
+    "overlay",
+    "veth",
+    "sch_ingress",
+    "cls_bpf",
+    "inet_diag",
+    "tcp_diag",
+];
+
+/// The kernel series names, for `--kernel`.
+pub fn series_names() -> Vec<&'static str> {
+    SERIES.iter().map(|s| s.name).collect()
+}
+
+/// Runs `tests` (each a test binary and its arguments, run in turn) in a guest booted on
+/// the newest kernel of `series`; fails naming the kernel, with the output's tail.
+pub fn run(root: &Path, series: &str, tests: &[Vec<String>]) -> anyhow::Result<()> {
+    crate::setup::install(PACKAGES)?;
+    let series = SERIES
+        .iter()
+        .find(|s| s.name == series)
+        .with_context(|| format!("no kernel series {series}; known: {:?}", series_names()))?;
+    let vm = root.join("target/vm");
+    let kernel = fetch(&vm, series)?;
+    let release = kernel_release(&kernel)?;
+    let vmlinux = vmlinux(&kernel, &release)?;
+    let initrd = initramfs(&vm, &kernel, &release)?;
+    let work = vm.join(format!("run-{}", series.name));
+    std::fs::create_dir_all(&work)?;
+    let script = work.join("cmd.sh");
+    let mut text = format!("cd {}\nstatus=0\n", root.display());
+    for t in tests {
+        text += &format!("echo '=== {}'\n{} || status=1\n", t.join(" "), t.join(" "));
+    }
+    text += "exit $status\n";
+    std::fs::write(&script, text)?;
+    let out = work.join("out.log");
+    let _ = std::fs::remove_file(&out);
+    eprintln!(
+        "vm: booting {release} (TCG) for {} test binaries",
+        tests.len()
+    );
+    let started = std::time::Instant::now();
+    let status = Command::new("qemu-system-x86_64")
+        .args([
+            "-accel", "tcg", "-cpu", "max", "-M", "q35", "-m", "2G", "-smp", "2",
+        ])
+        .args(["-nographic", "-no-reboot", "-kernel"])
+        .arg(&vmlinux)
+        .arg("-initrd")
+        .arg(&initrd)
+        .arg("-append")
+        .arg(format!(
+            "console=ttyS0 quiet panic=-1 vmcmd={}",
+            script.display()
+        ))
+        .args([
+            "-fsdev",
+            "local,id=hostroot,path=/,security_model=none,readonly=on,multidevs=remap",
+            "-device",
+            "virtio-9p-pci,fsdev=hostroot,mount_tag=hostroot",
+            "-device",
+            "virtio-serial-pci",
+            "-chardev",
+        ])
+        .arg(format!("file,id=out,path={}", out.display()))
+        .args(["-device", "virtserialport,chardev=out,name=out"])
+        .stdout(std::fs::File::create(work.join("console.log"))?)
+        .stderr(std::process::Stdio::inherit())
+        .status()
+        .context("running qemu-system-x86_64")?;
+    let output = std::fs::read_to_string(&out).unwrap_or_default();
+    print!("{output}");
+    let took = started.elapsed().as_secs();
+    let exit = output
+        .lines()
+        .rev()
+        .find_map(|l| l.strip_prefix("EXIT "))
+        .and_then(|c| c.trim().parse::<i32>().ok());
+    match exit {
+        Some(0) => {
+            eprintln!("vm: {release}: every test passed ({took} s, boot included)");
+            Ok(())
+        }
+        Some(code) => bail!(
+            "vm: {release}: tests failed (exit {code}, {took} s); output above, console in {}",
+            work.join("console.log").display()
+        ),
+        None => bail!(
+            "vm: {release}: the guest ended without a result (qemu {status}, {took} s); console in {}",
+            work.join("console.log").display()
+        ),
+    }
+}
+
+/// The unpacked kernel of `series` under target/vm/kernels, fetched the first time.
+fn fetch(vm: &Path, series: &Series) -> anyhow::Result<PathBuf> {
+    let dir = vm.join("kernels").join(series.name);
+    if dir.join("lib/modules").is_dir() {
+        return Ok(dir);
+    }
+    let apt = vm.join("apt");
+    for d in [
+        "lists/partial",
+        "cache/archives/partial",
+        "etc/preferences.d",
+    ] {
+        std::fs::create_dir_all(apt.join(d))?;
+    }
+    let sources: String = SOURCES
+        .iter()
+        .map(|(archive, suite)| {
+            format!(
+                "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/{archive} {suite} main\n"
+            )
+        })
+        .collect();
+    std::fs::write(apt.join("etc/sources.list"), sources)?;
+    let opts = apt_options(&apt);
+    if !apt
+        .join("lists")
+        .read_dir()?
+        .any(|e| e.is_ok_and(|e| e.path().is_file()))
+    {
+        eprintln!("vm: reading Debian's package lists for the kernels (once)");
+        run_ok(Command::new("apt-get").args(&opts).args(["update", "-q"]))?;
+    }
+    let listed = output(
+        Command::new("apt-cache")
+            .args(&opts)
+            .args(["pkgnames", "linux-"]),
+    )?;
+    let download = dir.with_extension("debs");
+    std::fs::create_dir_all(&download)?;
+    let tmp = dir.with_extension("partial");
+    let _ = std::fs::remove_dir_all(&tmp);
+    for prefix in series.prefixes {
+        let package = newest(&listed, prefix)
+            .with_context(|| format!("no package {prefix}*-amd64 in Debian's lists"))?;
+        eprintln!("vm: fetching {package}");
+        run_ok(
+            Command::new("apt-get")
+                .current_dir(&download)
+                .args(&opts)
+                .args(["download", "-q", &package]),
+        )?;
+        let deb = std::fs::read_dir(&download)?
+            .flatten()
+            .map(|e| e.path())
+            .find(|p| {
+                p.file_name()
+                    .is_some_and(|n| n.to_string_lossy().starts_with(&format!("{package}_")))
+            })
+            .with_context(|| format!("{package} was not downloaded"))?;
+        run_ok(Command::new("dpkg-deb").arg("-x").arg(&deb).arg(&tmp))?;
+    }
+    // Kernels of merged-/usr suites keep their modules in usr/lib/modules; depmod and
+    // modprobe look in lib/modules.
+    if !tmp.join("lib").exists() && tmp.join("usr/lib/modules").is_dir() {
+        std::os::unix::fs::symlink("usr/lib", tmp.join("lib"))?;
+    }
+    std::fs::rename(&tmp, &dir)?;
+    let _ = std::fs::remove_dir_all(&download);
+    Ok(dir)
+}
+
+/// The newest package of `names` (one a line) that starts with `prefix` and is the
+/// generic amd64 flavour, by Debian's version order of the rest of the name.
+fn newest(names: &str, prefix: &str) -> Option<String> {
+    let mut found: Vec<&str> = names
+        .lines()
+        .filter(|n| n.starts_with(prefix))
+        .filter(|n| n.ends_with("-amd64") || n.ends_with("-amd64-unsigned"))
+        .filter(|n| !n.contains("cloud") && !n.contains("-rt-") && !n.contains("dbg"))
+        .collect();
+    // Every name shares the prefix: its numbers in order are the version.
+    let key = |n: &str| -> Vec<u64> {
+        n.split(|c: char| !c.is_ascii_digit())
+            .filter_map(|p| p.parse().ok())
+            .collect()
+    };
+    found.sort_by_key(|n| key(n));
+    found.last().map(|n| n.to_string())
+}
+
+fn apt_options(apt: &Path) -> Vec<String> {
+    let d = |p: &str| apt.join(p).display().to_string();
+    [
+        format!("Dir::Etc::sourcelist={}", d("etc/sources.list")),
+        "Dir::Etc::sourceparts=-".into(),
+        format!("Dir::Etc::preferencesparts={}", d("etc/preferences.d")),
+        format!("Dir::State::Lists={}", d("lists")),
+        format!("Dir::Cache={}", d("cache")),
+        "APT::Architecture=amd64".into(),
+        "Acquire::Languages=none".into(),
+        // apt's _apt user cannot write into target/.
+        "APT::Sandbox::User=root".into(),
+    ]
+    .into_iter()
+    .flat_map(|o| ["-o".to_string(), o])
+    .collect()
+}
+
+/// The release name of the unpacked kernel (its directory under lib/modules).
+fn kernel_release(kernel: &Path) -> anyhow::Result<String> {
+    let modules = kernel.join("lib/modules");
+    std::fs::read_dir(&modules)?
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .next()
+        .with_context(|| format!("no kernel release under {}", modules.display()))
+}
+
+/// The uncompressed vmlinux of the kernel, taken out of its vmlinuz once: the compressed
+/// payload starts at its format's magic (xz or zstd) and decompresses from there; the
+/// bytes after it are not the decompressor's concern.
+fn vmlinux(kernel: &Path, release: &str) -> anyhow::Result<PathBuf> {
+    let out = kernel.join("vmlinux");
+    if out.exists() {
+        return Ok(out);
+    }
+    let vmlinuz = std::fs::read(kernel.join(format!("boot/vmlinuz-{release}")))
+        .with_context(|| format!("reading boot/vmlinuz-{release}"))?;
+    for (magic, tool) in [
+        (&b"\xfd7zXZ\x00"[..], "xz"),
+        (&b"\x28\xb5\x2f\xfd"[..], "zstd"),
+    ] {
+        let Some(at) = vmlinuz.windows(magic.len()).position(|w| w == magic) else {
+            continue;
+        };
+        let mut child = Command::new(tool)
+            .args(["-dc"])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()?;
+        let mut stdin = child.stdin.take().expect("piped");
+        let payload = vmlinuz[at..].to_vec();
+        let writer = std::thread::spawn(move || {
+            use std::io::Write;
+            let _ = stdin.write_all(&payload);
+        });
+        let decompressed = child.wait_with_output()?.stdout;
+        let _ = writer.join();
+        if decompressed.starts_with(b"\x7fELF") {
+            std::fs::write(&out, decompressed)?;
+            return Ok(out);
+        }
+    }
+    bail!("no xz or zstd payload that decompresses to an ELF vmlinux in vmlinuz-{release}")
+}
+
+/// The guest's initramfs (gzip'd cpio): busybox, MODULES with their dependencies in load
+/// order (decompressed: busybox insmod reads plain .ko), and /init.
+fn initramfs(vm: &Path, kernel: &Path, release: &str) -> anyhow::Result<PathBuf> {
+    // Built on every run (about a second): it carries INIT, which may have changed.
+    let out = kernel.join("initramfs.gz");
+    run_ok(Command::new("depmod").arg("-b").arg(kernel).arg(release))?;
+    let mut order = Vec::new();
+    for m in MODULES {
+        let deps = output(Command::new("modprobe").arg("-d").arg(kernel).args([
+            "-S",
+            release,
+            "--show-depends",
+            m,
+        ]))?;
+        for path in deps.lines().filter_map(|l| l.strip_prefix("insmod ")) {
+            let path = path.trim().to_string();
+            if !order.contains(&path) {
+                order.push(path);
+            }
+        }
+    }
+    let tree = vm.join("initramfs").join(release);
+    let _ = std::fs::remove_dir_all(&tree);
+    std::fs::create_dir_all(tree.join("bin"))?;
+    std::fs::create_dir_all(tree.join("mods"))?;
+    std::fs::copy("/bin/busybox", tree.join("bin/busybox")).context("copying busybox")?;
+    let mut list = String::new();
+    for (i, path) in order.iter().enumerate() {
+        let name = Path::new(path)
+            .file_name()
+            .context("module path")?
+            .to_string_lossy()
+            .into_owned();
+        let plain = name
+            .trim_end_matches(".xz")
+            .trim_end_matches(".zst")
+            .to_string();
+        let dest = tree.join("mods").join(format!("{i:02}-{plain}"));
+        if name.ends_with(".xz") || name.ends_with(".zst") {
+            let tool = if name.ends_with(".xz") { "xz" } else { "zstd" };
+            let data = Command::new(tool).arg("-dc").arg(path).output()?;
+            ensure!(data.status.success(), "{tool} -dc {path} failed");
+            std::fs::write(&dest, data.stdout)?;
+        } else {
+            std::fs::copy(path, &dest)?;
+        }
+        list += &format!("/mods/{i:02}-{plain}\n");
+    }
+    std::fs::write(tree.join("mods/order"), list)?;
+    std::fs::write(tree.join("init"), INIT)?;
+    run_ok(Command::new("chmod").arg("+x").arg(tree.join("init")))?;
+    run_ok(Command::new("sh").current_dir(&tree).arg("-c").arg(format!(
+        "find . | cpio -o -H newc --quiet | gzip -1 > {}",
+        out.display()
+    )))?;
+    Ok(out)
+}
+
+/// The guest's /init: host root over 9p under a tmpfs overlay, the file systems the
+/// tests need (devpts for tmux), then the command file named on the kernel command line (`vmcmd=`), its
+/// output and `EXIT status` to the port named "out", and power off.
+const INIT: &str = r#"#!/bin/busybox sh
+B=/bin/busybox
+$B mkdir -p /proc /sys /dev /lower /upper /newroot
+$B mount -t proc proc /proc
+$B mount -t sysfs sys /sys
+$B mount -t devtmpfs dev /dev
+for m in $($B cat /mods/order); do $B insmod $m || echo "insmod $m failed"; done
+$B mount -t 9p -o trans=virtio,version=9p2000.L,ro,msize=512000 hostroot /lower
+$B mount -t tmpfs -o size=4G tmpfs /upper
+$B mkdir -p /upper/up /upper/work
+$B mount -t overlay overlay -o lowerdir=/lower,upperdir=/upper/up,workdir=/upper/work /newroot
+for d in proc sys dev; do $B mount --move /$d /newroot/$d; done
+PORT=/dev/null
+for p in /newroot/sys/class/virtio-ports/*; do
+  [ "$($B cat $p/name)" = out ] && PORT=/dev/$($B basename $p)
+done
+CMD=$($B sed -n 's/.*vmcmd=\([^ ]*\).*/\1/p' /newroot/proc/cmdline)
+exec $B chroot /newroot /bin/sh -c "
+mount -t tmpfs tmpfs /run
+mount -t tmpfs tmpfs /tmp
+mount -t cgroup2 cgroup2 /sys/fs/cgroup
+mount -t bpf bpf /sys/fs/bpf
+mount -t tracefs tracefs /sys/kernel/tracing
+mount -t debugfs debugfs /sys/kernel/debug
+mkdir -p /dev/pts
+mount -t devpts devpts /dev/pts
+ip link set lo up
+sh $CMD > $PORT 2>&1
+echo EXIT \$? > $PORT
+/bin/busybox reboot -f"
+"#;
+
+fn run_ok(cmd: &mut Command) -> anyhow::Result<()> {
+    let status = cmd.status().with_context(|| format!("running {cmd:?}"))?;
+    ensure!(status.success(), "{cmd:?} failed: {status}");
+    Ok(())
+}
+
+fn output(cmd: &mut Command) -> anyhow::Result<String> {
+    let out = cmd.output().with_context(|| format!("running {cmd:?}"))?;
+    ensure!(
+        out.status.success(),
+        "{cmd:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
