@@ -4,11 +4,8 @@
 //! unconnected and in TCP_CLOSE, so EINPROGRESS/EALREADY retries do not run them again
 //! (net/ipv4/af_inet.c); TCP Fast Open (sendmsg with MSG_FASTOPEN) runs them too.
 use aya_ebpf::{
-    EbpfContext,
-    helpers::generated::{bpf_get_netns_cookie, bpf_set_retval},
-    macros::cgroup_sock_addr,
-    maps::lpm_trie::Key,
-    programs::SockAddrContext,
+    EbpfContext, helpers::generated::bpf_get_netns_cookie, macros::cgroup_sock_addr,
+    maps::lpm_trie::Key, programs::SockAddrContext,
 };
 use guard_common::{
     CgroupKey, Counter, CounterKey, MAX_CANDIDATES, MODE_ENFORCE, NO_RULE, PortUseKey,
@@ -18,7 +15,7 @@ use guard_common::{
 use crate::{
     accounting::{add, counter, internal_error, raise_peak, release, rule_counter, scope_counter},
     maps::{ACTIVE_GEN, PORT_USE, RULES, SCOPES, storage},
-    net::{ipv4_mapped, words_addr},
+    net::{ipv4_mapped, opaque_zero, words_addr},
 };
 
 const ALLOW: i32 = 1;
@@ -179,7 +176,7 @@ fn admit(ctx: &SockAddrContext, addr: [u8; 16], port: u16) -> i32 {
             add(unsafe { &raw mut (*c).shed }, 1);
         }
         if unsafe { core::ptr::read_volatile(&HAS_SET_RETVAL) } != 0 {
-            unsafe { bpf_set_retval(-(scope.errno as i32)) };
+            set_errno(scope.errno);
         }
         return DENY;
     }
@@ -205,6 +202,20 @@ fn admit(ctx: &SockAddrContext, addr: [u8; 16], port: u16) -> i32 {
         }
     }
     ALLOW
+}
+
+/// Makes the refused connect() fail with `errno` (bpf_set_retval(-errno)). The verifier
+/// checks that the argument lies in [-4095, 0] as a 64-bit value (seen on 7.2; 6.18 does
+/// not), which `-(errno as i32)` of a map value is not: the errno is bounded with a mask
+/// (errnos are below 4096, MAX_ERRNO), made negative by a 64-bit subtraction from a zero
+/// the compiler cannot fold into a negation (which the verifier does not bound), and
+/// passed as 64 bits (the helper's C prototype takes an int, which would be 32).
+#[inline(always)]
+fn set_errno(errno: u32) {
+    let retval = opaque_zero() as i64 - (errno & 0xfff) as i64;
+    // SAFETY: BPF_FUNC_set_retval (187), as aya's binding calls it.
+    let set_retval: unsafe extern "C" fn(i64) -> i64 = unsafe { core::mem::transmute(187usize) };
+    unsafe { set_retval(retval) };
 }
 
 /// First rule of the scope whose destination and ports match, if any.
