@@ -335,11 +335,19 @@ fn a_clean_stop_leaves_no_program_or_filter_behind() {
         String::from_utf8_lossy(&out.stdout).into_owned()
     };
     drop(d);
-    let left: Vec<u64> = names
-        .iter()
-        .flat_map(|n| program_ids(n))
-        .filter(|id| ours.contains(id))
-        .collect();
-    assert_eq!(left, Vec::<u64>::new(), "programs left loaded");
+    // The kernel frees a program after its last reference goes, from deferred work (a
+    // cgroup's programs once the cgroup's bpf state is released): wait for it.
+    let left = || -> Vec<u64> {
+        names
+            .iter()
+            .flat_map(|n| program_ids(n))
+            .filter(|id| ours.contains(id))
+            .collect()
+    };
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while !left().is_empty() && std::time::Instant::now() < until {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert_eq!(left(), Vec::<u64>::new(), "programs left loaded after 5 s");
     assert_eq!(filters(), "", "tc filters left on lo");
 }
