@@ -365,12 +365,11 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
         anyhow::Ok(())
     });
     // Links detach when the process exits; clsact filters (kernels before 6.6) do not.
-    // The same lock order as set_listeners: ebpf, then listeners.
-    let mut ebpf = lock(&daemon.ebpf);
-    if let Err(e) = lock(&daemon.listeners).stop(&mut ebpf) {
+    // A reload still under way holds the guard's lock until it is done; one after this
+    // attaches nothing.
+    if let Err(e) = lock(&daemon.listeners).stop() {
         log::warn!("emptying LISTENERS_SHED: {e:#}");
     }
-    drop(ebpf);
     // Tasks still running (a client being served) end with the runtime.
     runtime.shutdown_timeout(Duration::from_secs(1));
     served

@@ -332,6 +332,11 @@ fn a_clean_stop_leaves_no_program_or_filter_behind() {
             .args(["-n", &ns.name, "filter", "show", "dev", "lo", "ingress"])
             .output()
             .unwrap();
+        assert!(
+            out.status.success(),
+            "tc: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         String::from_utf8_lossy(&out.stdout).into_owned()
     };
     drop(d);

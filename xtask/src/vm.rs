@@ -26,6 +26,9 @@ const PACKAGES: &[&str] = &[
     "zstd",
 ];
 
+/// The longest a guest may run (timeout(1) syntax): the whole suite takes about 3 min.
+const GUEST_TIMEOUT: &str = "30m";
+
 /// Debian's suites that carry the kernels, all on deb.debian.org.
 const SOURCES: &[(&str, &str)] = &[
     ("debian", "bullseye"),
@@ -33,6 +36,7 @@ const SOURCES: &[(&str, &str)] = &[
     ("debian", "bookworm"),
     ("debian-security", "bookworm-security"),
     ("debian", "trixie"),
+    ("debian-security", "trixie-security"),
     ("debian", "sid"),
 ];
 
@@ -86,7 +90,7 @@ pub fn series_names() -> Vec<&'static str> {
 }
 
 /// Runs `tests` (each a test binary and its arguments, run in turn) in a guest booted on
-/// the newest kernel of `series`; fails naming the kernel, with the output's tail.
+/// the newest kernel of `series`, and prints their output; fails naming the kernel.
 pub fn run(root: &Path, series: &str, tests: &[Vec<String>]) -> anyhow::Result<()> {
     crate::setup::install(PACKAGES)?;
     let series = SERIES
@@ -114,7 +118,10 @@ pub fn run(root: &Path, series: &str, tests: &[Vec<String>]) -> anyhow::Result<(
         tests.len()
     );
     let started = std::time::Instant::now();
-    let status = Command::new("qemu-system-x86_64")
+    // A guest that hangs is ended after GUEST_TIMEOUT.
+    let status = Command::new("timeout")
+        .arg(GUEST_TIMEOUT)
+        .arg("qemu-system-x86_64")
         .args([
             "-accel", "tcg", "-cpu", "max", "-M", "q35", "-m", "2G", "-smp", "2",
         ])
@@ -190,22 +197,21 @@ fn fetch(vm: &Path, series: &Series) -> anyhow::Result<PathBuf> {
         .collect();
     std::fs::write(apt.join("etc/sources.list"), sources)?;
     let opts = apt_options(&apt);
-    if !apt
-        .join("lists")
-        .read_dir()?
-        .any(|e| e.is_ok_and(|e| e.path().is_file()))
-    {
-        eprintln!("vm: reading Debian's package lists for the kernels (once)");
-        run_ok(Command::new("apt-get").args(&opts).args(["update", "-q"]))?;
-    }
+    // Fresh lists for every kernel fetched (once per series): Debian drops old versions.
+    eprintln!(
+        "vm: reading Debian's package lists for kernel {}",
+        series.name
+    );
+    run_ok(Command::new("apt-get").args(&opts).args(["update", "-q"]))?;
     let listed = output(
         Command::new("apt-cache")
             .args(&opts)
             .args(["pkgnames", "linux-"]),
     )?;
-    let download = dir.with_extension("debs");
+    let download = vm.join("kernels").join(format!("{}.debs", series.name));
+    let _ = std::fs::remove_dir_all(&download);
     std::fs::create_dir_all(&download)?;
-    let tmp = dir.with_extension("partial");
+    let tmp = vm.join("kernels").join(format!("{}.partial", series.name));
     let _ = std::fs::remove_dir_all(&tmp);
     for prefix in series.prefixes {
         let package = newest(&listed, prefix)
@@ -322,7 +328,10 @@ fn vmlinux(kernel: &Path, release: &str) -> anyhow::Result<PathBuf> {
         let decompressed = child.wait_with_output()?.stdout;
         let _ = writer.join();
         if decompressed.starts_with(b"\x7fELF") {
-            std::fs::write(&out, decompressed)?;
+            // Renamed into place: an interrupted write leaves no short vmlinux behind.
+            let partial = out.with_extension("partial");
+            std::fs::write(&partial, decompressed)?;
+            std::fs::rename(&partial, &out)?;
             return Ok(out);
         }
     }
@@ -343,7 +352,8 @@ fn initramfs(vm: &Path, kernel: &Path, release: &str) -> anyhow::Result<PathBuf>
             .args(["-S", release, "--show-depends", m])
             .output()?;
         // Not a module of this kernel: built in (sid's packages list no modules.builtin
-        // for modprobe to say so), or missing, which the tests then show.
+        // for modprobe to say so), or missing, and then the guest ends without a result
+        // (no 9p root) or the tests fail.
         if !shown.status.success() {
             continue;
         }

@@ -5,9 +5,8 @@ use anyhow::{Context, bail};
 use aya::{
     Btf, Ebpf, EbpfLoader,
     programs::{
-        BtfTracePoint, CgroupAttachMode, CgroupSock, CgroupSockAddr, LinkOrder, SchedClassifier,
-        SockOps, TcAttachType,
-        tc::{NlOptions, SchedClassifierLinkId, TcAttachOptions, TcHandle},
+        BtfTracePoint, CgroupAttachMode, CgroupSock, CgroupSockAddr, SchedClassifier, SockOps,
+        TcAttachType, tc::SchedClassifierLink,
     },
     util::KernelVersion,
 };
@@ -90,34 +89,25 @@ pub fn load_and_attach(cgroup_root: &Path) -> anyhow::Result<Ebpf> {
 
 /// Attaches the loaded listener program to an interface's ingress, in the calling
 /// thread's network namespace: a tcx link on Linux 6.6+, a filter on a clsact qdisc
-/// before. `slot` (from 1) tells the namespaces of one daemon apart: aya knows a clsact
-/// filter by interface index, priority and handle, and `lo` has index 1 in every
-/// namespace, so with the kernel's default handle the second namespace's `lo` was
-/// refused as "already attached" (seen on 6.1).
-pub fn attach_listener(
-    ebpf: &mut Ebpf,
-    iface: &str,
-    slot: u16,
-) -> anyhow::Result<SchedClassifierLinkId> {
+/// before. The link is handed to the caller, out of aya's table of the program's
+/// links: aya knows a clsact filter by interface index, priority and handle, and `lo`
+/// has index 1 in every namespace, so in that table a second namespace's `lo` was
+/// refused as "already attached" (seen on 6.1). Detach it with `detach_listener`, in
+/// the same namespace.
+pub fn attach_listener(ebpf: &mut Ebpf, iface: &str) -> anyhow::Result<SchedClassifierLink> {
     let prog: &mut SchedClassifier = program(ebpf, program::LISTENER_SHED)?.try_into()?;
-    let options = if KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0)) {
-        TcAttachOptions::TcxOrder(LinkOrder::default())
-    } else {
+    if !KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0)) {
         // Already there is fine.
         let _ = aya::programs::tc::qdisc_add_clsact(iface);
-        TcAttachOptions::Netlink(NlOptions {
-            handle: TcHandle::new(0, slot),
-            ..Default::default()
-        })
-    };
-    Ok(prog.attach_with_options(iface, TcAttachType::Ingress, options)?)
+    }
+    let id = prog.attach(iface, TcAttachType::Ingress)?;
+    Ok(prog.take_link(id)?)
 }
 
-/// Detaches what `attach_listener` attached, in the calling thread's network namespace
-/// (a clsact filter is removed by netlink there; it would outlive the process).
-pub fn detach_listener(ebpf: &mut Ebpf, link: SchedClassifierLinkId) -> anyhow::Result<()> {
-    let prog: &mut SchedClassifier = program(ebpf, program::LISTENER_SHED)?.try_into()?;
-    Ok(prog.detach(link)?)
+/// Detaches a link of `attach_listener`, in the calling thread's network namespace (a
+/// clsact filter is removed by netlink there; it would outlive the process).
+pub fn detach_listener(link: SchedClassifierLink) -> anyhow::Result<()> {
+    Ok(aya::programs::links::Link::detach(link)?)
 }
 
 fn program<'a>(ebpf: &'a mut Ebpf, name: &str) -> anyhow::Result<&'a mut aya::programs::Program> {

@@ -8,7 +8,7 @@ use std::{
 };
 
 use anyhow::Context;
-use aya::{Ebpf, programs::tc::SchedClassifierLinkId};
+use aya::{Ebpf, programs::tc::SchedClassifierLink};
 use guard_common::{
     ListenerKey, ListenerShed,
     addr::{endpoint, mapped},
@@ -69,10 +69,11 @@ pub struct ListenerGuard {
     readings: Vec<QueueReading>,
     /// Namespaces (as `netns_name` writes them) already attached: the namespace file and
     /// the links in it.
-    attached: BTreeMap<String, (Option<PathBuf>, Vec<SchedClassifierLinkId>)>,
+    attached: BTreeMap<String, (Option<PathBuf>, Vec<SchedClassifierLink>)>,
     /// Namespaces whose socket table could not be read at the last reading, with why.
     unreadable: BTreeMap<String, String>,
-    /// Set for good by `clear`: a reading that finishes later writes nothing.
+    /// Set for good by `stop`: a reading that finishes later writes nothing, and a
+    /// reload attaches nothing.
     cleared: bool,
 }
 
@@ -105,12 +106,14 @@ impl ListenerGuard {
     /// a namespace chooses its interfaces. A namespace that fails is logged and tried
     /// again at the next reload; the others still get theirs.
     pub fn set_policies(&mut self, ebpf: &mut Ebpf, policies: Vec<ListenerPolicy>) {
+        if self.cleared {
+            return;
+        }
         for p in &policies {
             let key = netns_name(p.netns.as_deref());
             if self.attached.contains_key(&key) {
                 continue;
             }
-            let slot = self.attached.len() as u16 + 1;
             let mut links = Vec::new();
             let attached = netns::within(p.netns.as_deref(), || {
                 let all = netns::interfaces()?;
@@ -122,7 +125,7 @@ impl ListenerGuard {
                     .filter(|i| p.interfaces.is_empty() || p.interfaces.contains(i))
                     .collect();
                 for iface in &chosen {
-                    let link = object::attach_listener(ebpf, iface, slot)
+                    let link = object::attach_listener(ebpf, iface)
                         .with_context(|| format!("attaching the listener guard to {iface}"))?;
                     links.push(link);
                 }
@@ -140,7 +143,7 @@ impl ListenerGuard {
                     log::error!("listener guard {:?} in netns {key}: {e:#}", p.name);
                     // What was attached before the failure goes: the next reload tries
                     // the namespace again from the start.
-                    detach_in(ebpf, p.netns.as_deref(), links);
+                    detach_in(p.netns.as_deref(), links);
                 }
             }
         }
@@ -190,11 +193,11 @@ impl ListenerGuard {
     /// under way writes nothing), then detaches the program from every namespace (a
     /// clsact filter, on kernels before 6.6, would outlive the process). If a detach
     /// fails, the empty map still sheds nothing.
-    pub fn stop(&mut self, ebpf: &mut Ebpf) -> anyhow::Result<()> {
+    pub fn stop(&mut self) -> anyhow::Result<()> {
         self.cleared = true;
         let emptied = self.shed.sync(HashMap::new());
         for (_, (ns, links)) in std::mem::take(&mut self.attached) {
-            detach_in(ebpf, ns.as_deref(), links);
+            detach_in(ns.as_deref(), links);
         }
         emptied
     }
@@ -224,23 +227,27 @@ impl ListenerGuard {
     }
 }
 
-/// Detaches `links` in the namespace at `ns` (None: the daemon's own), logging failures.
-fn detach_in(ebpf: &mut Ebpf, ns: Option<&Path>, links: Vec<SchedClassifierLinkId>) {
+/// Detaches `links` in the namespace at `ns` (None: the daemon's own), each one, logging
+/// failures. A link that cannot be detached there is let go without a detach (dropped
+/// elsewhere, a clsact filter's link would send its delete to the wrong namespace).
+fn detach_in(ns: Option<&Path>, links: Vec<SchedClassifierLink>) {
     if links.is_empty() {
         return;
     }
-    let detached = netns::within(ns, || {
-        for link in links {
-            object::detach_listener(ebpf, link)?;
+    let name = netns_name(ns);
+    let mut links = Some(links);
+    let entered = netns::within(ns, || {
+        for link in links.take().into_iter().flatten() {
+            if let Err(e) = object::detach_listener(link) {
+                log::warn!("listener guard: detaching in netns {name}: {e:#}");
+            }
         }
         Ok(())
     });
-    if let Err(e) = detached {
-        log::warn!(
-            "listener guard: detaching in netns {}: {e:#}",
-            netns_name(ns)
-        );
+    if let Err(e) = entered {
+        log::warn!("listener guard: cannot enter netns {name} to detach: {e:#}");
     }
+    links.into_iter().flatten().for_each(std::mem::forget);
 }
 
 /// A policy's netns as logs and stats name it: its file, or "self".
