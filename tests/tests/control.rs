@@ -20,6 +20,18 @@ fn observe(cg: &Cgroup) -> String {
     )
 }
 
+/// A daemon observing a test cgroup that has made `destinations` tracked destinations
+/// (refused connects to distinct loopback addresses in a namespace of its own).
+fn daemon_with_destinations(prefix: &str, destinations: u64) -> (Cgroup, Netns, Daemon) {
+    let cg = Cgroup::new(prefix);
+    let ns = Netns::new("cgctl");
+    ns.exec("ip", &["link", "set", "lo", "up"]);
+    let d = Daemon::start(&observe(&cg));
+    let spray = cg.probe(&["spray", &ns.path(), &destinations.to_string(), "9"]);
+    assert_eq!(spray.errors("ECONNREFUSED"), destinations, "{spray:?}");
+    (cg, ns, d)
+}
+
 /// `connguard ARGS` against the daemon, timed.
 fn timed(d: &Daemon, args: &[&str]) -> (Duration, std::process::Output) {
     let started = Instant::now();
@@ -33,14 +45,9 @@ fn timed(d: &Daemon, args: &[&str]) -> (Duration, std::process::Output) {
 /// silent one alone), and the flood is refused after 4 KiB with an error.
 #[test]
 fn stalled_and_flooding_clients_delay_nobody() {
-    let cg = Cgroup::new("ctl-stall");
-    let ns = Netns::new("cgctl");
-    ns.exec("ip", &["link", "set", "lo", "up"]);
-    let d = Daemon::start(&observe(&cg));
     // Enough destinations that a stats answer overflows the socket buffers of the
     // client that never reads.
-    let spray = cg.probe(&["spray", &ns.path(), "3000", "9"]);
-    assert_eq!(spray.errors("ECONNREFUSED"), 3000, "{spray:?}");
+    let (_cg, _ns, d) = daemon_with_destinations("ctl-stall", 3000);
 
     let _silent = UnixStream::connect(&d.socket).unwrap();
     let mut not_reading = UnixStream::connect(&d.socket).unwrap();
@@ -86,12 +93,7 @@ fn stalled_and_flooding_clients_delay_nobody() {
 /// document with the same 2,000 destinations.
 #[test]
 fn concurrent_stats_clients_each_get_a_whole_document() {
-    let cg = Cgroup::new("ctl-concurrent");
-    let ns = Netns::new("cgctl");
-    ns.exec("ip", &["link", "set", "lo", "up"]);
-    let d = Daemon::start(&observe(&cg));
-    let spray = cg.probe(&["spray", &ns.path(), "2000", "9"]);
-    assert_eq!(spray.errors("ECONNREFUSED"), 2000, "{spray:?}");
+    let (_cg, _ns, d) = daemon_with_destinations("ctl-concurrent", 2000);
     let counts: Vec<Vec<(u64, usize)>> = thread::scope(|s| {
         let clients: Vec<_> = (0..4)
             .map(|_| {
