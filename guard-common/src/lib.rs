@@ -189,6 +189,9 @@ pub struct SockState {
     pub _pad: u32,
     /// `epoch` of the destination entry the admission charged.
     pub dst_epoch: u64,
+    /// Network namespace cookie of the socket, taken at connect (sock_ops programs get
+    /// bpf_get_netns_cookie only from Linux 5.15; a socket never changes namespace).
+    pub netns: u64,
     /// The destination key of the admission (valid while `admitted` is 1).
     pub dst: CounterKey,
 }

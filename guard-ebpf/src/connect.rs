@@ -22,9 +22,9 @@ const ALLOW: i32 = 1;
 const DENY: i32 = 0;
 const SOCK_STREAM: u32 = 1;
 
-/// 1 when the kernel has bpf_set_retval (5.18+). The daemon clears it on older
-/// kernels, where a shed connect() then fails with EPERM (the verifier skips the call on
-/// the dead branch, because .rodata is frozen).
+/// 1 when cgroup sock_addr programs may call bpf_set_retval (Linux 6.1+), as the
+/// daemon's probe found. Cleared, a shed connect() fails with EPERM; the verifier skips
+/// the call on the dead branch, because .rodata is frozen.
 #[unsafe(no_mangle)]
 static HAS_SET_RETVAL: u8 = 1;
 
@@ -113,9 +113,10 @@ fn admit(ctx: &SockAddrContext, addr: [u8; 16], port: u16) -> i32 {
     };
     // Ports held toward the destination past the watermark (the daemon keeps PORT_USE
     // current): shed like a spent budget, keeping the rest of the range for others.
+    let netns = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
     let ports_over = watermark != 0 && {
         let key = PortUseKey {
-            netns: unsafe { bpf_get_netns_cookie(ctx.as_ptr()) },
+            netns,
             port,
             _pad: [0; 6],
             addr,
@@ -188,6 +189,7 @@ fn admit(ctx: &SockAddrContext, addr: [u8; 16], port: u16) -> i32 {
             (*counters[0]).epoch
         };
         (*state).charged = charged;
+        (*state).netns = netns;
         (*state).armed = 0;
         (*state).admitted = 1;
     }

@@ -8,9 +8,7 @@
 //! leaked about 2 admissions in 100,000 connections here. cgroup programs have no
 //! such skip.
 use aya_ebpf::{
-    EbpfContext,
     bindings::{BPF_SOCK_OPS_STATE_CB, BPF_SOCK_OPS_STATE_CB_FLAG, BPF_SOCK_OPS_TCP_CONNECT_CB},
-    helpers::generated::bpf_get_netns_cookie,
     macros::{cgroup_sock, sock_ops},
     programs::{SockContext, SockOpsContext},
 };
@@ -85,7 +83,7 @@ fn count_time_wait(ctx: &SockOpsContext, state: *mut SockState) {
         words_addr(v6)
     };
     let key = TimeWaitKey {
-        netns: unsafe { bpf_get_netns_cookie(ctx.as_ptr()) },
+        netns: unsafe { (*state).netns },
         scope_id: dst.scope_id,
         dport: dst.port,
         _pad: 0,

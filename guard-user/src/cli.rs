@@ -97,6 +97,13 @@ pub enum Command {
         #[command(flatten)]
         netns: NetnsArgs,
     },
+    /// Probe the running kernel's features, as the daemon does at start: which it uses,
+    /// which are missing and what that degrades, and whether the daemon can run here.
+    Kernel {
+        /// Print JSON: {"release": "...", "features": {"NAME": true|false, ...}}.
+        #[arg(long)]
+        json: bool,
+    },
     /// Ask the running daemon to re-read its policy file.
     ///
     /// A bad file is rejected (exit 1) and the policy in force stays, with its counts.

@@ -28,7 +28,12 @@ use crate::{
         port_watch::{self, PortWatch},
     },
     host::mounts,
-    kernel::{maps::Maps, object},
+    kernel::{
+        batch,
+        features::{Feature, Features},
+        maps::Maps,
+        object,
+    },
     listen::{self, ListenerGuard},
     policy::{self, ListenerPolicy, Policy},
     report::{
@@ -67,6 +72,8 @@ struct Daemon {
     reloading: Mutex<()>,
     policy_path: Option<PathBuf>,
     jobs: Jobs,
+    /// What the kernel offers, probed at start.
+    features: Features,
 }
 
 /// With a panic hook that aborts, a lock is never left poisoned; this only spares the
@@ -149,6 +156,7 @@ impl Daemon {
             watched_ports,
             listeners,
             jobs: self.jobs.stats(),
+            kernel: Some(self.features.clone()),
         }
     }
 
@@ -170,21 +178,25 @@ impl Daemon {
                 Ok(())
             }),
         );
+        // PORT_USE is keyed by the namespace cookie the programs see; without
+        // SO_NETNS_COOKIE the daemon cannot name it, and watermarks stay unenforced.
         let d = self.clone();
-        self.jobs.spawn(
-            "port_watch",
-            RESCAN,
-            Arc::new(move || {
-                let (policy, dirs) = {
-                    let g = lock(&d.generations);
-                    (g.policy(), g.port_watched_dirs())
-                };
-                let entries = policy
-                    .map(|p| port_watch::read(&p, &dirs))
-                    .unwrap_or_default();
-                lock(&d.port_watch).sync(entries)
-            }),
-        );
+        if self.features.has(Feature::NetnsCookieSockopt) {
+            self.jobs.spawn(
+                "port_watch",
+                RESCAN,
+                Arc::new(move || {
+                    let (policy, dirs) = {
+                        let g = lock(&d.generations);
+                        (g.policy(), g.port_watched_dirs())
+                    };
+                    let entries = policy
+                        .map(|p| port_watch::read(&p, &dirs))
+                        .unwrap_or_default();
+                    lock(&d.port_watch).sync(entries)
+                }),
+            );
+        }
         let d = self.clone();
         self.jobs.spawn(
             "listener_watch",
@@ -268,6 +280,10 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
     object::require_root()?;
     // A bad policy stops the start before anything is attached.
     let policy = read_policy(opts.policy.as_deref())?;
+    let features = Features::probe().context("probing the kernel's features")?;
+    features.require()?;
+    log::info!("{}", features.summary());
+    batch::use_batch_lookups(features.has(Feature::BatchLookup));
     mounts::ensure_bpffs()?;
     let root = mounts::cgroup2_mount()?;
     let metrics = match &opts.metrics {
@@ -289,7 +305,7 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
     } else {
         None
     };
-    let mut ebpf = object::load_and_attach(&root)?;
+    let mut ebpf = object::load_and_attach(&root, &features)?;
     let maps = Maps::take(&mut ebpf)?;
     let mut generations = Generations::new(maps.policy, root.clone());
     let what = policy::describe(&policy);
@@ -306,7 +322,10 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
         generations: Mutex::new(generations),
         counters: Mutex::new(counters),
         port_watch: Mutex::new(PortWatch::new(maps.port_use)),
-        listeners: Mutex::new(ListenerGuard::new(maps.listeners)),
+        listeners: Mutex::new(ListenerGuard::new(
+            maps.listeners,
+            features.has(Feature::Tcx),
+        )),
         tw_rates: Mutex::new(tw_rates),
         status: Mutex::new(PolicyStatus {
             source: source.clone(),
@@ -316,6 +335,7 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
         reloading: Mutex::new(()),
         policy_path: opts.policy.clone(),
         jobs: Jobs::default(),
+        features,
     });
     daemon.set_listeners(listeners);
 

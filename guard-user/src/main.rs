@@ -1,7 +1,7 @@
 //! connguard: the daemon and its command-line tools.
 //!
-//! The modules are layers, each using only those listed before it: `policy`, `host` and
-//! `kernel` (on guard-common and crates alone), then `enforce`, `listen`, `diagnose`,
+//! The modules are layers, each using only those listed before it: `policy` and `host`
+//! (on guard-common and crates alone), then `kernel`, `enforce`, `listen`, `diagnose`,
 //! `report`, `control`. `daemon` wires them into the daemon; this file wires them into
 //! the other commands.
 mod cli;
@@ -27,6 +27,7 @@ use crate::{
     },
     diagnose::{attribution, listeners, ports},
     host::{cgroup, mounts, netns, ports::PortSettings, sockdiag},
+    kernel::{features::Features, object},
     report::{snapshot::Snapshot, table, top},
 };
 
@@ -103,6 +104,20 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 stats: client::ask(&netns.socket, Request::Stats { top: Some(0) }).ok(),
             })?;
         }
+        Command::Kernel { json } => {
+            object::require_root()?;
+            let features = Features::probe()?;
+            if json {
+                println!("{}", serde_json::to_string(&features)?);
+            } else {
+                println!("{}", features.summary());
+            }
+            // Exit 1 when the daemon cannot run here, saying why.
+            if let Err(e) = features.require() {
+                eprintln!("{e:#}");
+                return Ok(ExitCode::FAILURE);
+            }
+        }
         Command::Reload { socket } => {
             let reply: ReloadReply = client::ask(&socket, Request::Reload)?;
             match reply.error {
@@ -149,13 +164,18 @@ fn enter_netns(args: &NetnsArgs) -> anyhow::Result<String> {
 /// The ports report of the calling thread's namespace (named `name`), with the rates and
 /// attribution of the daemon on `socket` when one answers.
 fn ports_report(name: &str, socket: &Path) -> anyhow::Result<ports::PortsReport> {
-    let mut r = ports::report(name, &PortSettings::read()?, &sockdiag::tcp_sockets()?);
-    if let Ok(from) = client::ask(
-        socket,
-        Request::Ports {
-            netns: netns::cookie()?,
-        },
-    ) {
+    let settings = PortSettings::read()?;
+    let mut r = ports::report(
+        name,
+        &settings,
+        &sockdiag::tcp_sockets()?,
+        sockdiag::lists_bound_inactive(settings.range)?,
+    );
+    // The daemon keys what it knows by the namespace's cookie; without SO_NETNS_COOKIE
+    // there is no key to ask with.
+    if let Ok(cookie) = netns::cookie()
+        && let Ok(from) = client::ask(socket, Request::Ports { netns: cookie })
+    {
         attribution::merge(&mut r, from);
     }
     Ok(r)
@@ -200,8 +220,8 @@ mod layering {
     use std::path::Path;
 
     /// The layers, lowest first; a file may use its own layer and those before it, but
-    /// the first FOUNDATION (policy, host, kernel) use only themselves.
-    const FOUNDATION: usize = 3;
+    /// the first FOUNDATION (policy, host) use only themselves.
+    const FOUNDATION: usize = 2;
     const LAYERS: &[&str] = &[
         "policy", "host", "kernel", "enforce", "listen", "diagnose", "report", "control", "cli",
         "daemon", "main",

@@ -264,6 +264,16 @@ impl Daemon {
 
     /// A daemon whose control socket is `socket` (default: in a directory of its own).
     pub fn start_at(policy: &str, socket: Option<PathBuf>, extra: &[&str]) -> Daemon {
+        Self::spawn(policy, socket, extra, "")
+    }
+
+    /// A daemon told to treat `features` (comma-separated names of `connguard kernel`)
+    /// as absent from the kernel, as on a kernel without them.
+    pub fn start_without(policy: &str, features: &str) -> Daemon {
+        Self::spawn(policy, None, &[], features)
+    }
+
+    fn spawn(policy: &str, socket: Option<PathBuf>, extra: &[&str], without: &str) -> Daemon {
         require_prerequisites();
         let dir = std::env::temp_dir().join(unique("connguard-test"));
         std::fs::create_dir_all(&dir).unwrap();
@@ -282,6 +292,7 @@ impl Daemon {
                 &["--metrics", "off"][..]
             })
             .args(extra)
+            .env("CONNGUARD_WITHOUT", without)
             .stderr(Stdio::piped())
             .stdout(Stdio::null())
             .spawn()

@@ -185,7 +185,8 @@ fn exhausted_destination_is_named_with_exact_counts() {
 }
 
 /// Sockets bound to a source address without connecting hold ports of that address's
-/// pool, shown against the source address.
+/// pool, shown against the source address. A kernel whose sock_diag does not list
+/// bound-only sockets (before 6.7) shows none of them, and says so.
 #[test]
 fn bind_before_connect_pool_is_reported_per_source_address() {
     let ns = small_range_netns();
@@ -193,6 +194,27 @@ fn bind_before_connect_pool_is_reported_per_source_address() {
     let held = cg.hold_args(&["bind", &ns.path(), "127.0.0.2:0", "85"]);
     assert_eq!(held.outcome.ok, 85);
     let r = ports_json(&ns);
+    let warnings: Vec<&str> = r["warnings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| w.as_str().unwrap())
+        .collect();
+    assert!(r["destinations"].as_array().unwrap().is_empty(), "{r}");
+    if r["bound_inactive_listed"] == false {
+        assert_eq!(r["bound_ports"], 0, "{r}");
+        assert_eq!(r["bound_sources"], serde_json::json!([]), "{r}");
+        assert_eq!(
+            warnings,
+            [
+                "This kernel's sock_diag does not list sockets that are bound but neither \
+              connected nor listening (Linux 6.7 and later do): ports held by bind() alone \
+              are not counted here, though connect() cannot pick them."
+            ],
+        );
+        return;
+    }
+    assert_eq!(r["bound_inactive_listed"], true, "{r}");
     let pool = r["bound_sources"]
         .as_array()
         .unwrap()
@@ -208,15 +230,13 @@ fn bind_before_connect_pool_is_reported_per_source_address() {
         (Some(85), Some(85), Some(0.85)),
         "{pool}"
     );
-    let warnings = r["warnings"].as_array().unwrap();
     assert_eq!(r["bound_ports"], 85, "{r}");
     assert!(
-        warnings.iter().any(|w| w.as_str().unwrap().starts_with(
+        warnings.iter().any(|w| w.starts_with(
             "85 of 100 ephemeral ports (85%) are taken by bind() or listen(), 85 of them bound but unconnected"
         )),
         "{warnings:?}"
     );
-    assert!(r["destinations"].as_array().unwrap().is_empty(), "{r}");
 }
 
 /// With the daemon: the exhausted destination is attributed to the client's scope with

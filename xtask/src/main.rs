@@ -29,17 +29,26 @@ enum Task {
         #[arg(last = true)]
         args: Vec<String>,
     },
-    /// Build, then run every test: unit tests and the integration tests on the real
-    /// kernel (root and cgroup v2 required).
+    /// Build, then run every test: unit tests and the integration tests on the host's
+    /// kernel (root and cgroup v2 required), then the integration tests in a qemu guest
+    /// on each Debian kernel of the matrix (5.10, 6.1, 6.12, 7), fetched once into
+    /// target/vm.
     Test {
-        /// Instead of the host, run the integration tests in a qemu guest booted on the
-        /// newest Debian kernel of this series (5.10, 6.1, 6.12 or 7), fetched once
-        /// into target/vm.
-        #[arg(long, value_name = "SERIES")]
+        /// Only the integration tests, in a guest on this series (5.10, 6.1, 6.12 or 7).
+        #[arg(long, value_name = "SERIES", conflicts_with = "no_vm")]
         kernel: Option<String>,
+        /// Skip the guests (a quick local loop; CI never passes it).
+        #[arg(long)]
+        no_vm: bool,
         /// Extra arguments for the test binaries (e.g. a test name filter).
         #[arg(last = true)]
         args: Vec<String>,
+    },
+    /// Print the README's kernel table from the last guests' results
+    /// (target/vm/run-*/result.json); with --write, put it into README.md.
+    KernelTable {
+        #[arg(long)]
+        write: bool,
     },
     /// A short before/after story: wrk with 300 connections against nginx, without and
     /// with a connguard budget of 50.
@@ -65,27 +74,49 @@ fn main() -> anyhow::Result<()> {
                 .status()?;
             std::process::exit(status.code().unwrap_or(1));
         }
-        Task::Test { kernel: None, args } => {
+        Task::Test {
+            kernel: None,
+            no_vm,
+            args,
+        } => {
             build()?;
             cargo(
                 &["test", "--release", "--workspace", "--", "--test-threads=1"],
                 &args,
-            )
+            )?;
+            if no_vm {
+                return Ok(());
+            }
+            let binaries = integration_tests()?;
+            let mut failed = Vec::new();
+            for series in vm::series_names() {
+                if let Err(e) = vm::run(&root(), series, &binaries, &args) {
+                    eprintln!("{e:#}");
+                    failed.push(series);
+                }
+            }
+            if !failed.is_empty() {
+                bail!("the integration tests failed in the guests on {failed:?} (see above)");
+            }
+            println!("{}", vm::kernel_table(&root())?);
+            Ok(())
         }
         Task::Test {
             kernel: Some(series),
             args,
+            ..
         } => {
             build()?;
-            let tests = integration_tests()?
-                .into_iter()
-                .map(|t| {
-                    let mut run = vec![t, "--test-threads=1".to_string()];
-                    run.extend(args.iter().cloned());
-                    run
-                })
-                .collect::<Vec<_>>();
-            vm::run(&root(), &series, &tests)
+            vm::run(&root(), &series, &integration_tests()?, &args).map(|_| ())
+        }
+        Task::KernelTable { write } => {
+            let table = vm::kernel_table(&root())?;
+            if write {
+                write_readme_table(&table)?;
+            } else {
+                print!("{table}");
+            }
+            Ok(())
         }
         Task::Bench { quick } => {
             build()?;
@@ -96,6 +127,20 @@ fn main() -> anyhow::Result<()> {
             demo::run(&root().join("target/release/connguard"))
         }
     }
+}
+
+/// Replaces the README's text between its kernel-table markers with `table`.
+fn write_readme_table(table: &str) -> anyhow::Result<()> {
+    const BEGIN: &str = "<!-- kernel-table: written by `cargo xtask kernel-table --write` -->\n";
+    const END: &str = "<!-- kernel-table end -->";
+    let path = root().join("README.md");
+    let text = std::fs::read_to_string(&path)?;
+    let (Some(b), Some(e)) = (text.find(BEGIN), text.find(END)) else {
+        bail!("README.md has no kernel-table markers");
+    };
+    let text = format!("{}{table}{}", &text[..b + BEGIN.len()], &text[e..]);
+    std::fs::write(&path, text)?;
+    Ok(())
 }
 
 fn build() -> anyhow::Result<()> {

@@ -10,11 +10,13 @@
 //! test binaries (same paths, same libraries) and writes their output and exit status
 //! to a virtio serial port backed by a host file.
 use std::{
+    collections::BTreeMap,
     path::{Path, PathBuf},
     process::Command,
 };
 
 use anyhow::{Context, bail, ensure};
+use serde::{Deserialize, Serialize};
 
 /// What the guests need on the host.
 const PACKAGES: &[&str] = &[
@@ -46,27 +48,80 @@ const SOURCES: &[(&str, &str)] = &[
 struct Series {
     name: &'static str,
     prefixes: &'static [&'static str],
+    /// The features `connguard kernel` must find absent there (every other one present):
+    /// a probe that changes its answer on a known kernel fails the run.
+    absent: &'static [&'static str],
 }
 
 const SERIES: &[Series] = &[
     Series {
         name: "5.10",
         prefixes: &["linux-image-5.10."],
+        absent: &[
+            "atomic_fetch",
+            "bound_inactive_diag",
+            "cgroup_storage",
+            "set_retval",
+            "so_netns_cookie",
+            "tcx",
+        ],
     },
     Series {
         name: "6.1",
         prefixes: &["linux-image-6.1."],
+        absent: &["bound_inactive_diag", "cgroup_storage", "tcx"],
     },
     Series {
         name: "6.12",
         prefixes: &["linux-image-6.12."],
+        absent: &[],
     },
     // sid splits the kernel into the image and its modules.
     Series {
         name: "7",
         prefixes: &["linux-binary-7.", "linux-modules-7."],
+        absent: &[],
     },
 ];
+
+/// The features the daemon cannot run without (`connguard kernel` exits 1).
+const REQUIRED: &[&str] = &["atomic_fetch", "cgroup_links", "kernel_btf"];
+
+/// The integration tests that need no daemon: what runs on a kernel below the daemon's
+/// minimum, where its refusal (and nothing attached) is tested too. Each must pass
+/// there by name, so a renamed test cannot drop out unseen.
+const DAEMONLESS: &[&str] = &[
+    "kernel_reports_every_feature_and_honours_without",
+    "without_atomic_fetch_the_daemon_refuses_to_start_and_attaches_nothing",
+    "without_the_guard_clients_past_the_queue_wait_over_a_second",
+    "check_rejects_bad_files_with_line_and_column",
+    "run_without_root_says_so",
+    "exhausted_destination_is_named_with_exact_counts",
+    "bind_before_connect_pool_is_reported_per_source_address",
+    "top_shows_the_exhausted_destination_in_a_terminal_and_quits_on_q",
+];
+
+/// What one guest found and ran, kept in target/vm/run-SERIES/result.json for the
+/// README's kernel table.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Outcome {
+    pub series: String,
+    pub release: String,
+    /// `connguard kernel --json`'s features.
+    pub features: BTreeMap<String, bool>,
+    pub passed: Vec<String>,
+    pub failed: Vec<String>,
+    /// Boot to power-off, s.
+    pub seconds: u64,
+}
+
+impl Outcome {
+    pub fn daemon_runs(&self) -> bool {
+        REQUIRED
+            .iter()
+            .all(|f| self.features.get(*f) == Some(&true))
+    }
+}
 
 /// Modules the guest loads at boot, with their dependencies: the host root over 9p,
 /// the result port, the overlay, and what the tests use (veth pairs, clsact and tc BPF
@@ -89,9 +144,16 @@ pub fn series_names() -> Vec<&'static str> {
     SERIES.iter().map(|s| s.name).collect()
 }
 
-/// Runs `tests` (each a test binary and its arguments, run in turn) in a guest booted on
-/// the newest kernel of `series`, and prints their output; fails naming the kernel.
-pub fn run(root: &Path, series: &str, tests: &[Vec<String>]) -> anyhow::Result<()> {
+/// Runs the integration test `binaries` (with `args`) in a guest booted on the newest
+/// kernel of `series`: all of their tests where the daemon can run, DAEMONLESS where it
+/// cannot. Fails naming the kernel when a test fails, a probe answers otherwise than
+/// `absent` says, or the guest gives no result.
+pub fn run(
+    root: &Path,
+    series: &str,
+    binaries: &[String],
+    args: &[String],
+) -> anyhow::Result<Outcome> {
     crate::setup::install(PACKAGES)?;
     let series = SERIES
         .iter()
@@ -104,31 +166,143 @@ pub fn run(root: &Path, series: &str, tests: &[Vec<String>]) -> anyhow::Result<(
     let initrd = initramfs(&vm, &kernel, &release)?;
     let work = vm.join(format!("run-{}", series.name));
     std::fs::create_dir_all(&work)?;
+    let below_minimum = REQUIRED.iter().any(|f| series.absent.contains(f));
+    let mut filters: Vec<String> = args.to_vec();
+    if below_minimum {
+        filters.push("--exact".into());
+        filters.extend(DAEMONLESS.iter().map(|t| t.to_string()));
+    }
     let script = work.join("cmd.sh");
-    let mut text = format!("cd {}\nstatus=0\n", root.display());
-    for t in tests {
-        text += &format!("echo '=== {}'\n{} || status=1\n", t.join(" "), t.join(" "));
+    let connguard = root.join("target/release/connguard");
+    let mut text = format!(
+        "cd {}\necho \"FEATURES $({} kernel --json)\"\nstatus=0\n",
+        root.display(),
+        connguard.display()
+    );
+    for b in binaries {
+        let run = format!("{b} --test-threads=1 {}", filters.join(" "));
+        text += &format!("echo '=== {run}'\n{run} || status=1\n");
     }
     text += "exit $status\n";
     std::fs::write(&script, text)?;
     let out = work.join("out.log");
     let _ = std::fs::remove_file(&out);
     eprintln!(
-        "vm: booting {release} (TCG) for {} test binaries",
-        tests.len()
+        "vm: booting {release} (TCG) for {} test binaries{}",
+        binaries.len(),
+        if below_minimum {
+            " (below the daemon's minimum: the tests that need no daemon)"
+        } else {
+            ""
+        }
     );
     let started = std::time::Instant::now();
-    // A guest that hangs is ended after GUEST_TIMEOUT.
-    let status = Command::new("timeout")
+    let status = boot(&vmlinux, &initrd, &script, &out, &work)?;
+    let output = std::fs::read_to_string(&out).unwrap_or_default();
+    print!("{output}");
+    let seconds = started.elapsed().as_secs();
+    let console = work.join("console.log");
+    let tail = || {
+        let text = std::fs::read_to_string(&console).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(20)..].join("\n")
+    };
+    let Some(exit) = output
+        .lines()
+        .rev()
+        .find_map(|l| l.strip_prefix("EXIT "))
+        .and_then(|c| c.trim().parse::<i32>().ok())
+    else {
+        bail!(
+            "vm: {release}: the guest ended without a result (qemu {status}, {seconds} s); \
+             the console's last lines:\n{}",
+            tail()
+        );
+    };
+    let features: BTreeMap<String, bool> = output
+        .lines()
+        .find_map(|l| l.strip_prefix("FEATURES "))
+        .and_then(|j| serde_json::from_str::<serde_json::Value>(j).ok())
+        .and_then(|v| serde_json::from_value(v["features"].clone()).ok())
+        .with_context(|| format!("vm: {release}: `connguard kernel --json` printed no features"))?;
+    let (mut passed, mut failed) = (Vec::new(), Vec::new());
+    for l in output.lines() {
+        let Some(rest) = l.strip_prefix("test ") else {
+            continue;
+        };
+        if let Some(name) = rest.strip_suffix(" ... ok") {
+            passed.push(name.to_string());
+        } else if let Some(name) = rest.strip_suffix(" ... FAILED") {
+            failed.push(name.to_string());
+        }
+    }
+    let outcome = Outcome {
+        series: series.name.to_string(),
+        release: release.clone(),
+        features,
+        passed,
+        failed,
+        seconds,
+    };
+    std::fs::write(
+        work.join("result.json"),
+        serde_json::to_string_pretty(&outcome)?,
+    )?;
+    let wrong: Vec<String> = outcome
+        .features
+        .iter()
+        .filter(|(name, present)| **present == series.absent.contains(&name.as_str()))
+        .map(|(name, present)| format!("{name} {}", if *present { "present" } else { "absent" }))
+        .collect();
+    ensure!(
+        wrong.is_empty(),
+        "vm: {release}: the probes found {} (expected absent: {:?})",
+        wrong.join(", "),
+        series.absent
+    );
+    if below_minimum && args.is_empty() {
+        let missing: Vec<&&str> = DAEMONLESS
+            .iter()
+            .filter(|t| !outcome.passed.iter().any(|p| p.ends_with(**t)))
+            .collect();
+        ensure!(
+            missing.is_empty(),
+            "vm: {release}: these tests did not pass: {missing:?}"
+        );
+    }
+    ensure!(
+        exit == 0 && outcome.failed.is_empty(),
+        "vm: {release}: {} test(s) failed ({}), exit {exit}, {seconds} s; output above, console in {}",
+        outcome.failed.len(),
+        outcome.failed.join(", "),
+        console.display()
+    );
+    eprintln!(
+        "vm: {release}: {} tests passed ({seconds} s, boot included)",
+        outcome.passed.len()
+    );
+    Ok(outcome)
+}
+
+/// Boots the guest on `vmlinux` and `initrd` to run `script`; its output goes to `out`,
+/// the console to work/console.log. A guest that hangs is ended after GUEST_TIMEOUT.
+fn boot(
+    vmlinux: &Path,
+    initrd: &Path,
+    script: &Path,
+    out: &Path,
+    work: &Path,
+) -> anyhow::Result<std::process::ExitStatus> {
+    Command::new("timeout")
         .arg(GUEST_TIMEOUT)
         .arg("qemu-system-x86_64")
         .args([
             "-accel", "tcg", "-cpu", "max", "-M", "q35", "-m", "2G", "-smp", "2",
         ])
         .args(["-nographic", "-no-reboot", "-kernel"])
-        .arg(&vmlinux)
+        .arg(vmlinux)
         .arg("-initrd")
-        .arg(&initrd)
+        .arg(initrd)
         .arg("-append")
         .arg(format!(
             "console=ttyS0 quiet panic=-1 vmcmd={}",
@@ -148,29 +322,7 @@ pub fn run(root: &Path, series: &str, tests: &[Vec<String>]) -> anyhow::Result<(
         .stdout(std::fs::File::create(work.join("console.log"))?)
         .stderr(std::process::Stdio::inherit())
         .status()
-        .context("running qemu-system-x86_64")?;
-    let output = std::fs::read_to_string(&out).unwrap_or_default();
-    print!("{output}");
-    let took = started.elapsed().as_secs();
-    let exit = output
-        .lines()
-        .rev()
-        .find_map(|l| l.strip_prefix("EXIT "))
-        .and_then(|c| c.trim().parse::<i32>().ok());
-    match exit {
-        Some(0) => {
-            eprintln!("vm: {release}: every test passed ({took} s, boot included)");
-            Ok(())
-        }
-        Some(code) => bail!(
-            "vm: {release}: tests failed (exit {code}, {took} s); output above, console in {}",
-            work.join("console.log").display()
-        ),
-        None => bail!(
-            "vm: {release}: the guest ended without a result (qemu {status}, {took} s); console in {}",
-            work.join("console.log").display()
-        ),
-    }
+        .context("running qemu-system-x86_64")
 }
 
 /// The unpacked kernel of `series` under target/vm/kernels, fetched the first time.
@@ -451,4 +603,79 @@ fn output(cmd: &mut Command) -> anyhow::Result<String> {
         String::from_utf8_lossy(&out.stderr)
     );
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// The README's kernel table, from each guest's result.json (run by `cargo xtask test`),
+/// in SERIES order; a series never run is left out.
+pub fn kernel_table(root: &Path) -> anyhow::Result<String> {
+    let mut rows = String::from(
+        "| kernel | tests passed | time | daemon | shed connect() errno | listener guard | \
+         port watermark | bound-only sockets in `ports` | map reads | later: cgroup storage, ancestor cgroup id |\n\
+         |---|---|---|---|---|---|---|---|---|---|\n",
+    );
+    let mut any = false;
+    for series in SERIES {
+        let path = root.join(format!("target/vm/run-{}/result.json", series.name));
+        let Ok(text) = std::fs::read_to_string(&path) else {
+            continue;
+        };
+        let o: Outcome =
+            serde_json::from_str(&text).with_context(|| format!("reading {}", path.display()))?;
+        any = true;
+        let has = |f: &str| o.features.get(f) == Some(&true);
+        let runs = o.daemon_runs();
+        let missing: Vec<&str> = REQUIRED.iter().copied().filter(|f| !has(f)).collect();
+        let daemon_only = |text: &str| {
+            if runs {
+                text.to_string()
+            } else {
+                "—".to_string()
+            }
+        };
+        let yes = |f: &str| if has(f) { "yes" } else { "no" };
+        rows += &format!(
+            "| {} | {} of {} | {} s | {} | {} | {} | {} | {} | {} | {}, {} |\n",
+            o.release,
+            o.passed.len(),
+            o.passed.len() + o.failed.len(),
+            o.seconds,
+            if runs {
+                "runs".to_string()
+            } else {
+                format!("refuses: no {}", missing.join(", no "))
+            },
+            daemon_only(if has("set_retval") {
+                "the policy's (ECONNREFUSED)"
+            } else {
+                "EPERM"
+            }),
+            daemon_only(if has("tcx") {
+                "tcx link"
+            } else {
+                "clsact filter"
+            }),
+            daemon_only(if has("so_netns_cookie") {
+                "enforced"
+            } else {
+                "not enforced"
+            }),
+            if has("bound_inactive_diag") {
+                "listed"
+            } else {
+                "not listed"
+            },
+            daemon_only(if has("batch_lookup") {
+                "batched"
+            } else {
+                "entry by entry"
+            }),
+            yes("cgroup_storage"),
+            yes("ancestor_cgroup_id"),
+        );
+    }
+    ensure!(
+        any,
+        "no guest results under target/vm/run-*/result.json: run `cargo xtask test` first"
+    );
+    Ok(rows)
 }

@@ -32,6 +32,10 @@ pub struct PortsReport {
     /// Busiest first.
     pub destinations: Vec<DestinationPorts>,
     pub bound_sources: Vec<SourcePool>,
+    /// Whether the kernel's sock_diag lists sockets bound but neither connected nor
+    /// listening (Linux 6.7+). When false, ports held by bind() alone are missing from
+    /// `bound_ports` and `bound_sources`, and a warning says so.
+    pub bound_inactive_listed: bool,
     /// EADDRNOTAVAIL returned by connect(), per scope and process (needs the daemon).
     pub eaddrnotavail: Vec<EaddrnotavailCount>,
     /// The diagnosis, one sentence block per problem.
@@ -80,7 +84,14 @@ pub struct SourcePool {
 }
 
 /// The report for one namespace from its socket table and settings.
-pub fn report(netns: &str, settings: &PortSettings, sockets: &[TcpSocket]) -> PortsReport {
+/// The report of `sockets`; `bound_inactive_listed` says whether they include sockets
+/// only bound (see `sockdiag::lists_bound_inactive`).
+pub fn report(
+    netns: &str,
+    settings: &PortSettings,
+    sockets: &[TcpSocket],
+    bound_inactive_listed: bool,
+) -> PortsReport {
     let total = settings.ephemeral_ports().max(1);
     let ratio = |n: u32| n as f64 / total as f64;
     let c = census(settings, sockets);
@@ -122,6 +133,7 @@ pub fn report(netns: &str, settings: &PortSettings, sockets: &[TcpSocket]) -> Po
         bound_ports: bound,
         destinations,
         bound_sources,
+        bound_inactive_listed,
         eaddrnotavail: Vec::new(),
         warnings: Vec::new(),
     };
@@ -208,6 +220,14 @@ pub fn diagnose(r: &PortsReport) -> Vec<String> {
             r.ephemeral_ports,
             r.bound_ports as f64 / total as f64 * 100.0
         ));
+    }
+    if !r.bound_inactive_listed {
+        out.push(
+            "This kernel's sock_diag does not list sockets that are bound but neither connected \
+             nor listening (Linux 6.7 and later do): ports held by bind() alone are not counted \
+             here, though connect() cannot pick them."
+                .to_string(),
+        );
     }
     out
 }
@@ -309,7 +329,7 @@ mod tests {
             sock(TCP_LISTEN, "0.0.0.0", 8080, "0.0.0.0", 0),
             sock(TCP_CLOSE, "10.0.0.1", 40002, "0.0.0.0", 0),
         ];
-        let r = report("self", &s, &socks);
+        let r = report("self", &s, &socks, true);
         let d: Vec<_> = r
             .destinations
             .iter()
@@ -347,7 +367,7 @@ mod tests {
         let socks: Vec<_> = (0..4)
             .map(|i| sock(TCP_TIME_WAIT, "127.0.0.1", 40000 + i, "127.0.0.1", 8080))
             .collect();
-        let loopback = report("self", &s, &socks);
+        let loopback = report("self", &s, &socks, true);
         assert_eq!(
             (
                 loopback.destinations[0].in_use,
@@ -363,7 +383,7 @@ mod tests {
         let socks: Vec<_> = (0..4)
             .map(|i| sock(TCP_TIME_WAIT, "10.0.0.1", 40000 + i, "10.0.0.2", 8080))
             .collect();
-        let remote = report("self", &s, &socks);
+        let remote = report("self", &s, &socks, true);
         assert_eq!(
             remote.destinations[0].available, 0,
             "2 does not cover other addresses"
@@ -381,7 +401,7 @@ mod tests {
             .map(|i| sock(TCP_TIME_WAIT, "10.0.0.1", 40000 + i, "10.0.0.2", 80))
             .collect();
         let with_rate = |rate: f64| {
-            let mut r = report("self", &s, &socks);
+            let mut r = report("self", &s, &socks, true);
             let from = DaemonPorts {
                 destinations: vec![DaemonDestination {
                     src: "10.0.0.1".into(),

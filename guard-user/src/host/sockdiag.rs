@@ -1,6 +1,9 @@
 //! The kernel's TCP socket table, through sock_diag netlink (NETLINK_SOCK_DIAG,
 //! linux/inet_diag.h): what `ss -tan` shows, for the current network namespace.
-use std::net::IpAddr;
+use std::{
+    net::IpAddr,
+    os::fd::{FromRawFd, OwnedFd},
+};
 
 use anyhow::{Context, bail};
 use netlink_packet_core::{
@@ -51,6 +54,45 @@ pub fn listeners_and_syn_recv() -> anyhow::Result<Vec<TcpSocket>> {
     tcp_sockets_in(StateFlags::from_bits_retain(
         (1 << TCP_LISTEN) | (1 << TCP_SYN_RECV),
     ))
+}
+
+/// Whether this kernel's sock_diag lists sockets bound but neither connected nor
+/// listening (TCP_BOUND_INACTIVE): it binds one and asks for those. Older kernels skip
+/// them (they sit only in the bind hash, which inet_diag did not walk). The port is
+/// one just outside `ephemeral` (ip_local_port_range), which may be exhausted: the
+/// moment `connguard ports` is run for. Known once per process (a kernel property).
+pub fn lists_bound_inactive(ephemeral: (u16, u16)) -> anyhow::Result<bool> {
+    static KNOWN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if let Some(k) = KNOWN.get() {
+        return Ok(*k);
+    }
+    let below = (1..ephemeral.0).rev();
+    let above = ephemeral.1.saturating_add(1)..=u16::MAX;
+    let Some((_socket, port)) = below.chain(above).take(256).find_map(bound_socket) else {
+        bail!("no free port around the ephemeral range {ephemeral:?} to probe sock_diag with");
+    };
+    let mut found = Vec::new();
+    dump(
+        AF_INET,
+        StateFlags::from_bits_retain(1 << TCP_BOUND_INACTIVE),
+        &mut found,
+    )?;
+    Ok(*KNOWN.get_or_init(|| found.iter().any(|s| s.sport == port)))
+}
+
+/// A TCP socket bound to 0.0.0.0:`port`, unless that fails.
+fn bound_socket(port: u16) -> Option<(OwnedFd, u16)> {
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return None;
+    }
+    // SAFETY: a new fd, owned from here.
+    let socket = unsafe { OwnedFd::from_raw_fd(fd) };
+    let mut addr: libc::sockaddr_in = unsafe { std::mem::zeroed() };
+    addr.sin_family = libc::AF_INET as libc::sa_family_t;
+    addr.sin_port = port.to_be();
+    let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    (unsafe { libc::bind(fd, (&raw const addr).cast(), len) } == 0).then_some((socket, port))
 }
 
 fn tcp_sockets_in(states: StateFlags) -> anyhow::Result<Vec<TcpSocket>> {

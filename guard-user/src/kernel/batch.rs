@@ -23,8 +23,8 @@ use aya::{
     maps::{Array, HashMap, IterableMap, MapData},
 };
 
-/// `BPF_MAP_LOOKUP_BATCH` from `enum bpf_cmd`.
-const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
+use super::syscall::{BPF_MAP_LOOKUP_BATCH, bpf};
+
 /// The kernel-internal ENOTSUPP (not EOPNOTSUPP), returned for maps without batch ops.
 const ENOTSUPP: i32 = 524;
 /// Entries asked for per call (the kernel may return fewer: it stops at a bucket's end).
@@ -50,21 +50,19 @@ struct BatchAttr {
 /// `attr`'s buffers hold `count` keys and values of the map's key and value sizes, and
 /// `out_batch` (and `in_batch`, when set) a position of the map's kind.
 unsafe fn lookup_batch_call(attr: &mut BatchAttr) -> Option<io::Error> {
-    // SAFETY: the attribute is the kernel's layout and size; the buffers are the caller's.
-    let ret = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_MAP_LOOKUP_BATCH,
-            attr as *mut BatchAttr,
-            std::mem::size_of::<BatchAttr>() as u32,
-        )
-    };
-    (ret < 0).then(io::Error::last_os_error)
+    // SAFETY: the attribute is the kernel's layout; the buffers are the caller's.
+    unsafe { bpf(BPF_MAP_LOOKUP_BATCH, attr) }.err()
 }
 
-/// Cleared the first time the kernel says it has no batch lookup, so later dumps go
-/// straight to the iterator.
+/// Set from the start's feature probe (`use_batch_lookups`), and cleared the first
+/// time the kernel says it has no batch lookup, so later dumps go straight to the
+/// iterator.
 static BATCH_SUPPORTED: AtomicBool = AtomicBool::new(true);
+
+/// Whether to try batch lookups at all (false when the probe found none).
+pub fn use_batch_lookups(yes: bool) {
+    BATCH_SUPPORTED.store(yes, Ordering::Relaxed);
+}
 
 /// `read()`'s entries, unless batch lookups are unsupported (then never tried again)
 /// or failed: then None, and the caller reads entry by entry.

@@ -6,12 +6,15 @@ use aya::{
     Btf, Ebpf, EbpfLoader,
     programs::{
         BtfTracePoint, CgroupAttachMode, CgroupSock, CgroupSockAddr, SchedClassifier, SockOps,
-        TcAttachType, tc::SchedClassifierLink,
+        TcAttachType,
+        links::LinkOrder,
+        tc::{NlOptions, SchedClassifierLink, TcAttachOptions},
     },
-    util::KernelVersion,
 };
 use guard_common::names::program;
 use serde::{Deserialize, Serialize};
+
+use super::features::{Feature, Features};
 
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/guard-ebpf"));
 
@@ -39,18 +42,12 @@ pub fn require_root() -> anyhow::Result<()> {
 
 /// Loads and attaches everything. The attachments are bpf_links, which the kernel drops
 /// when the process exits, stopped or killed: that is what makes connguard fail open.
-/// (Listener guards on kernels before 6.6 use clsact filters, which outlive the process;
-/// a stopping daemon empties their map.)
-pub fn load_and_attach(cgroup_root: &Path) -> anyhow::Result<Ebpf> {
-    let has_set_retval =
-        KernelVersion::current().map_or(true, |v| v >= KernelVersion::new(5, 18, 0));
-    if !has_set_retval {
-        log::warn!(
-            "this kernel lacks bpf_set_retval (Linux 5.18+): shed connects fail with EPERM, not the policy's errno"
-        );
-    }
+/// (Listener guards on kernels without tcx are clsact filters, which outlive the
+/// process; a stopping daemon removes them.) `features` must have passed `require`.
+pub fn load_and_attach(cgroup_root: &Path, features: &Features) -> anyhow::Result<Ebpf> {
+    let has_set_retval = u8::from(features.has(Feature::SetRetval));
     let mut ebpf = EbpfLoader::new()
-        .override_global("HAS_SET_RETVAL", &u8::from(has_set_retval), true)
+        .override_global("HAS_SET_RETVAL", &has_set_retval, true)
         .load(OBJECT)
         .context("loading the eBPF object")?;
     let cgroup =
@@ -88,19 +85,26 @@ pub fn load_and_attach(cgroup_root: &Path) -> anyhow::Result<Ebpf> {
 }
 
 /// Attaches the loaded listener program to an interface's ingress, in the calling
-/// thread's network namespace: a tcx link on Linux 6.6+, a filter on a clsact qdisc
-/// before. The link is handed to the caller, out of aya's table of the program's
+/// thread's network namespace: a tcx link when `tcx`, else a filter on a clsact qdisc.
+/// The link is handed to the caller, out of aya's table of the program's
 /// links: aya knows a clsact filter by interface index, priority and handle, and `lo`
 /// has index 1 in every namespace, so in that table a second namespace's `lo` was
 /// refused as "already attached" (seen on 6.1). Detach it with `detach_listener`, in
 /// the same namespace.
-pub fn attach_listener(ebpf: &mut Ebpf, iface: &str) -> anyhow::Result<SchedClassifierLink> {
+pub fn attach_listener(
+    ebpf: &mut Ebpf,
+    iface: &str,
+    tcx: bool,
+) -> anyhow::Result<SchedClassifierLink> {
     let prog: &mut SchedClassifier = program(ebpf, program::LISTENER_SHED)?.try_into()?;
-    if !KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0)) {
+    let options = if tcx {
+        TcAttachOptions::TcxOrder(LinkOrder::default())
+    } else {
         // Already there is fine.
         let _ = aya::programs::tc::qdisc_add_clsact(iface);
-    }
-    let id = prog.attach(iface, TcAttachType::Ingress)?;
+        TcAttachOptions::Netlink(NlOptions::default())
+    };
+    let id = prog.attach_with_options(iface, TcAttachType::Ingress, options)?;
     Ok(prog.take_link(id)?)
 }
 

@@ -75,6 +75,8 @@ pub struct ListenerGuard {
     /// Set for good by `stop`: a reading that finishes later writes nothing, and a
     /// reload attaches nothing.
     cleared: bool,
+    /// Attach as tcx links (else clsact filters).
+    tcx: bool,
 }
 
 /// What one reading of the guarded namespaces found.
@@ -86,7 +88,7 @@ pub struct Reading {
 }
 
 impl ListenerGuard {
-    pub fn new(maps: ListenerMaps) -> Self {
+    pub fn new(maps: ListenerMaps, tcx: bool) -> Self {
         ListenerGuard {
             shed: Mirrored::new(maps.shed),
             rst_shed: maps.rst_shed,
@@ -97,6 +99,7 @@ impl ListenerGuard {
             attached: BTreeMap::new(),
             unreadable: BTreeMap::new(),
             cleared: false,
+            tcx,
         }
     }
 
@@ -125,7 +128,7 @@ impl ListenerGuard {
                     .filter(|i| p.interfaces.is_empty() || p.interfaces.contains(i))
                     .collect();
                 for iface in &chosen {
-                    let link = object::attach_listener(ebpf, iface)
+                    let link = object::attach_listener(ebpf, iface, self.tcx)
                         .with_context(|| format!("attaching the listener guard to {iface}"))?;
                     links.push(link);
                 }

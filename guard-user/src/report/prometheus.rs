@@ -92,6 +92,11 @@ pub fn render(snap: &Snapshot) -> String {
         "1 when the last reload was rejected and the previous policy stays in force",
         policy_error.clone(),
     );
+    let feature = gauge(
+        &mut reg,
+        "kernel_feature",
+        "1 when the kernel has the feature (probed at start; names as in `connguard kernel`), 0 when the daemon runs without it",
+    );
     let runs = counter(
         &mut reg,
         "program_runs",
@@ -227,6 +232,11 @@ pub fn render(snap: &Snapshot) -> String {
             .set(j.last_error.is_some() as i64);
     }
     internal.inc_by(snap.internal_errors);
+    for (name, present) in snap.kernel.iter().flat_map(|k| &k.features) {
+        feature
+            .get_or_create(&vec![("feature", name.clone())])
+            .set(i64::from(*present));
+    }
     generation.set(snap.policy.generation as i64);
     policy_error.set(snap.policy.last_error.is_some() as i64);
     for p in &snap.programs {
@@ -284,6 +294,7 @@ mod tests {
             watched_ports: Vec::new(),
             listeners: Vec::new(),
             jobs: Vec::new(),
+            kernel: None,
         };
         let text = render(&snap);
         for line in [

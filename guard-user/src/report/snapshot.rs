@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 use crate::{
     diagnose::attribution::EaddrnotavailCount,
     enforce::{counters::CounterDump, ids::Ids, port_watch::WatchedPort},
-    kernel::object::ProgramCost,
+    kernel::{features::Features, object::ProgramCost},
     listen::ListenerStats,
     policy::{Policy, mode_name},
 };
@@ -35,6 +35,10 @@ pub struct Snapshot {
     /// field).
     #[serde(default)]
     pub jobs: Vec<JobStats>,
+    /// The kernel's release and the features probed at start (absent from the answers
+    /// of older daemons).
+    #[serde(default)]
+    pub kernel: Option<Features>,
 }
 
 /// One periodic job of the daemon (cgroup rescan, listener watch, ...). A job that fails
