@@ -192,6 +192,10 @@ pub struct SockState {
     /// Network namespace cookie of the socket, taken at connect (sock_ops programs get
     /// bpf_get_netns_cookie only from Linux 5.15; a socket never changes namespace).
     pub netns: u64,
+    /// Local address, network order, IPv4 IPv4-mapped: taken at tcp_connect() (sock_ops
+    /// TCP_CONNECT_CB), when the route has chosen it, for the TIME_WAIT key whichever
+    /// path releases.
+    pub src: [u8; 16],
     /// The destination key of the admission (valid while `admitted` is 1).
     pub dst: CounterKey,
 }

@@ -87,17 +87,18 @@ pub fn scope_counter(scope_id: u32) -> *mut Counter {
     }
 }
 
-/// Releases the admission the socket holds, if any. The atomic swap of `admitted`
-/// succeeds for exactly one caller, so concurrent paths release once.
+/// Releases the admission the socket holds, if any; true for the one caller that did.
+/// The atomic swap of `admitted` succeeds for exactly one caller, so concurrent paths
+/// release once.
 #[inline(always)]
-pub fn release(state: *mut SockState) {
+pub fn release(state: *mut SockState) -> bool {
     // Most sockets hold no admission when asked (every connect asks first): a plain
     // load spares them the atomic swap. Only the swap decides who releases.
     if state.is_null() || unsafe { core::ptr::read_volatile(&raw const (*state).admitted) } != 1 {
-        return;
+        return false;
     }
     if unsafe { atomic_xchg::<u32, { SeqCst }>(&raw mut (*state).admitted, 0) } != 1 {
-        return;
+        return false;
     }
     let (dst, charged, dst_epoch) = unsafe { ((*state).dst, (*state).charged, (*state).dst_epoch) };
     // Levels as charged by connect: bit 0 destination, 1 rule, 2 scope.
@@ -126,6 +127,7 @@ pub fn release(state: *mut SockState) {
             add(unsafe { &raw mut (*c).active }, u64::MAX);
         }
     }
+    true
 }
 
 /// Adds 1 to the count under `key`, creating it at 1. A full map loses the event (these

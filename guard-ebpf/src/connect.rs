@@ -79,7 +79,7 @@ fn admit(ctx: &SockAddrContext, addr: [u8; 16], port: u16) -> i32 {
     let gen_ = ACTIVE_GEN.get(0).copied().unwrap_or(0);
     // A reconnect after a failure that no release path saw (the route lookup failed, or
     // another cgroup program refused the first attempt): release the old admission.
-    release(state);
+    let _ = release(state);
     let cgroup_id = unsafe { (*state).cgroup_id };
     let Some(scope) = (unsafe {
         SCOPES.get(&CgroupKey {

@@ -2,11 +2,13 @@
 //! `accounting::release`, which acts once per admission. A socket that connects again
 //! after a failure is released by the connect hook before it is admitted again.
 //!
-//! Transitions are taken from sock_ops STATE_CB, not from the `inet_sock_set_state`
-//! tracepoint: a tracing program that is interrupted (an IRQ whose softirq closes
-//! another socket on the same CPU) skips the nested run (`recursion_misses`), which
-//! leaked about 2 admissions in 100,000 connections here. cgroup programs have no
-//! such skip.
+//! An armed socket's move to TCP_CLOSE is seen twice, and the first to swap `admitted`
+//! releases it: by sock_ops STATE_CB, and by the `inet_sock_set_state` tracepoint
+//! (set_state.rs). Either alone can miss it. bpf_sock_ops_cb_flags_set() replaces a
+//! socket's flags, so another sock_ops program on the host that sets only its own turns
+//! our state callback off; a tracing program interrupted by an IRQ whose softirq closes
+//! another socket on the same CPU skips the nested run (`recursion_misses`), which
+//! leaked about 2 admissions in 100,000 connections here when it was the only path.
 use aya_ebpf::{
     bindings::{BPF_SOCK_OPS_STATE_CB, BPF_SOCK_OPS_STATE_CB_FLAG, BPF_SOCK_OPS_TCP_CONNECT_CB},
     macros::{cgroup_sock, sock_ops},
@@ -29,9 +31,9 @@ use crate::{
 const TIME_WAIT_FROM: [u32; 3] = [TCP_FIN_WAIT1, TCP_FIN_WAIT2, TCP_CLOSING];
 
 /// TCP_CONNECT_CB (tcp_connect, before the SYN) asks for state callbacks on admitted
-/// sockets; STATE_CB then sees every transition into TCP_CLOSE: reset, timeout,
-/// orderly close, the birth of a TIME_WAIT entry (FIN_WAIT2 -> CLOSE), and the abort of
-/// a pending connect.
+/// sockets and notes the local address; STATE_CB then sees every transition into
+/// TCP_CLOSE: reset, timeout, orderly close, the birth of a TIME_WAIT entry
+/// (FIN_WAIT2 -> CLOSE), and the abort of a pending connect.
 #[sock_ops]
 pub fn sock_state(ctx: SockOpsContext) -> u32 {
     let op = ctx.op();
@@ -46,25 +48,38 @@ pub fn sock_state(ctx: SockOpsContext) -> u32 {
     }
     let state = storage(sk, false);
     if op == BPF_SOCK_OPS_STATE_CB {
-        if !state.is_null()
-            && unsafe { (*state).admitted } == 1
-            && TIME_WAIT_FROM.contains(&ctx.arg(0))
-        {
-            count_time_wait(&ctx, state);
-        }
-        release(state);
+        closed(state, ctx.arg(0));
     } else if !state.is_null() && unsafe { (*state).admitted } == 1 {
         let _ = ctx.set_cb_flags((ctx.cb_flags() | BPF_SOCK_OPS_STATE_CB_FLAG) as i32);
-        unsafe { (*state).armed = 1 };
+        unsafe {
+            (*state).src = local_addr(&ctx);
+            (*state).armed = 1;
+        }
     }
     1
 }
 
-/// Counts the TIME_WAIT entry this admitted connection leaves, by network namespace,
-/// source address, destination and scope.
+/// The socket moved from `old` to TCP_CLOSE: release its admission, and count the
+/// TIME_WAIT entry it leaves, by the path that released (once).
 #[inline(always)]
-fn count_time_wait(ctx: &SockOpsContext, state: *mut SockState) {
-    let dst = unsafe { (*state).dst };
+pub fn closed(state: *mut SockState, old: u32) {
+    if release(state) && TIME_WAIT_FROM.contains(&old) {
+        let dst = unsafe { (*state).dst };
+        let key = TimeWaitKey {
+            netns: unsafe { (*state).netns },
+            scope_id: dst.scope_id,
+            dport: dst.port,
+            _pad: 0,
+            src: unsafe { (*state).src },
+            dst: dst.addr,
+        };
+        bump(&TIME_WAITS, &key);
+    }
+}
+
+/// The socket's local address in the maps' form.
+#[inline(always)]
+fn local_addr(ctx: &SockOpsContext) -> [u8; 16] {
     let ops = ctx.ops;
     // Every field is loaded, then chosen: branches that load different offsets into the
     // same place get merged by LLVM into one load from a computed context offset, which
@@ -77,20 +92,11 @@ fn count_time_wait(ctx: &SockOpsContext, state: *mut SockState) {
         word(unsafe { &raw const (*ops).local_ip6[2] }),
         word(unsafe { &raw const (*ops).local_ip6[3] }),
     ];
-    let src = if ctx.family() == AF_INET {
+    if ctx.family() == AF_INET {
         ipv4_mapped(v4)
     } else {
         words_addr(v6)
-    };
-    let key = TimeWaitKey {
-        netns: unsafe { (*state).netns },
-        scope_id: dst.scope_id,
-        dport: dst.port,
-        _pad: 0,
-        src,
-        dst: dst.addr,
-    };
-    bump(&TIME_WAITS, &key);
+    }
 }
 
 /// The socket is released (close() or exit). This ends the admissions that no state
@@ -106,7 +112,7 @@ pub fn sock_release(ctx: SockContext) -> i32 {
     if unsafe { (*ctx.sock).protocol } == IPPROTO_TCP {
         let state = storage(ctx.sock, false);
         if !state.is_null() && unsafe { (*state).armed } == 0 {
-            release(state);
+            let _ = release(state);
         }
     }
     1

@@ -1,4 +1,6 @@
-//! tp_btf `inet_sock_set_state`: counts connect() failures for want of a local port.
+//! tp_btf `inet_sock_set_state`: releases an armed socket that reaches TCP_CLOSE (with
+//! sock_ops STATE_CB, whichever comes first: see release.rs), and counts connect()
+//! failures for want of a local port.
 //!
 //! tcp_v4_connect()/tcp_v6_connect() move the socket to SYN_SENT, then search a local
 //! port (inet_hash_connect); when none is free they return EADDRNOTAVAIL and move it
@@ -16,18 +18,26 @@ use guard_common::{
 use crate::{
     accounting::bump,
     maps::{EADDRNOTAVAIL, storage},
+    release::closed,
 };
 
 #[btf_tracepoint(function = "inet_sock_set_state")]
 pub fn sock_set_state(ctx: BtfTracePointContext) -> i32 {
     let (old, new): (u32, u32) = (ctx.arg(1), ctx.arg(2));
-    if old != TCP_SYN_SENT || new != TCP_CLOSE {
+    if new != TCP_CLOSE {
         return 0;
     }
     let sk: *mut bpf_sock = ctx.arg(0);
     let state = storage(sk, false);
+    if state.is_null() || unsafe { (*state).admitted } != 1 {
+        return 0;
+    }
+    if unsafe { (*state).armed } != 0 {
+        closed(state, old);
+        return 0;
+    }
     // Admitted but not armed: the failure came before tcp_connect().
-    if state.is_null() || unsafe { (*state).admitted } != 1 || unsafe { (*state).armed } != 0 {
+    if old != TCP_SYN_SENT {
         return 0;
     }
     let mut key = EaddrKey {

@@ -181,7 +181,7 @@ impl Daemon {
         // PORT_USE is keyed by the namespace cookie the programs see; without
         // SO_NETNS_COOKIE the daemon cannot name it, and watermarks stay unenforced.
         let d = self.clone();
-        if self.features.has(Feature::NetnsCookieSockopt) {
+        if self.features.has(Feature::SoNetnsCookie) {
             self.jobs.spawn(
                 "port_watch",
                 RESCAN,
@@ -280,7 +280,7 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
     object::require_root()?;
     // A bad policy stops the start before anything is attached.
     let policy = read_policy(opts.policy.as_deref())?;
-    let features = Features::probe().context("probing the kernel's features")?;
+    let features = Features::probe(&Feature::for_daemon())?;
     features.require()?;
     log::info!("{}", features.summary());
     batch::use_batch_lookups(features.has(Feature::BatchLookup));

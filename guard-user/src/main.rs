@@ -27,7 +27,10 @@ use crate::{
     },
     diagnose::{attribution, listeners, ports},
     host::{cgroup, mounts, netns, ports::PortSettings, sockdiag},
-    kernel::{features::Features, object},
+    kernel::{
+        features::{Feature, Features},
+        object,
+    },
     report::{snapshot::Snapshot, table, top},
 };
 
@@ -106,7 +109,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
         }
         Command::Kernel { json } => {
             object::require_root()?;
-            let features = Features::probe()?;
+            let features = Features::probe(&Feature::ALL)?;
             if json {
                 println!("{}", serde_json::to_string(&features)?);
             } else {
@@ -169,7 +172,7 @@ fn ports_report(name: &str, socket: &Path) -> anyhow::Result<ports::PortsReport>
         name,
         &settings,
         &sockdiag::tcp_sockets()?,
-        sockdiag::lists_bound_inactive(settings.range)?,
+        sockdiag::lists_bound_inactive(settings.range),
     );
     // The daemon keys what it knows by the namespace's cookie; without SO_NETNS_COOKIE
     // there is no key to ask with.

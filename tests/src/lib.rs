@@ -708,3 +708,70 @@ pub fn wrk(cgroup: &Cgroup, nginx: &Nginx, connections: u64, seconds: u64) -> Wr
         elapsed,
     }
 }
+
+/// A sock_ops program of the test's own on the cgroup2 root, attached after connguard's
+/// so that it runs after them at every callback, which sets only its own flag
+/// (BPF_SOCK_OPS_RTT_CB_FLAG) on every socket. bpf_sock_ops_cb_flags_set() replaces a
+/// socket's flags, so this turns connguard's state callback off, as a careless
+/// program of another tool would. Detached when dropped (its link's fd closes).
+pub struct ForeignSockOps {
+    _link: std::os::fd::OwnedFd,
+}
+
+impl ForeignSockOps {
+    pub fn attach() -> ForeignSockOps {
+        use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+        require_prerequisites();
+        /// struct bpf_insn: opcode, dst_reg | src_reg << 4, offset, immediate.
+        #[repr(C)]
+        struct Insn(u8, u8, i16, i32);
+        // r2 = BPF_SOCK_OPS_RTT_CB_FLAG; call bpf_sock_ops_cb_flags_set (59) with the
+        // context in r1; r0 = 1; exit.
+        let insns = [
+            Insn(0xb7, 2, 0, 8),
+            Insn(0x85, 0, 0, 59),
+            Insn(0xb7, 0, 0, 1),
+            Insn(0x95, 0, 0, 0),
+        ];
+        #[repr(C)]
+        struct ProgLoad {
+            prog_type: u32,
+            insn_cnt: u32,
+            insns: u64,
+            license: u64,
+            log: [u32; 4],
+            kern_version: u32,
+            prog_flags: u32,
+            prog_name: [u8; 16],
+        }
+        let mut name = [0u8; 16];
+        name[..11].copy_from_slice(b"foreign_ops");
+        let mut load = ProgLoad {
+            // BPF_PROG_TYPE_SOCK_OPS
+            prog_type: 13,
+            insn_cnt: insns.len() as u32,
+            insns: insns.as_ptr() as u64,
+            license: c"GPL".as_ptr() as u64,
+            log: [0; 4],
+            kern_version: 0,
+            prog_flags: 0,
+            prog_name: name,
+        };
+        let bpf = |cmd: libc::c_long, attr: *mut libc::c_void, size: usize| {
+            let fd = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr, size as u32) };
+            assert!(
+                fd >= 0,
+                "bpf({cmd}) for the foreign sock_ops program: {}",
+                std::io::Error::last_os_error()
+            );
+            unsafe { OwnedFd::from_raw_fd(fd as i32) }
+        };
+        // BPF_PROG_LOAD
+        let prog = bpf(5, (&raw mut load).cast(), std::mem::size_of::<ProgLoad>());
+        let root = std::fs::File::open(cgroup2_mount()).unwrap();
+        // BPF_LINK_CREATE: prog_fd, target_fd, attach_type BPF_CGROUP_SOCK_OPS, flags.
+        let mut link = [prog.as_raw_fd() as u32, root.as_raw_fd() as u32, 3, 0];
+        let link = bpf(28, link.as_mut_ptr().cast(), std::mem::size_of_val(&link));
+        ForeignSockOps { _link: link }
+    }
+}

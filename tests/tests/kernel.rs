@@ -65,6 +65,11 @@ fn kernel_reports_every_feature_and_honours_without() {
     assert_eq!(probed["release"], uname_r(), "{probed}");
     let expected: BTreeSet<String> = FEATURES.iter().map(|f| f.to_string()).collect();
     assert_eq!(names(&probed["features"]), expected, "{probed}");
+    assert_eq!(
+        probed["required"],
+        serde_json::json!(["atomic_fetch", "cgroup_links", "kernel_btf"]),
+        "{probed}"
+    );
     let (_, without) = kernel_json("set_retval,tcx");
     for f in FEATURES {
         let want = if f == "set_retval" || f == "tcx" {
@@ -88,40 +93,41 @@ fn kernel_reports_every_feature_and_honours_without() {
     );
 }
 
-/// The IDs of loaded programs named `name`.
-fn program_ids(name: &str) -> Vec<u64> {
+/// `bpftool -j ARGS`, which must succeed.
+fn bpftool(args: &[&str]) -> Value {
     let out = Command::new("bpftool")
-        .args(["-j", "prog", "show", "name", name])
+        .arg("-j")
+        .args(args)
         .output()
         .expect("run bpftool");
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
-    let one = |p: &Value| p["id"].as_u64();
-    match &v {
-        Value::Array(all) => all.iter().filter_map(one).collect(),
-        Value::Object(_) => one(&v).into_iter().collect(),
-        _ => Vec::new(),
-    }
+    assert!(
+        out.status.success(),
+        "bpftool {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap_or(Value::Null)
 }
 
-/// The programs of PROGRAMS loaded now.
+/// The IDs of the loaded programs named in PROGRAMS (`bpftool prog show name X` fails
+/// when there is none, so all are listed and picked here).
 fn our_programs() -> BTreeSet<u64> {
-    PROGRAMS.iter().flat_map(|n| program_ids(n)).collect()
+    bpftool(&["prog", "show"])
+        .as_array()
+        .expect("bpftool prog show lists programs")
+        .iter()
+        .filter(|p| PROGRAMS.iter().any(|n| p["name"] == *n))
+        .filter_map(|p| p["id"].as_u64())
+        .collect()
 }
 
 /// (link id, program id) of every BPF link.
 fn links() -> BTreeSet<(u64, u64)> {
-    let out = Command::new("bpftool")
-        .args(["-j", "link", "show"])
-        .output()
-        .expect("run bpftool");
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
-    v.as_array()
-        .map(|all| {
-            all.iter()
-                .filter_map(|l| Some((l["id"].as_u64()?, l["prog_id"].as_u64()?)))
-                .collect()
-        })
-        .unwrap_or_default()
+    bpftool(&["link", "show"])
+        .as_array()
+        .expect("bpftool link show lists links")
+        .iter()
+        .filter_map(|l| Some((l["id"].as_u64()?, l["prog_id"].as_u64()?)))
+        .collect()
 }
 
 /// Everything under /sys/fs/bpf.
@@ -153,10 +159,10 @@ fn tc_filters(ns: &Netns) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-/// A daemon with a listener guard, stopped with SIGTERM, leaves nothing behind: none of
-/// the programs it loaded, no link, no pin, no tc filter on the guarded interface. The
-/// guard is a tcx link when `tcx`, else a clsact filter (which outlives a process that
-/// does not remove it).
+/// A daemon with a listener guard, stopped with SIGTERM, leaves none of the programs it
+/// loaded, no link, no pin, and no tc filter on the guarded interface (the clsact qdisc
+/// it added stays, empty, as `tc` leaves one). The guard is a tcx link when `tcx`, else
+/// a clsact filter (which outlives a process that does not remove it).
 fn clean_stop_leaves_nothing(tcx: bool) {
     let ns = Netns::new("cgstop");
     ns.exec("ip", &["link", "set", "lo", "up"]);
@@ -219,6 +225,7 @@ fn clean_stop_leaves_nothing(tcx: bool) {
 /// As the kernel offers: a tcx link where the kernel has tcx, a clsact filter elsewhere.
 #[test]
 fn a_clean_stop_leaves_no_program_link_pin_or_filter_behind() {
+    require_prerequisites();
     let (_, probed) = kernel_json("");
     clean_stop_leaves_nothing(probed["features"]["tcx"] == true);
 }
@@ -238,15 +245,32 @@ fn without_atomic_fetch_the_daemon_refuses_to_start_and_attaches_nothing() {
     let dir = std::env::temp_dir().join(connguard_tests::unique("connguard-refuse"));
     std::fs::create_dir_all(&dir).unwrap();
     let socket = dir.join("connguard.sock");
-    let out = Command::new(connguard_bin())
+    let mut child = Command::new(connguard_bin())
         .args(["run", "--metrics", "off", "--socket"])
         .arg(&socket)
         .env("CONNGUARD_WITHOUT", "atomic_fetch")
-        .output()
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
         .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    // A daemon that starts after all is stopped after 10 s, and the test fails.
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break Some(status);
+        }
+        if std::time::Instant::now() > until {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+    let socket_left = socket.exists();
     let _ = std::fs::remove_dir_all(&dir);
-    assert!(!out.status.success(), "{stderr}");
+    assert!(status.is_some_and(|s| !s.success()), "{status:?}: {stderr}");
     let release = uname_r();
     assert!(
         stderr.contains(&format!(
@@ -254,8 +278,8 @@ fn without_atomic_fetch_the_daemon_refuses_to_start_and_attaches_nothing() {
         )) && stderr.contains("nothing was attached"),
         "{stderr}"
     );
+    assert!(!socket_left, "control socket left behind");
     assert_eq!(our_programs(), before, "programs loaded by a refused start");
-    assert!(!socket.exists(), "control socket left behind");
 }
 
 /// Without bpf_set_retval, batch lookups and SO_NETNS_COOKIE, the daemon still counts

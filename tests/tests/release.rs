@@ -156,3 +156,32 @@ fn idle_destinations_are_forgotten_and_scope_totals_stay() {
     let s = d.wait_scope("f", Duration::from_secs(5), |s| n(s, "active") == 0);
     assert_eq!((n(&s, "admitted"), n(&s, "active")), (5, 0), "{s}");
 }
+
+/// Another tool's sock_ops program on the same cgroup that replaces every socket's
+/// callback flags with its own (connguard's state callback off): 1,000 connections
+/// still end with every admission released and every TIME_WAIT counted, exactly.
+#[test]
+fn a_foreign_sock_ops_program_that_rewrites_callback_flags_loses_no_release() {
+    let ns = Netns::new("cgforeign");
+    ns.exec("ip", &["link", "set", "lo", "up"]);
+    let cg = Cgroup::new("foreign");
+    let servers = Cgroup::new("foreign-servers");
+    let _serve = servers.hold_args(&["serve", &ns.path(), "8080", "8081"]);
+    let d = Daemon::start(&format!(
+        "[[scope]]\nname = \"foreign\"\ncgroup = \"{}\"\nmode = \"observe\"\n",
+        cg.rel
+    ));
+    let _foreign = connguard_tests::ForeignSockOps::attach();
+    let out = cg.probe(&["churn", &ns.path(), "127.0.0.1:8080", "1000", "0"]);
+    assert_eq!((out.attempts, out.ok), (1000, 1000), "{out:?}");
+    let s = d.wait_scope("foreign", Duration::from_secs(10), |s| n(s, "active") == 0);
+    assert_eq!(
+        (
+            n(&s, "active"),
+            n(&s, "admitted"),
+            n(&s, "time_wait_created")
+        ),
+        (0, 1000, 1000),
+        "{s}"
+    );
+}

@@ -84,12 +84,10 @@ const SERIES: &[Series] = &[
     },
 ];
 
-/// The features the daemon cannot run without (`connguard kernel` exits 1).
-const REQUIRED: &[&str] = &["atomic_fetch", "cgroup_links", "kernel_btf"];
-
-/// The integration tests that need no daemon: what runs on a kernel below the daemon's
-/// minimum, where its refusal (and nothing attached) is tested too. Each must pass
-/// there by name, so a renamed test cannot drop out unseen.
+/// The integration tests that need no daemon: what runs on a kernel where the daemon
+/// cannot run (`connguard kernel` exits 1 there), where its refusal (and nothing
+/// attached) is tested too. Each must pass there by name, so a renamed test cannot drop
+/// out unseen.
 const DAEMONLESS: &[&str] = &[
     "kernel_reports_every_feature_and_honours_without",
     "without_atomic_fetch_the_daemon_refuses_to_start_and_attaches_nothing",
@@ -107,8 +105,9 @@ const DAEMONLESS: &[&str] = &[
 pub struct Outcome {
     pub series: String,
     pub release: String,
-    /// `connguard kernel --json`'s features.
+    /// `connguard kernel --json`'s features, and those the daemon requires.
     pub features: BTreeMap<String, bool>,
+    pub required: Vec<String>,
     pub passed: Vec<String>,
     pub failed: Vec<String>,
     /// Boot to power-off, s.
@@ -116,10 +115,13 @@ pub struct Outcome {
 }
 
 impl Outcome {
-    pub fn daemon_runs(&self) -> bool {
-        REQUIRED
+    /// The required features missing: the daemon runs when there are none.
+    pub fn missing(&self) -> Vec<&str> {
+        self.required
             .iter()
-            .all(|f| self.features.get(*f) == Some(&true))
+            .filter(|f| self.features.get(*f) != Some(&true))
+            .map(String::as_str)
+            .collect()
     }
 }
 
@@ -166,21 +168,24 @@ pub fn run(
     let initrd = initramfs(&vm, &kernel, &release)?;
     let work = vm.join(format!("run-{}", series.name));
     std::fs::create_dir_all(&work)?;
-    let below_minimum = REQUIRED.iter().any(|f| series.absent.contains(f));
-    let mut filters: Vec<String> = args.to_vec();
-    if below_minimum {
-        filters.push("--exact".into());
-        filters.extend(DAEMONLESS.iter().map(|t| t.to_string()));
-    }
+    // The guest asks `connguard kernel` whether the daemon can run there; if not, only
+    // DAEMONLESS run (or what `args` name).
+    let filters = if args.is_empty() {
+        format!("--exact {}", DAEMONLESS.join(" "))
+    } else {
+        args.join(" ")
+    };
     let script = work.join("cmd.sh");
     let connguard = root.join("target/release/connguard");
     let mut text = format!(
-        "cd {}\necho \"FEATURES $({} kernel --json)\"\nstatus=0\n",
+        "cd {}\nK=$({} kernel --json) && FILTER='{}' || {{ FILTER='{filters}'; echo BELOW_MINIMUM; }}\n\
+         echo \"FEATURES $K\"\nstatus=0\n",
         root.display(),
-        connguard.display()
+        connguard.display(),
+        args.join(" "),
     );
     for b in binaries {
-        let run = format!("{b} --test-threads=1 {}", filters.join(" "));
+        let run = format!("{b} --test-threads=1 $FILTER");
         text += &format!("echo '=== {run}'\n{run} || status=1\n");
     }
     text += "exit $status\n";
@@ -188,13 +193,8 @@ pub fn run(
     let out = work.join("out.log");
     let _ = std::fs::remove_file(&out);
     eprintln!(
-        "vm: booting {release} (TCG) for {} test binaries{}",
-        binaries.len(),
-        if below_minimum {
-            " (below the daemon's minimum: the tests that need no daemon)"
-        } else {
-            ""
-        }
+        "vm: booting {release} (TCG) for {} test binaries",
+        binaries.len()
     );
     let started = std::time::Instant::now();
     let status = boot(&vmlinux, &initrd, &script, &out, &work)?;
@@ -219,12 +219,23 @@ pub fn run(
             tail()
         );
     };
-    let features: BTreeMap<String, bool> = output
+    #[derive(Deserialize)]
+    struct Kernel {
+        features: BTreeMap<String, bool>,
+        required: Vec<String>,
+    }
+    let kernel: Kernel = output
         .lines()
         .find_map(|l| l.strip_prefix("FEATURES "))
-        .and_then(|j| serde_json::from_str::<serde_json::Value>(j).ok())
-        .and_then(|v| serde_json::from_value(v["features"].clone()).ok())
-        .with_context(|| format!("vm: {release}: `connguard kernel --json` printed no features"))?;
+        .and_then(|j| serde_json::from_str(j).ok())
+        .with_context(|| {
+            let head: Vec<&str> = output.lines().take(10).collect();
+            format!(
+                "vm: {release}: `connguard kernel --json` printed no features; the guest's output began:\n{}",
+                head.join("\n")
+            )
+        })?;
+    let below_minimum = output.lines().any(|l| l == "BELOW_MINIMUM");
     let (mut passed, mut failed) = (Vec::new(), Vec::new());
     for l in output.lines() {
         let Some(rest) = l.strip_prefix("test ") else {
@@ -239,7 +250,8 @@ pub fn run(
     let outcome = Outcome {
         series: series.name.to_string(),
         release: release.clone(),
-        features,
+        features: kernel.features,
+        required: kernel.required,
         passed,
         failed,
         seconds,
@@ -260,10 +272,16 @@ pub fn run(
         wrong.join(", "),
         series.absent
     );
+    ensure!(
+        below_minimum != outcome.missing().is_empty(),
+        "vm: {release}: `connguard kernel` exited {} with the required features {:?} missing",
+        if below_minimum { 1 } else { 0 },
+        outcome.missing()
+    );
     if below_minimum && args.is_empty() {
         let missing: Vec<&&str> = DAEMONLESS
             .iter()
-            .filter(|t| !outcome.passed.iter().any(|p| p.ends_with(**t)))
+            .filter(|t| !outcome.passed.iter().any(|p| p == **t))
             .collect();
         ensure!(
             missing.is_empty(),
@@ -555,7 +573,8 @@ fn initramfs(vm: &Path, kernel: &Path, release: &str) -> anyhow::Result<PathBuf>
 }
 
 /// The guest's /init: host root over 9p under a tmpfs overlay, the file systems the
-/// tests need (devpts for tmux), then the command file named on the kernel command line (`vmcmd=`), its
+/// tests need (devpts for tmux; a fresh /run, so that the host's /run/netns files are
+/// not there; /tmp stays the overlay's, since a checkout may live under it), then the command file named on the kernel command line (`vmcmd=`), its
 /// output and `EXIT status` to the port named "out", and power off.
 const INIT: &str = r#"#!/bin/busybox sh
 B=/bin/busybox
@@ -576,7 +595,6 @@ done
 CMD=$($B sed -n 's/.*vmcmd=\([^ ]*\).*/\1/p' /newroot/proc/cmdline)
 exec $B chroot /newroot /bin/sh -c "
 mount -t tmpfs tmpfs /run
-mount -t tmpfs tmpfs /tmp
 mount -t cgroup2 cgroup2 /sys/fs/cgroup
 mount -t bpf bpf /sys/fs/bpf
 mount -t tracefs tracefs /sys/kernel/tracing
@@ -623,8 +641,8 @@ pub fn kernel_table(root: &Path) -> anyhow::Result<String> {
             serde_json::from_str(&text).with_context(|| format!("reading {}", path.display()))?;
         any = true;
         let has = |f: &str| o.features.get(f) == Some(&true);
-        let runs = o.daemon_runs();
-        let missing: Vec<&str> = REQUIRED.iter().copied().filter(|f| !has(f)).collect();
+        let missing = o.missing();
+        let runs = missing.is_empty();
         let daemon_only = |text: &str| {
             if runs {
                 text.to_string()
@@ -645,7 +663,7 @@ pub fn kernel_table(root: &Path) -> anyhow::Result<String> {
                 format!("refuses: no {}", missing.join(", no "))
             },
             daemon_only(if has("set_retval") {
-                "the policy's (ECONNREFUSED)"
+                "the policy's"
             } else {
                 "EPERM"
             }),

@@ -33,9 +33,10 @@ pub struct PortsReport {
     pub destinations: Vec<DestinationPorts>,
     pub bound_sources: Vec<SourcePool>,
     /// Whether the kernel's sock_diag lists sockets bound but neither connected nor
-    /// listening (Linux 6.7+). When false, ports held by bind() alone are missing from
-    /// `bound_ports` and `bound_sources`, and a warning says so.
-    pub bound_inactive_listed: bool,
+    /// listening (Linux 6.7+); null when that could not be told. Unless true, ports held
+    /// by bind() alone may be missing from `bound_ports` and `bound_sources`, and a
+    /// warning says so.
+    pub bound_inactive_listed: Option<bool>,
     /// EADDRNOTAVAIL returned by connect(), per scope and process (needs the daemon).
     pub eaddrnotavail: Vec<EaddrnotavailCount>,
     /// The diagnosis, one sentence block per problem.
@@ -90,7 +91,7 @@ pub fn report(
     netns: &str,
     settings: &PortSettings,
     sockets: &[TcpSocket],
-    bound_inactive_listed: bool,
+    bound_inactive_listed: Option<bool>,
 ) -> PortsReport {
     let total = settings.ephemeral_ports().max(1);
     let ratio = |n: u32| n as f64 / total as f64;
@@ -221,13 +222,19 @@ pub fn diagnose(r: &PortsReport) -> Vec<String> {
             r.bound_ports as f64 / total as f64 * 100.0
         ));
     }
-    if !r.bound_inactive_listed {
-        out.push(
+    let unseen = "ports held by bind() alone are not counted here, though connect() cannot \
+                  pick them.";
+    match r.bound_inactive_listed {
+        Some(true) => {}
+        Some(false) => out.push(format!(
             "This kernel's sock_diag does not list sockets that are bound but neither connected \
-             nor listening (Linux 6.7 and later do): ports held by bind() alone are not counted \
-             here, though connect() cannot pick them."
-                .to_string(),
-        );
+             nor listening (Linux 6.7 and later do): {unseen}"
+        )),
+        None => out.push(format!(
+            "Whether this kernel's sock_diag lists sockets that are bound but neither connected \
+             nor listening could not be told (no port near the ephemeral range was free to \
+             bind): if it does not, {unseen}"
+        )),
     }
     out
 }
@@ -329,7 +336,7 @@ mod tests {
             sock(TCP_LISTEN, "0.0.0.0", 8080, "0.0.0.0", 0),
             sock(TCP_CLOSE, "10.0.0.1", 40002, "0.0.0.0", 0),
         ];
-        let r = report("self", &s, &socks, true);
+        let r = report("self", &s, &socks, Some(true));
         let d: Vec<_> = r
             .destinations
             .iter()
@@ -367,7 +374,7 @@ mod tests {
         let socks: Vec<_> = (0..4)
             .map(|i| sock(TCP_TIME_WAIT, "127.0.0.1", 40000 + i, "127.0.0.1", 8080))
             .collect();
-        let loopback = report("self", &s, &socks, true);
+        let loopback = report("self", &s, &socks, Some(true));
         assert_eq!(
             (
                 loopback.destinations[0].in_use,
@@ -383,7 +390,7 @@ mod tests {
         let socks: Vec<_> = (0..4)
             .map(|i| sock(TCP_TIME_WAIT, "10.0.0.1", 40000 + i, "10.0.0.2", 8080))
             .collect();
-        let remote = report("self", &s, &socks, true);
+        let remote = report("self", &s, &socks, Some(true));
         assert_eq!(
             remote.destinations[0].available, 0,
             "2 does not cover other addresses"
@@ -401,7 +408,7 @@ mod tests {
             .map(|i| sock(TCP_TIME_WAIT, "10.0.0.1", 40000 + i, "10.0.0.2", 80))
             .collect();
         let with_rate = |rate: f64| {
-            let mut r = report("self", &s, &socks, true);
+            let mut r = report("self", &s, &socks, Some(true));
             let from = DaemonPorts {
                 destinations: vec![DaemonDestination {
                     src: "10.0.0.1".into(),

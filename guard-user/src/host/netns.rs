@@ -37,13 +37,13 @@ pub fn within<T: Send>(
     })
 }
 
-/// The cookie of the calling thread's network namespace (SO_NETNS_COOKIE, Linux 5.14+),
-/// which eBPF programs see as bpf_get_netns_cookie().
-pub fn cookie() -> anyhow::Result<u64> {
+/// The cookie of the calling thread's network namespace (SO_NETNS_COOKIE, Linux 5.14+;
+/// ENOPROTOOPT before), which eBPF programs see as bpf_get_netns_cookie().
+pub fn cookie() -> std::io::Result<u64> {
     const SO_NETNS_COOKIE: libc::c_int = 71;
     let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
     if fd < 0 {
-        bail!("socket(): {}", std::io::Error::last_os_error());
+        return Err(std::io::Error::last_os_error());
     }
     let mut cookie = 0u64;
     let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
@@ -59,7 +59,7 @@ pub fn cookie() -> anyhow::Result<u64> {
     let err = std::io::Error::last_os_error();
     unsafe { libc::close(fd) };
     if rc != 0 {
-        bail!("getsockopt(SO_NETNS_COOKIE): {err}");
+        return Err(err);
     }
     Ok(cookie)
 }

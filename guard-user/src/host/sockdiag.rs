@@ -58,26 +58,31 @@ pub fn listeners_and_syn_recv() -> anyhow::Result<Vec<TcpSocket>> {
 
 /// Whether this kernel's sock_diag lists sockets bound but neither connected nor
 /// listening (TCP_BOUND_INACTIVE): it binds one and asks for those. Older kernels skip
-/// them (they sit only in the bind hash, which inet_diag did not walk). The port is
-/// one just outside `ephemeral` (ip_local_port_range), which may be exhausted: the
-/// moment `connguard ports` is run for. Known once per process (a kernel property).
-pub fn lists_bound_inactive(ephemeral: (u16, u16)) -> anyhow::Result<bool> {
+/// them (they sit only in the bind hash, which inet_diag did not walk). The port is one
+/// just outside `ephemeral` (ip_local_port_range), which may be exhausted, the moment
+/// `connguard ports` is run for: above it first, then below it down to 1024 (lower ones
+/// need root). None when it cannot tell (no port free there, or the dump failed). Known
+/// once per process: it is the kernel's property.
+pub fn lists_bound_inactive(ephemeral: (u16, u16)) -> Option<bool> {
     static KNOWN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     if let Some(k) = KNOWN.get() {
-        return Ok(*k);
+        return Some(*k);
     }
-    let below = (1..ephemeral.0).rev();
-    let above = ephemeral.1.saturating_add(1)..=u16::MAX;
-    let Some((_socket, port)) = below.chain(above).take(256).find_map(bound_socket) else {
-        bail!("no free port around the ephemeral range {ephemeral:?} to probe sock_diag with");
-    };
+    let above = ephemeral.1.checked_add(1).map_or(0..=0, |p| p..=u16::MAX);
+    let below = (1024..ephemeral.0).rev();
+    let (_socket, port) = above
+        .filter(|p| *p != 0)
+        .chain(below)
+        .take(256)
+        .find_map(bound_socket)?;
     let mut found = Vec::new();
     dump(
         AF_INET,
         StateFlags::from_bits_retain(1 << TCP_BOUND_INACTIVE),
         &mut found,
-    )?;
-    Ok(*KNOWN.get_or_init(|| found.iter().any(|s| s.sport == port)))
+    )
+    .ok()?;
+    Some(*KNOWN.get_or_init(|| found.iter().any(|s| s.sport == port)))
 }
 
 /// A TCP socket bound to 0.0.0.0:`port`, unless that fails.

@@ -54,6 +54,22 @@ unsafe fn lookup_batch_call(attr: &mut BatchAttr) -> Option<io::Error> {
     unsafe { bpf(BPF_MAP_LOOKUP_BATCH, attr) }.err()
 }
 
+/// Whether the kernel knows BPF_MAP_LOOKUP_BATCH: asked with map_fd -1, it fails with
+/// EBADF; an unknown command fails with EINVAL.
+pub fn lookup_batch_known() -> anyhow::Result<bool> {
+    let mut attr = BatchAttr {
+        map_fd: u32::MAX,
+        ..Default::default()
+    };
+    // SAFETY: no buffer is read or written: the fd -1 fails the command first.
+    match unsafe { lookup_batch_call(&mut attr) } {
+        Some(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(false),
+        Some(e) if e.raw_os_error() == Some(libc::EBADF) => Ok(true),
+        Some(e) => anyhow::bail!("BPF_MAP_LOOKUP_BATCH with map_fd -1: {e}"),
+        None => anyhow::bail!("BPF_MAP_LOOKUP_BATCH with map_fd -1 succeeded"),
+    }
+}
+
 /// Set from the start's feature probe (`use_batch_lookups`), and cleared the first
 /// time the kernel says it has no batch lookup, so later dumps go straight to the
 /// iterator.

@@ -11,7 +11,7 @@ use std::{
     os::fd::{FromRawFd, OwnedFd},
 };
 
-use anyhow::bail;
+use anyhow::{Context, bail};
 use aya::{
     maps::MapType,
     programs::ProgramType,
@@ -19,7 +19,10 @@ use aya::{
 };
 use serde::{Deserialize, Serialize};
 
-use super::syscall::{BPF_LINK_CREATE, BPF_MAP_LOOKUP_BATCH, BPF_PROG_LOAD, BPF_PROG_QUERY, bpf};
+use super::{
+    batch,
+    syscall::{BPF_LINK_CREATE, BPF_PROG_LOAD, BPF_PROG_QUERY, bpf},
+};
 use crate::host::{netns, ports::PortSettings, sockdiag};
 
 /// The environment variable naming features to treat as absent (comma-separated).
@@ -38,13 +41,13 @@ pub enum Without {
 
 /// A probed feature: its name in `stats --json`, what it is and since when upstream
 /// Linux has it (for messages; the probe decides), and what is lost without it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Feature {
     AtomicFetch,
     CgroupLinks,
     KernelBtf,
     SetRetval,
-    NetnsCookieSockopt,
+    SoNetnsCookie,
     Tcx,
     BoundInactiveDiag,
     BatchLookup,
@@ -59,7 +62,7 @@ impl Feature {
         Feature::CgroupLinks,
         Feature::KernelBtf,
         Feature::SetRetval,
-        Feature::NetnsCookieSockopt,
+        Feature::SoNetnsCookie,
         Feature::Tcx,
         Feature::BoundInactiveDiag,
         Feature::BatchLookup,
@@ -68,13 +71,22 @@ impl Feature {
         Feature::CgroupStorage,
     ];
 
+    /// What the daemon probes at start: every feature but `BoundInactiveDiag`, which
+    /// only `connguard ports` uses (its probe binds a port for a moment).
+    pub fn for_daemon() -> Vec<Feature> {
+        Feature::ALL
+            .into_iter()
+            .filter(|f| *f != Feature::BoundInactiveDiag)
+            .collect()
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Feature::AtomicFetch => "atomic_fetch",
             Feature::CgroupLinks => "cgroup_links",
             Feature::KernelBtf => "kernel_btf",
             Feature::SetRetval => "set_retval",
-            Feature::NetnsCookieSockopt => "so_netns_cookie",
+            Feature::SoNetnsCookie => "so_netns_cookie",
             Feature::Tcx => "tcx",
             Feature::BoundInactiveDiag => "bound_inactive_diag",
             Feature::BatchLookup => "batch_lookup",
@@ -93,7 +105,7 @@ impl Feature {
             Feature::CgroupLinks => "BPF links for cgroup programs (Linux 5.7)",
             Feature::KernelBtf => "kernel BTF at /sys/kernel/btf/vmlinux (CONFIG_DEBUG_INFO_BTF)",
             Feature::SetRetval => "bpf_set_retval in cgroup sock_addr programs (Linux 6.1)",
-            Feature::NetnsCookieSockopt => "the SO_NETNS_COOKIE socket option (Linux 5.14)",
+            Feature::SoNetnsCookie => "the SO_NETNS_COOKIE socket option (Linux 5.14)",
             Feature::Tcx => "tcx links (Linux 6.6)",
             Feature::BoundInactiveDiag => "sock_diag dumps of bound-only sockets (Linux 6.7)",
             Feature::BatchLookup => "BPF_MAP_LOOKUP_BATCH (Linux 5.6)",
@@ -108,12 +120,13 @@ impl Feature {
     pub fn without(self) -> Without {
         match self {
             // Exact budgets rest on fetch-add's old value; fail-open on the links, which
-            // the kernel drops with the process; the TIME_WAIT tracepoint on BTF.
+            // the kernel drops with the process; the tp_btf program (a release path, and
+            // the EADDRNOTAVAIL count) on BTF.
             Feature::AtomicFetch | Feature::CgroupLinks | Feature::KernelBtf => Without::Refuses,
             Feature::SetRetval => {
                 Without::Degrades("a shed connect() fails with EPERM, not the policy's errno")
             }
-            Feature::NetnsCookieSockopt => Without::Degrades(
+            Feature::SoNetnsCookie => Without::Degrades(
                 "port watermarks are not enforced, and `connguard ports` shows no daemon attribution",
             ),
             Feature::Tcx => Without::Degrades(
@@ -129,22 +142,26 @@ impl Feature {
         }
     }
 
+    /// Whether the kernel has it; an error when the probe cannot tell.
     fn probe(self) -> anyhow::Result<bool> {
         Ok(match self {
             Feature::AtomicFetch => atomic_fetch_loads()?,
-            // link_create.prog_fd is the attribute's first word.
-            Feature::CgroupLinks => bpf_command_known(BPF_LINK_CREATE, 0)?,
+            Feature::CgroupLinks => link_create_known()?,
             Feature::KernelBtf => std::path::Path::new("/sys/kernel/btf/vmlinux").exists(),
             Feature::SetRetval => {
                 is_helper_supported(ProgramType::CgroupSockAddr, BpfHelper::BPF_FUNC_set_retval)?
             }
-            Feature::NetnsCookieSockopt => netns::cookie().is_ok(),
+            Feature::SoNetnsCookie => match netns::cookie() {
+                Ok(_) => true,
+                Err(e) if e.raw_os_error() == Some(libc::ENOPROTOOPT) => false,
+                Err(e) => bail!("getsockopt(SO_NETNS_COOKIE): {e}"),
+            },
             Feature::Tcx => tcx_query_known()?,
             Feature::BoundInactiveDiag => {
-                sockdiag::lists_bound_inactive(PortSettings::read()?.range)?
+                sockdiag::lists_bound_inactive(PortSettings::read()?.range)
+                    .context("no port near the ephemeral range to bind")?
             }
-            // batch.map_fd follows in_batch, out_batch, keys, values and count.
-            Feature::BatchLookup => bpf_command_known(BPF_MAP_LOOKUP_BATCH, 9)?,
+            Feature::BatchLookup => batch::lookup_batch_known()?,
             Feature::RingBuffer => is_map_supported(MapType::RingBuf)?,
             Feature::AncestorCgroupId => is_helper_supported(
                 ProgramType::CgroupSockAddr,
@@ -160,25 +177,43 @@ impl Feature {
 pub struct Features {
     /// `uname -r`.
     pub release: String,
-    /// Feature name -> present. A feature named in CONNGUARD_WITHOUT reads false.
+    /// Feature name -> present. A feature named in CONNGUARD_WITHOUT reads false, and so
+    /// does one whose probe could not tell (logged).
     pub features: BTreeMap<String, bool>,
+    /// The features the daemon cannot run without.
+    pub required: Vec<String>,
 }
 
 impl Features {
-    /// Probes every feature (as root: loading programs needs CAP_BPF). A probe that
-    /// cannot decide (an unexpected error) fails the whole call.
-    pub fn probe() -> anyhow::Result<Features> {
+    /// Probes `which` (as root: loading programs needs CAP_BPF). A required feature
+    /// whose probe cannot tell fails the call; any other reads absent, with a warning.
+    pub fn probe(which: &[Feature]) -> anyhow::Result<Features> {
         let without = without_from_env()?;
+        raise_memlock_limit();
         let mut features = BTreeMap::new();
-        for f in Feature::ALL {
+        for &f in which {
             let present = !without.contains(&f)
-                && f.probe()
-                    .map_err(|e| e.context(format!("probing {}", f.what())))?;
+                && match (f.probe(), f.without()) {
+                    (Ok(present), _) => present,
+                    (Err(e), Without::Refuses) => {
+                        return Err(e.context(format!("probing for {}", f.what())));
+                    }
+                    (Err(e), _) => {
+                        log::warn!("probing for {} failed, taken as absent: {e:#}", f.what());
+                        false
+                    }
+                };
             features.insert(f.name().to_string(), present);
         }
+        let required = Feature::ALL
+            .iter()
+            .filter(|f| f.without() == Without::Refuses)
+            .map(|f| f.name().to_string())
+            .collect();
         Ok(Features {
             release: release(),
             features,
+            required,
         })
     }
 
@@ -267,65 +302,110 @@ fn release() -> String {
 const BPF_PROG_TYPE_SOCKET_FILTER: u32 = 1;
 const BPF_TCX_INGRESS: u32 = 46;
 
-/// One BPF instruction: opcode, dst and src registers (low and high nibble), offset,
-/// immediate.
+/// One BPF instruction (struct bpf_insn): `regs` holds dst_reg in its low nibble and
+/// src_reg in its high one (the bitfields' order on little-endian machines).
 #[repr(C)]
-struct Insn(u8, u8, i16, i32);
+struct Insn {
+    code: u8,
+    regs: u8,
+    off: i16,
+    imm: i32,
+}
 
-/// `BPF_PROG_LOAD` fields of `union bpf_attr`, up to the license.
+const fn insn(code: u8, dst: u8, src: u8, off: i16, imm: i32) -> Insn {
+    Insn {
+        code,
+        regs: dst | (src << 4),
+        off,
+        imm,
+    }
+}
+
+/// `BPF_PROG_LOAD` fields of `union bpf_attr`, up to the verifier log.
 #[repr(C)]
 struct ProgLoad {
     prog_type: u32,
     insn_cnt: u32,
     insns: u64,
     license: u64,
+    log_level: u32,
+    log_size: u32,
+    log_buf: u64,
 }
 
-/// Whether a socket filter with an atomic fetch-add on its stack loads: kernels before
-/// them refuse the instruction's encoding ("BPF_STX uses reserved fields").
+/// Whether a socket filter with an atomic fetch-add on its stack loads. Kernels before
+/// these instructions refuse their encoding, saying so in the verifier log ("BPF_STX
+/// uses reserved fields"); any other refusal is an error, not an answer.
 fn atomic_fetch_loads() -> anyhow::Result<bool> {
     let insns = [
         // *(u64 *)(r10 - 8) = 0
-        Insn(0x7a, 10, -8, 0),
+        insn(0x7a, 10, 0, -8, 0),
         // r1 = 1
-        Insn(0xb7, 1, 0, 1),
+        insn(0xb7, 1, 0, 0, 1),
         // r1 = atomic_fetch_add((u64 *)(r10 - 8), r1): BPF_STX|BPF_DW|BPF_ATOMIC,
         // imm BPF_ADD|BPF_FETCH
-        Insn(0xdb, 10 | (1 << 4), -8, 1),
+        insn(0xdb, 10, 1, -8, 1),
         // r0 = 0; exit
-        Insn(0xb7, 0, 0, 0),
-        Insn(0x95, 0, 0, 0),
+        insn(0xb7, 0, 0, 0, 0),
+        insn(0x95, 0, 0, 0, 0),
     ];
+    let mut log = [0u8; 4096];
     let mut attr = ProgLoad {
         prog_type: BPF_PROG_TYPE_SOCKET_FILTER,
         insn_cnt: insns.len() as u32,
         insns: insns.as_ptr() as u64,
         license: c"GPL".as_ptr() as u64,
+        log_level: 1,
+        log_size: log.len() as u32,
+        log_buf: log.as_mut_ptr() as u64,
     };
-    // SAFETY: a BPF_PROG_LOAD prefix; `insns` and the license outlive the call.
+    // SAFETY: a BPF_PROG_LOAD prefix; the instructions, license and log outlive the call.
     match unsafe { bpf(BPF_PROG_LOAD, &mut attr) } {
         Ok(fd) => {
             // SAFETY: a new fd the kernel handed us, closed here.
             drop(unsafe { OwnedFd::from_raw_fd(fd as i32) });
             Ok(true)
         }
-        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(false),
-        Err(e) => bail!("BPF_PROG_LOAD of a 5-instruction socket filter: {e}"),
+        Err(e) => {
+            let log = std::ffi::CStr::from_bytes_until_nul(&log)
+                .map(|c| c.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            if e.raw_os_error() == Some(libc::EINVAL) && log.contains("reserved fields") {
+                return Ok(false);
+            }
+            bail!("BPF_PROG_LOAD of a 5-instruction socket filter: {e}; verifier: {log:?}")
+        }
     }
 }
 
-/// Whether the kernel knows `cmd`: given a zeroed attribute but for -1 in the u32 at
-/// `fd_word` (the command's first fd), it fails with EBADF; an unknown command fails
-/// with EINVAL.
-fn bpf_command_known(cmd: libc::c_long, fd_word: usize) -> anyhow::Result<bool> {
-    let mut attr = [0u32; 16];
-    attr[fd_word] = u32::MAX;
+/// Whether the kernel knows BPF_LINK_CREATE: given prog_fd -1 (and attach type 0, not
+/// BPF_STRUCT_OPS, which takes no program), it fails with EBADF; an unknown command
+/// fails with EINVAL.
+fn link_create_known() -> anyhow::Result<bool> {
+    // prog_fd, target_fd, attach_type, flags.
+    let mut attr = [u32::MAX, 0, 0, 0];
     // SAFETY: no pointer in the attribute; the fd -1 fails the command early.
-    match unsafe { bpf(cmd, &mut attr) } {
+    match unsafe { bpf(BPF_LINK_CREATE, &mut attr) } {
         Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(false),
         Err(e) if e.raw_os_error() == Some(libc::EBADF) => Ok(true),
-        Err(e) => bail!("bpf(2) command {cmd} with fd -1: {e}"),
-        Ok(_) => bail!("bpf(2) command {cmd} with fd -1 succeeded"),
+        Err(e) => bail!("BPF_LINK_CREATE with fd -1: {e}"),
+        Ok(_) => bail!("BPF_LINK_CREATE with fd -1 succeeded"),
+    }
+}
+
+/// Kernels before 5.11 charge BPF programs and maps to RLIMIT_MEMLOCK, whose default
+/// (64 KiB or 8 MiB) systemd's own programs may already use up: the probes and the
+/// object would then fail with EPERM. Later kernels charge the memory cgroup instead.
+fn raise_memlock_limit() {
+    let unlimited = libc::rlimit {
+        rlim_cur: libc::RLIM_INFINITY,
+        rlim_max: libc::RLIM_INFINITY,
+    };
+    if unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &unlimited) } != 0 {
+        log::debug!(
+            "raising RLIMIT_MEMLOCK: {}",
+            std::io::Error::last_os_error()
+        );
     }
 }
 
@@ -334,7 +414,7 @@ fn bpf_command_known(cmd: libc::c_long, fd_word: usize) -> anyhow::Result<bool> 
 #[repr(C)]
 #[derive(Default)]
 struct ProgQuery {
-    target: u32,
+    target_ifindex: u32,
     attach_type: u32,
     query_flags: u32,
     attach_flags: u32,
@@ -347,12 +427,14 @@ struct ProgQuery {
     revision: u64,
 }
 
+const _: () = assert!(std::mem::size_of::<ProgQuery>() == 64);
+
 /// BPF_PROG_QUERY for tcx ingress programs on loopback (ifindex 1 in every network
 /// namespace): a kernel with tcx answers (zero or more programs), one without refuses
 /// the attach type with EINVAL. Nothing is attached.
 fn tcx_query_known() -> anyhow::Result<bool> {
     let mut attr = ProgQuery {
-        target: 1,
+        target_ifindex: 1,
         attach_type: BPF_TCX_INGRESS,
         ..Default::default()
     };

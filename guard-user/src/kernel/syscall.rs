@@ -13,7 +13,9 @@ pub const BPF_LINK_CREATE: libc::c_long = 28;
 ///
 /// # Safety
 /// `attr` is laid out as the command's member of `union bpf_attr`, and every buffer it
-/// points to is valid for the kernel to read and write as the command does.
+/// points to is valid for the kernel to read and write as the command does. `attr` must
+/// reach every field the command writes back: the kernel writes its answers at their
+/// offsets whatever size it is given (BPF_PROG_QUERY's count and revision).
 pub unsafe fn bpf<T>(cmd: libc::c_long, attr: &mut T) -> io::Result<libc::c_long> {
     // SAFETY: as the caller promises; the size passed is the attribute's.
     let ret = unsafe {
