@@ -125,6 +125,10 @@ pub struct Candidates {
     pub rules: [RuleRef; MAX_CANDIDATES],
 }
 
+/// The deepest cgroup level (the cgroup2 root is level 0) at which a selected cgroup is
+/// seen: `SCOPE_LEVELS` is a bit per level.
+pub const MAX_CGROUP_LEVEL: u32 = 31;
+
 /// Size of `SCOPE_COUNTERS`: scope ids are below this. The daemon gives each scope name
 /// it sees an id for its whole life (so counts survive reloads); a policy that would
 /// need more ids is refused.
@@ -175,7 +179,8 @@ pub struct Counter {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SockState {
-    /// cgroup v2 id the socket was created in (its scope's cgroup).
+    /// cgroup v2 id of the selected cgroup whose scope governs the socket: the nearest
+    /// to the cgroup it was created in, among that cgroup and its ancestors.
     pub cgroup_id: u64,
     /// 1 while the socket holds an admission; swapped to 0 atomically by the one path
     /// that releases it.

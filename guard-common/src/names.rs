@@ -7,6 +7,7 @@
 pub mod map {
     pub const ACTIVE_GEN: &str = "ACTIVE_GEN";
     pub const SCOPES: &str = "SCOPES";
+    pub const SCOPE_LEVELS: &str = "SCOPE_LEVELS";
     pub const RULES: &str = "RULES";
     pub const COUNTERS: &str = "COUNTERS";
     pub const SCOPE_COUNTERS: &str = "SCOPE_COUNTERS";
@@ -23,6 +24,7 @@ pub mod map {
     pub const ALL: &[&str] = &[
         ACTIVE_GEN,
         SCOPES,
+        SCOPE_LEVELS,
         RULES,
         COUNTERS,
         SCOPE_COUNTERS,

@@ -18,10 +18,16 @@ use guard_common::{
 #[map]
 pub static ACTIVE_GEN: Array<u32> = Array::with_max_entries(1, 0);
 
-/// (generation, cgroup id) -> scope; the daemon lists every cgroup of every scope.
+/// (generation, cgroup id) -> scope, for the cgroups a scope selects (not their
+/// descendants: sock_create finds a socket's nearest selected ancestor).
 #[map]
 pub static SCOPES: HashMap<CgroupKey, ScopeConf> =
     HashMap::with_max_entries(65536, BPF_F_NO_PREALLOC);
+
+/// Per generation: bit L set when SCOPES holds a cgroup at level L (the cgroup2 root is
+/// level 0), so that sock_create looks only at those levels of a socket's ancestry.
+#[map]
+pub static SCOPE_LEVELS: Array<u32> = Array::with_max_entries(2, 0);
 
 /// (generation, scope, destination prefix) -> the rules that can match it.
 #[map]

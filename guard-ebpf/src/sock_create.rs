@@ -1,15 +1,21 @@
-//! cgroup sock_create: remember the cgroup a TCP socket is created in, because the
-//! socket belongs to that cgroup's scope whichever task later calls connect(). Only
-//! sockets created in a governed cgroup get storage; the others cost one lookup here and
-//! pass connect() untouched.
+//! cgroup sock_create: find the scope of a new TCP socket, because the socket belongs to
+//! the scope of the cgroup it is created in, whichever task later calls connect(). That
+//! is the nearest cgroup a scope selects among the creating task's cgroup and its
+//! ancestors, looked up here from the deepest level that holds a selected cgroup
+//! (`SCOPE_LEVELS`) to the root: so a cgroup created under a selected one is governed
+//! from its first socket, with nothing for the daemon to learn first. Only sockets with
+//! a scope get storage; the others cost these lookups and pass connect() untouched.
 use aya_ebpf::{
-    helpers::generated::bpf_get_current_cgroup_id, macros::cgroup_sock, programs::SockContext,
+    helpers::generated::bpf_get_current_ancestor_cgroup_id, macros::cgroup_sock,
+    programs::SockContext,
 };
-use guard_common::{CgroupKey, STAT_INTERNAL_ERRORS, SockState, linux::IPPROTO_TCP};
+use guard_common::{
+    CgroupKey, MAX_CGROUP_LEVEL, STAT_INTERNAL_ERRORS, SockState, linux::IPPROTO_TCP,
+};
 
 use crate::{
     accounting::internal_error,
-    maps::{ACTIVE_GEN, SCOPES, storage},
+    maps::{ACTIVE_GEN, SCOPE_LEVELS, SCOPES, storage},
 };
 
 #[cgroup_sock(sock_create)]
@@ -18,16 +24,29 @@ pub fn sock_create(ctx: SockContext) -> i32 {
         return 1;
     }
     let gen_ = ACTIVE_GEN.get(0).copied().unwrap_or(0);
-    let cgroup_id = unsafe { bpf_get_current_cgroup_id() };
-    if unsafe {
-        SCOPES.get(&CgroupKey {
-            gen_,
-            _pad: 0,
-            cgroup_id,
-        })
+    let levels = SCOPE_LEVELS.get(gen_).copied().unwrap_or(0);
+    let mut selected = 0u64;
+    // Nearest first. An ancestor level deeper than the task's cgroup reads 0.
+    for level in (0..=MAX_CGROUP_LEVEL).rev() {
+        if levels & (1 << level) == 0 {
+            continue;
+        }
+        let id = unsafe { bpf_get_current_ancestor_cgroup_id(level as i32) };
+        if id != 0
+            && unsafe {
+                SCOPES.get(&CgroupKey {
+                    gen_,
+                    _pad: 0,
+                    cgroup_id: id,
+                })
+            }
+            .is_some()
+        {
+            selected = id;
+            break;
+        }
     }
-    .is_none()
-    {
+    if selected == 0 {
         return 1;
     }
     // The socket is new: its storage is created here, zeroed (nothing admitted).
@@ -36,7 +55,7 @@ pub fn sock_create(ctx: SockContext) -> i32 {
         // Fail-open: without storage the socket passes connect() unguarded.
         internal_error(STAT_INTERNAL_ERRORS);
     } else {
-        unsafe { (*state).cgroup_id = cgroup_id };
+        unsafe { (*state).cgroup_id = selected };
     }
     1
 }

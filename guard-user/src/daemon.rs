@@ -26,6 +26,7 @@ use crate::{
         counters::Counters,
         generations::Generations,
         port_watch::{self, PortWatch},
+        scopes,
     },
     host::mounts,
     kernel::{
@@ -166,7 +167,13 @@ impl Daemon {
         self.jobs.spawn(
             "cgroup_rescan",
             RESCAN,
-            Arc::new(move || lock(&d.generations).rescan()),
+            Arc::new(move || {
+                let Some((policy, root)) = lock(&d.generations).rescan_input() else {
+                    return Ok(());
+                };
+                let governed = scopes::governed(&root, &policy)?;
+                lock(&d.generations).rescan(&policy, governed)
+            }),
         );
         let d = self.clone();
         self.jobs.spawn(

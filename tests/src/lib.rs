@@ -104,6 +104,14 @@ impl Cgroup {
         Cgroup { path, rel }
     }
 
+    /// A cgroup below this one, named `name` (drop it before its parent).
+    pub fn child(&self, name: &str) -> Cgroup {
+        let rel = format!("{}/{name}", self.rel);
+        let path = self.path.join(name);
+        std::fs::create_dir(&path).unwrap_or_else(|e| panic!("mkdir {}: {e}", path.display()));
+        Cgroup { path, rel }
+    }
+
     /// A command that starts inside this cgroup.
     pub fn command(&self, program: impl AsRef<std::ffi::OsStr>) -> Command {
         let procs = self.path.join("cgroup.procs");

@@ -246,6 +246,51 @@ fn cgroup_created_after_start_is_governed_within_a_second() {
     assert_eq!(n(&d.scope("j"), "shed"), 2);
 }
 
+/// A cgroup created under a selected one while the daemon runs is governed from its
+/// first connect, with no wait: the kernel finds the selected ancestor itself.
+#[test]
+fn a_cgroup_created_under_a_selected_one_is_governed_from_its_first_connect() {
+    let server = Server::start("127.0.0.1:0");
+    let parent = Cgroup::new("k-parent");
+    let d = Daemon::start(&budget_policy("k", &parent.rel, "enforce", &server.addr, 1));
+    for i in 0..20 {
+        let child = parent.child(&format!("new{i}"));
+        let out = child.probe(&["connect", &server.addr.to_string(), "3", "1"]);
+        assert_eq!(
+            (out.ok, out.errors("ECONNREFUSED")),
+            (1, 2),
+            "child {i}: {out:?}"
+        );
+    }
+    let s = d.wait_scope("k", Duration::from_secs(5), |s| n(s, "active") == 0);
+    assert_eq!(
+        (n(&s, "admitted"), n(&s, "shed"), n(&s, "active")),
+        (20, 40, 0),
+        "{s}"
+    );
+}
+
+/// Nested scopes: a cgroup selected by A, its child selected by B; a grandchild created
+/// while the daemon runs belongs to B, the nearest, from its first connect.
+#[test]
+fn nested_scopes_the_nearest_selected_cgroup_wins() {
+    let server = Server::start("127.0.0.1:0");
+    let a = Cgroup::new("nest-a");
+    let b = a.child("b");
+    let d = Daemon::start(&format!(
+        "[[scope]]\nname = \"a\"\ncgroup = \"{}\"\nmode = \"observe\"\n\n\
+         [[scope]]\nname = \"b\"\ncgroup = \"{}\"\nmax_connections = 1\n",
+        a.rel, b.rel
+    ));
+    let grandchild = b.child("late");
+    let out = grandchild.probe(&["connect", &server.addr.to_string(), "3", "1"]);
+    assert_eq!((out.ok, out.errors("ECONNREFUSED")), (1, 2), "{out:?}");
+    let (sa, sb) = (d.scope("a"), d.scope("b"));
+    assert_eq!((n(&sb, "admitted"), n(&sb, "shed")), (1, 2), "{sb}");
+    assert_eq!((n(&sa, "admitted"), n(&sa, "shed")), (0, 0), "{sa}");
+    drop(grandchild);
+}
+
 /// A socket belongs to the scope of the cgroup it was created in, not to the cgroup of
 /// the task that calls connect().
 #[test]

@@ -2,7 +2,7 @@
 //! counts; a bad policy changes nothing.
 use std::{process::Command, time::Duration};
 
-use connguard_tests::{Cgroup, Daemon, Server, budget_policy, connguard_bin, n};
+use connguard_tests::{Cgroup, Daemon, Server, budget_policy, connguard_bin, destination, n};
 
 fn check(text: &str) -> (i32, String) {
     let file = std::env::temp_dir().join(format!("connguard-check-{}.toml", std::process::id()));
@@ -216,4 +216,36 @@ fn run_without_root_says_so() {
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("connguard must run as root"), "{err}");
+}
+
+/// A policy selecting `/` on a host with 50,000 more cgroups applies and reloads: the
+/// kernel holds the one selected cgroup, not one entry per cgroup (two generations of
+/// 65,536 entries would not hold 50,000 each), and a connection from the last of them
+/// is counted.
+#[test]
+fn the_whole_host_with_50000_cgroups_applies_and_reloads() {
+    let parent = Cgroup::new("many");
+    let children: Vec<Cgroup> = (0..50_000)
+        .map(|i| parent.child(&format!("c{i}")))
+        .collect();
+    let server = Server::start("127.0.0.1:0");
+    let policy = "[[scope]]\nname = \"host\"\ncgroup = \"/\"\nmode = \"observe\"\n";
+    let d = Daemon::start(policy);
+    std::fs::write(&d.policy, format!("{policy}max_connections = 100000\n")).unwrap();
+    let out = d.cli(&["reload"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(d.stats()["policy"]["generation"], 2);
+    let last = children.last().unwrap();
+    let probe = last.probe(&["connect", &server.addr.to_string(), "1", "1"]);
+    assert_eq!(probe.ok, 1, "{probe:?}");
+    // The scope holds the whole host's connections; this destination only ours.
+    let s = d.scope("host");
+    let dst = destination(&s, &server.addr.to_string());
+    assert_eq!((n(dst, "admitted"), n(dst, "shed")), (1, 0), "{dst}");
+    drop(d);
+    drop(children);
 }

@@ -14,7 +14,14 @@ use super::protocol::{ErrorReply, Request};
 /// Asks a running daemon; fails with the daemon's error when it answers with one.
 pub fn ask<T: DeserializeOwned>(socket: &Path, request: Request) -> anyhow::Result<T> {
     let mut text = String::new();
-    send(socket, request)?.read_to_string(&mut text)?;
+    send(socket, request)?
+        .read_to_string(&mut text)
+        .map_err(|e| match e.kind() {
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+                anyhow::anyhow!("the daemon did not answer `{request}` in time")
+            }
+            _ => e.into(),
+        })?;
     if text.starts_with(ERROR_HEAD_STR) {
         let reply: ErrorReply = serde_json::from_str(&text)?;
         bail!("the daemon answered: {}", reply.error);
@@ -27,8 +34,15 @@ fn send(socket: &Path, request: Request) -> anyhow::Result<UnixStream> {
     let mut stream = UnixStream::connect(socket).with_context(|| {
         format!("no connguard daemon answers on {} (is `connguard run` running? pass --socket if it uses another path)", socket.display())
     })?;
-    // A stalled daemon must not freeze the caller (`top` polls every second).
-    stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+    // A stalled daemon must not freeze the caller (`top` polls every second); a reload
+    // walks the cgroup tree, which takes seconds on hosts with tens of thousands of
+    // cgroups, and gets as long as the daemon gives any reply.
+    let wait = if matches!(request, Request::Reload) {
+        Duration::from_secs(60)
+    } else {
+        Duration::from_secs(5)
+    };
+    stream.set_read_timeout(Some(wait))?;
     stream.write_all(format!("{request}\n").as_bytes())?;
     stream.shutdown(std::net::Shutdown::Write)?;
     Ok(stream)

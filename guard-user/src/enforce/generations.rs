@@ -11,9 +11,12 @@ use std::{collections::BTreeMap, path::PathBuf, sync::Arc};
 
 use anyhow::Context;
 use aya::maps::lpm_trie::Key;
-use guard_common::{CgroupKey, RuleAddrKey, ScopeConf};
+use guard_common::{CgroupKey, MAX_CGROUP_LEVEL, RuleAddrKey, ScopeConf};
 
-use super::{ids::Ids, scopes};
+use super::{
+    ids::Ids,
+    scopes::{self, Governed},
+};
 use crate::{
     kernel::maps::PolicyMaps,
     policy::{
@@ -29,10 +32,12 @@ pub struct Generations {
     gen_: u32,
     ids: Arc<Ids>,
     policy: Option<Arc<Policy>>,
-    /// What the active generation holds, to diff against on rescan.
+    /// What the active generation holds (the selected cgroups, and the levels they are
+    /// at), to diff against on rescan.
     written_scopes: BTreeMap<u64, ScopeConf>,
-    /// Every governed cgroup: id -> (scope index, directory), as of the last walk.
-    governed: BTreeMap<u64, (usize, PathBuf)>,
+    written_levels: u32,
+    /// Every governed cgroup, as of the last walk.
+    governed: BTreeMap<u64, Governed>,
     written_rules: Vec<Key<RuleAddrKey>>,
     /// What the idle generation still holds, deleted before it is written again.
     idle_scopes: Vec<u64>,
@@ -48,6 +53,7 @@ impl Generations {
             ids: Arc::default(),
             policy: None,
             written_scopes: BTreeMap::new(),
+            written_levels: 0,
             governed: BTreeMap::new(),
             written_rules: Vec::new(),
             idle_scopes: Vec::new(),
@@ -70,15 +76,22 @@ impl Generations {
         ids.assign(&policy)?;
         let governed = scopes::governed(&self.cgroup_root, &policy)?;
         let confs = scope_confs(&ids, &policy)?;
-        let scopes: BTreeMap<u64, ScopeConf> = governed
-            .iter()
-            .map(|(id, (index, _))| (*id, confs[*index]))
-            .collect();
+        let (scopes, levels) = selected(&governed, &confs);
+        for g in governed.values() {
+            if g.selected && g.level > MAX_CGROUP_LEVEL {
+                log::warn!(
+                    "{} is {} levels below the cgroup2 root; scopes are resolved {MAX_CGROUP_LEVEL} levels deep, so it is not governed",
+                    g.dir.display(),
+                    g.level
+                );
+            }
+        }
         let mut rule_keys = Vec::new();
         let result = (|| -> anyhow::Result<()> {
             for (id, conf) in &scopes {
                 self.maps.scopes.insert(scope_key(next, *id), conf, 0)?;
             }
+            self.maps.scope_levels.set(next, levels, 0)?;
             for (scope, conf) in policy.scopes.iter().zip(&confs) {
                 let refs = scope
                     .rules
@@ -114,6 +127,7 @@ impl Generations {
             .into_keys()
             .collect();
         self.idle_rules = std::mem::replace(&mut self.written_rules, rule_keys);
+        self.written_levels = levels;
         self.gen_ = next;
         self.ids = Arc::new(ids);
         self.policy = Some(Arc::new(policy));
@@ -121,27 +135,44 @@ impl Generations {
         Ok(())
     }
 
+    /// What a rescan walks: the policy in force and the cgroup2 root. The walk (a stat
+    /// and a directory read per cgroup: seconds for 50,000 cgroups on a slow machine)
+    /// runs without the daemon's lock on this; `rescan` then applies it.
+    pub fn rescan_input(&self) -> Option<(Arc<Policy>, PathBuf)> {
+        Some((self.policy.clone()?, self.cgroup_root.clone()))
+    }
+
     /// Brings the active generation up to date with cgroups created or removed since
-    /// the policy was applied.
-    pub fn rescan(&mut self) -> anyhow::Result<()> {
-        let Some(policy) = self.policy.clone() else {
+    /// the policy was applied, from a walk (`scopes::governed`) made for `policy`; a
+    /// walk made for a policy since replaced is dropped (the next one is made for the
+    /// new policy).
+    pub fn rescan(
+        &mut self,
+        policy: &Arc<Policy>,
+        governed: BTreeMap<u64, Governed>,
+    ) -> anyhow::Result<()> {
+        if !self.policy.as_ref().is_some_and(|p| Arc::ptr_eq(p, policy)) {
             return Ok(());
-        };
-        let confs = scope_confs(&self.ids, &policy)?;
-        let governed = scopes::governed(&self.cgroup_root, &policy)?;
+        }
+        let confs = scope_confs(&self.ids, policy)?;
+        let (scopes, levels) = selected(&governed, &confs);
         let gen_ = self.gen_;
-        for (id, (index, _)) in &governed {
-            if self.written_scopes.get(id) != Some(&confs[*index]) {
-                self.maps
-                    .scopes
-                    .insert(scope_key(gen_, *id), confs[*index], 0)?;
-                self.written_scopes.insert(*id, confs[*index]);
+        // New entries first, then the levels to look at, then what went: a socket
+        // created meanwhile finds its scope or, for a cgroup being removed, none.
+        for (id, conf) in &scopes {
+            if self.written_scopes.get(id) != Some(conf) {
+                self.maps.scopes.insert(scope_key(gen_, *id), conf, 0)?;
+                self.written_scopes.insert(*id, *conf);
             }
+        }
+        if levels != self.written_levels {
+            self.maps.scope_levels.set(gen_, levels, 0)?;
+            self.written_levels = levels;
         }
         let gone: Vec<u64> = self
             .written_scopes
             .keys()
-            .filter(|id| !governed.contains_key(id))
+            .filter(|id| !scopes.contains_key(id))
             .copied()
             .collect();
         for id in gone {
@@ -162,9 +193,11 @@ impl Generations {
         self.ids.clone()
     }
 
-    /// The scope id governing a cgroup now, if any.
+    /// The scope id governing a cgroup, as of the last walk, if any.
     pub fn scope_of_cgroup(&self, cgroup_id: u64) -> Option<u32> {
-        self.written_scopes.get(&cgroup_id).map(|c| c.scope_id)
+        let policy = self.policy.as_ref()?;
+        let g = self.governed.get(&cgroup_id)?;
+        self.ids.scope(&policy.scopes[g.scope].name)
     }
 
     /// The cgroups of scopes with a port watermark, as of the last rescan.
@@ -174,14 +207,14 @@ impl Generations {
         };
         self.governed
             .values()
-            .filter(|(i, _)| policy.scopes[*i].watches_ports())
-            .map(|(_, dir)| dir.clone())
+            .filter(|g| policy.scopes[g.scope].watches_ports())
+            .map(|g| g.dir.clone())
             .collect()
     }
 
-    /// Number of cgroups the policy governs now.
+    /// Number of cgroups the policy governs, as of the last walk.
     pub fn governed_cgroups(&self) -> usize {
-        self.written_scopes.len()
+        self.governed.len()
     }
 }
 
@@ -191,6 +224,23 @@ fn scope_key(gen_: u32, cgroup_id: u64) -> CgroupKey {
         _pad: 0,
         cgroup_id,
     }
+}
+
+/// The SCOPES entries for `governed`: its selected cgroups at levels the programs look
+/// at; and those levels, a bit each.
+fn selected(
+    governed: &BTreeMap<u64, Governed>,
+    confs: &[ScopeConf],
+) -> (BTreeMap<u64, ScopeConf>, u32) {
+    let mut levels = 0u32;
+    let mut out = BTreeMap::new();
+    for (id, g) in governed {
+        if g.selected && g.level <= MAX_CGROUP_LEVEL {
+            levels |= 1 << g.level;
+            out.insert(*id, confs[g.scope]);
+        }
+    }
+    (out, levels)
 }
 
 /// The scopes as the kernel sees them; `ids.assign(policy)` must have run.

@@ -4,4 +4,4 @@ pub mod counters;
 pub mod generations;
 pub mod ids;
 pub mod port_watch;
-mod scopes;
+pub mod scopes;

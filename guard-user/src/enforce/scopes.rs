@@ -1,5 +1,7 @@
 //! Which cgroups each scope governs: a socket belongs to the nearest cgroup a scope
-//! selects among the cgroup it was created in and that cgroup's ancestors.
+//! selects among the cgroup it was created in and that cgroup's ancestors. The kernel
+//! resolves that itself from the selected cgroups (sock_create); the daemon keeps the
+//! whole picture for reports (which scope a process's cgroup is in).
 use std::{
     collections::BTreeMap,
     path::{Path, PathBuf},
@@ -9,10 +11,23 @@ use anyhow::bail;
 
 use crate::{host::cgroup, policy::Policy};
 
-/// Every cgroup below `root` (itself included) governed by a scope: cgroup id -> (index
-/// of the scope, directory). A cgroup that a scope selects is governed by it (the first
-/// such scope in the file); any other cgroup by its nearest selected ancestor.
-pub fn governed(root: &Path, policy: &Policy) -> anyhow::Result<BTreeMap<u64, (usize, PathBuf)>> {
+/// A cgroup a scope governs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Governed {
+    /// Index of the scope in the policy.
+    pub scope: usize,
+    pub dir: PathBuf,
+    /// Levels below the cgroup2 root (the root is 0).
+    pub level: u32,
+    /// Selected by the scope itself (else governed through its nearest selected
+    /// ancestor).
+    pub selected: bool,
+}
+
+/// Every cgroup below `root` (itself included) governed by a scope, by cgroup id. A
+/// cgroup that a scope selects is governed by it (the first such scope in the file);
+/// any other cgroup by its nearest selected ancestor.
+pub fn governed(root: &Path, policy: &Policy) -> anyhow::Result<BTreeMap<u64, Governed>> {
     if !root.is_dir() {
         bail!("{} is not a directory", root.display());
     }
@@ -26,8 +41,21 @@ pub fn governed(root: &Path, policy: &Policy) -> anyhow::Result<BTreeMap<u64, (u
             }
         });
         let scope = selected.or(inherited);
-        if let Some(index) = scope {
-            out.insert(id, (index, dir.to_path_buf()));
+        if let Some(scope) = scope {
+            let level = if rel.is_empty() {
+                0
+            } else {
+                rel.split('/').count() as u32
+            };
+            out.insert(
+                id,
+                Governed {
+                    scope,
+                    dir: dir.to_path_buf(),
+                    level,
+                    selected: selected.is_some(),
+                },
+            );
         }
         scope
     });

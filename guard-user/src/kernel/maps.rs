@@ -18,6 +18,7 @@ pub type Hashed<K, V> = BpfHash<MapData, K, V>;
 pub struct PolicyMaps {
     pub active_gen: Array<MapData, u32>,
     pub scopes: Hashed<CgroupKey, ScopeConf>,
+    pub scope_levels: Array<MapData, u32>,
     pub rules: LpmTrie<MapData, RuleAddrKey, Candidates>,
 }
 
@@ -53,6 +54,7 @@ impl Maps {
             policy: PolicyMaps {
                 active_gen: take(ebpf, map::ACTIVE_GEN)?,
                 scopes: take(ebpf, map::SCOPES)?,
+                scope_levels: take(ebpf, map::SCOPE_LEVELS)?,
                 rules: take(ebpf, map::RULES)?,
             },
             counters: CounterMaps {
