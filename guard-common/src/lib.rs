@@ -125,8 +125,9 @@ pub struct Candidates {
     pub rules: [RuleRef; MAX_CANDIDATES],
 }
 
-/// The deepest cgroup level (the cgroup2 root is level 0) at which a selected cgroup is
-/// seen: `SCOPE_LEVELS` is a bit per level.
+/// The deepest cgroup level, counted from the daemon's cgroup2 mount (level 0), at which
+/// a selected cgroup is seen: `SCOPE_LEVELS` is a bit per level. Also how deep below
+/// the kernel's own root that mount may be (a cgroup namespace's root).
 pub const MAX_CGROUP_LEVEL: u32 = 31;
 
 /// Size of `SCOPE_COUNTERS`: scope ids are below this. The daemon gives each scope name

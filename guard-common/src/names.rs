@@ -8,6 +8,7 @@ pub mod map {
     pub const ACTIVE_GEN: &str = "ACTIVE_GEN";
     pub const SCOPES: &str = "SCOPES";
     pub const SCOPE_LEVELS: &str = "SCOPE_LEVELS";
+    pub const CGROUP_ROOT: &str = "CGROUP_ROOT";
     pub const RULES: &str = "RULES";
     pub const COUNTERS: &str = "COUNTERS";
     pub const SCOPE_COUNTERS: &str = "SCOPE_COUNTERS";
@@ -25,6 +26,7 @@ pub mod map {
         ACTIVE_GEN,
         SCOPES,
         SCOPE_LEVELS,
+        CGROUP_ROOT,
         RULES,
         COUNTERS,
         SCOPE_COUNTERS,

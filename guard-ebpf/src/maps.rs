@@ -24,10 +24,15 @@ pub static ACTIVE_GEN: Array<u32> = Array::with_max_entries(1, 0);
 pub static SCOPES: HashMap<CgroupKey, ScopeConf> =
     HashMap::with_max_entries(65536, BPF_F_NO_PREALLOC);
 
-/// Per generation: bit L set when SCOPES holds a cgroup at level L (the cgroup2 root is
-/// level 0), so that sock_create looks only at those levels of a socket's ancestry.
+/// Per generation: bit L set when SCOPES holds a cgroup L levels below the daemon's
+/// cgroup2 mount, so that sock_create looks only at those levels of a socket's ancestry.
 #[map]
 pub static SCOPE_LEVELS: Array<u32> = Array::with_max_entries(2, 0);
+
+/// Element 0: the cgroup id of the daemon's cgroup2 mount, the kernel's root cgroup or,
+/// in a cgroup namespace, the namespace's root (levels count from it).
+#[map]
+pub static CGROUP_ROOT: Array<u64> = Array::with_max_entries(1, 0);
 
 /// (generation, scope, destination prefix) -> the rules that can match it.
 #[map]

@@ -48,7 +48,11 @@ pub fn sock_state(ctx: SockOpsContext) -> u32 {
     }
     let state = storage(sk, false);
     if op == BPF_SOCK_OPS_STATE_CB {
-        closed(state, ctx.arg(0));
+        // Only an armed admission: the callback flag outlives a failed connect, and an
+        // unarmed one (the port search failed) is the tracepoint's to count.
+        if !state.is_null() && unsafe { (*state).armed } != 0 {
+            closed(state, ctx.arg(0));
+        }
     } else if !state.is_null() && unsafe { (*state).admitted } == 1 {
         let _ = ctx.set_cb_flags((ctx.cb_flags() | BPF_SOCK_OPS_STATE_CB_FLAG) as i32);
         unsafe {
@@ -106,12 +110,18 @@ fn local_addr(ctx: &SockOpsContext) -> [u8; 16] {
 /// send that never came (in SYN_SENT, which tcp_close() then moves to TCP_CLOSE without a
 /// callback). (fexit on tcp_v4_connect would end the failures at once, but on the hosts
 /// this was built on, which run with lockdown=integrity, loading fexit programs fails
-/// with EPERM.) An armed socket is released by its state callback.
+/// with EPERM.) An armed socket is released when it reaches TCP_CLOSE, by the state
+/// callback or the tracepoint.
 #[cgroup_sock(sock_release)]
 pub fn sock_release(ctx: SockContext) -> i32 {
     if unsafe { (*ctx.sock).protocol } == IPPROTO_TCP {
         let state = storage(ctx.sock, false);
-        if !state.is_null() && unsafe { (*state).armed } == 0 {
+        // An armed socket already in TCP_CLOSE that both close watchers missed (a foreign
+        // sock_ops program cleared the callback, and the tracepoint's run was skipped)
+        // is released here too; one still open goes on, orphaned, to its own close.
+        if !state.is_null()
+            && (unsafe { (*state).armed } == 0 || unsafe { (*ctx.sock).state } == TCP_CLOSE)
+        {
             let _ = release(state);
         }
     }

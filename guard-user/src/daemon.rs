@@ -100,8 +100,12 @@ impl Daemon {
             .and_then(|p| {
                 let what = policy::describe(&p);
                 let listeners = p.listeners.clone();
+                // The walk, seconds on hosts with tens of thousands of cgroups, is made
+                // without the lock that `stats` and the jobs need.
+                let root = lock(&self.generations).cgroup_root();
+                let governed = scopes::governed(&root, &p).map_err(|e| format!("{e:#}"))?;
                 lock(&self.generations)
-                    .apply(p)
+                    .apply(p, governed)
                     .map_err(|e| format!("{e:#}"))?;
                 Ok((what, listeners))
             });
@@ -314,11 +318,12 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
     };
     let mut ebpf = object::load_and_attach(&root, &features)?;
     let maps = Maps::take(&mut ebpf)?;
-    let mut generations = Generations::new(maps.policy, root.clone());
+    let mut generations = Generations::new(maps.policy, root.clone())?;
     let what = policy::describe(&policy);
     let source = policy.source.clone();
     let listeners = policy.listeners.clone();
-    generations.apply(policy)?;
+    let governed = scopes::governed(&root, &policy)?;
+    generations.apply(policy, governed)?;
     let governed = generations.governed_cgroups();
     let counters = Counters::new(maps.counters);
     // The first sample, taken before "ready", is the baseline of the first rates.

@@ -47,7 +47,31 @@ pub fn require_prerequisites() {
         0,
         "connguard's integration tests need root: they load eBPF programs and create cgroups"
     );
-    cgroup2_mount();
+    static SWEPT: std::sync::Once = std::sync::Once::new();
+    SWEPT.call_once(|| sweep(&cgroup2_mount().join("connguard-test")));
+}
+
+/// Removes the test cgroups of test processes that are gone (a run killed before its
+/// cleanup), so that they cost later daemons nothing: their names carry the pid
+/// (`unique`), and a gone process's are emptied (cgroup.kill) and removed, deepest
+/// first.
+fn sweep(dir: &Path) {
+    fn remove(dir: &Path) {
+        for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+            if e.file_type().is_ok_and(|t| t.is_dir()) {
+                remove(&e.path());
+            }
+        }
+        let _ = std::fs::write(dir.join("cgroup.kill"), "1");
+        let _ = std::fs::remove_dir(dir);
+    }
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let pid = name.rsplit('-').nth(1).and_then(|p| p.parse::<u32>().ok());
+        if pid.is_some_and(|p| !Path::new(&format!("/proc/{p}")).exists()) {
+            remove(&e.path());
+        }
+    }
 }
 
 pub fn cgroup2_mount() -> PathBuf {
@@ -272,23 +296,54 @@ impl Daemon {
 
     /// A daemon whose control socket is `socket` (default: in a directory of its own).
     pub fn start_at(policy: &str, socket: Option<PathBuf>, extra: &[&str]) -> Daemon {
-        Self::spawn(policy, socket, extra, "")
+        Self::spawn(policy, socket, extra, "", Command::new(connguard_bin()))
     }
 
     /// A daemon told to treat `features` (comma-separated names of `connguard kernel`)
     /// as absent from the kernel, as on a kernel without them.
     pub fn start_without(policy: &str, features: &str) -> Daemon {
-        Self::spawn(policy, None, &[], features)
+        Self::spawn(policy, None, &[], features, Command::new(connguard_bin()))
     }
 
-    fn spawn(policy: &str, socket: Option<PathBuf>, extra: &[&str], without: &str) -> Daemon {
+    /// A daemon in a cgroup namespace rooted at `cgroup`, as in a container: in a mount
+    /// namespace of its own, cgroup2 is mounted again (the namespace's view, rooted at
+    /// `cgroup`) at the host's cgroup2 mount point, on a tmpfs that hides the host's
+    /// (the same file system twice on one mount point is refused); its policy's paths
+    /// are below `cgroup`.
+    pub fn start_in_cgroup_namespace(policy: &str, cgroup: &Cgroup) -> Daemon {
+        let mut unshare = cgroup.command("unshare");
+        unshare.args([
+            "--cgroup",
+            "--mount",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+        ]);
+        unshare.arg(format!(
+            "mount -t tmpfs none {at} && mount -t cgroup2 none {at} && exec \"$0\" \"$@\"",
+            at = cgroup2_mount().display()
+        ));
+        unshare.arg(connguard_bin());
+        Self::spawn(policy, None, &[], "", unshare)
+    }
+
+    /// Runs `connguard run` with `command`: connguard itself, or a command that ends by
+    /// executing the arguments that follow it.
+    fn spawn(
+        policy: &str,
+        socket: Option<PathBuf>,
+        extra: &[&str],
+        without: &str,
+        mut command: Command,
+    ) -> Daemon {
         require_prerequisites();
         let dir = std::env::temp_dir().join(unique("connguard-test"));
         std::fs::create_dir_all(&dir).unwrap();
         let policy_path = dir.join("policy.toml");
         std::fs::write(&policy_path, policy).unwrap();
         let socket = socket.unwrap_or_else(|| dir.join("connguard.sock"));
-        let mut child = Command::new(connguard_bin())
+        let mut child = command
             .arg("run")
             .arg("--policy")
             .arg(&policy_path)
@@ -311,7 +366,8 @@ impl Daemon {
         let log2 = log.clone();
         thread::spawn(move || {
             for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                if line.contains("ready") {
+                // The daemon's line, not any word that ends in "ready" ("already").
+                if line.contains(" ready: ") {
                     let _ = tx.send(());
                 }
                 log2.lock().unwrap().push_str(&(line + "\n"));
@@ -717,17 +773,18 @@ pub fn wrk(cgroup: &Cgroup, nginx: &Nginx, connections: u64, seconds: u64) -> Wr
     }
 }
 
-/// A sock_ops program of the test's own on the cgroup2 root, attached after connguard's
-/// so that it runs after them at every callback, which sets only its own flag
-/// (BPF_SOCK_OPS_RTT_CB_FLAG) on every socket. bpf_sock_ops_cb_flags_set() replaces a
-/// socket's flags, so this turns connguard's state callback off, as a careless
-/// program of another tool would. Detached when dropped (its link's fd closes).
+/// A sock_ops program of the test's own on a cgroup, which sets only its own flag
+/// (BPF_SOCK_OPS_RTT_CB_FLAG) on every socket at every callback. bpf_sock_ops_cb_flags_set()
+/// replaces a socket's flags, so this turns connguard's state callback off (at the
+/// first callback after connguard's TCP_CONNECT_CB, ACTIVE_ESTABLISHED_CB), as a careless
+/// program of another tool would. Detached when dropped (its link's fd closes, also
+/// when the test process dies).
 pub struct ForeignSockOps {
     _link: std::os::fd::OwnedFd,
 }
 
 impl ForeignSockOps {
-    pub fn attach() -> ForeignSockOps {
+    pub fn attach(cgroup: &Cgroup) -> ForeignSockOps {
         use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
         require_prerequisites();
         /// struct bpf_insn: opcode, dst_reg | src_reg << 4, offset, immediate.
@@ -776,7 +833,7 @@ impl ForeignSockOps {
         };
         // BPF_PROG_LOAD
         let prog = bpf(5, (&raw mut load).cast(), std::mem::size_of::<ProgLoad>());
-        let root = std::fs::File::open(cgroup2_mount()).unwrap();
+        let root = std::fs::File::open(&cgroup.path).unwrap();
         // BPF_LINK_CREATE: prog_fd, target_fd, attach_type BPF_CGROUP_SOCK_OPS, flags.
         let mut link = [prog.as_raw_fd() as u32, root.as_raw_fd() as u32, 3, 0];
         let link = bpf(28, link.as_mut_ptr().cast(), std::mem::size_of_val(&link));

@@ -261,13 +261,37 @@ fn a_cgroup_created_under_a_selected_one_is_governed_from_its_first_connect() {
             (1, 2),
             "child {i}: {out:?}"
         );
+        // The connection ends with the probe; the next child starts from a free slot.
+        let s = d.wait_scope("k", Duration::from_secs(5), |s| n(s, "active") == 0);
+        assert_eq!(n(&s, "active"), 0, "{s}");
     }
-    let s = d.wait_scope("k", Duration::from_secs(5), |s| n(s, "active") == 0);
-    assert_eq!(
-        (n(&s, "admitted"), n(&s, "shed"), n(&s, "active")),
-        (20, 40, 0),
-        "{s}"
+    let s = d.scope("k");
+    assert_eq!((n(&s, "admitted"), n(&s, "shed")), (20, 40), "{s}");
+}
+
+/// A daemon in a cgroup namespace (as in a container): its cgroup2 root is a cgroup
+/// two levels below the kernel's, which the kernel counts ancestors from; a scope on a
+/// cgroup below its root governs that cgroup's sockets.
+#[test]
+fn a_daemon_in_a_cgroup_namespace_governs_below_its_root() {
+    let server = Server::start("127.0.0.1:0");
+    let root = Cgroup::new("cgns");
+    let app = root.child("app");
+    let d = Daemon::start_in_cgroup_namespace(
+        &budget_policy("app", "app", "enforce", &server.addr, 1),
+        &root,
     );
+    let out = app.probe(&["connect", &server.addr.to_string(), "3", "1"]);
+    assert_eq!(
+        (out.ok, out.errors("ECONNREFUSED")),
+        (1, 2),
+        "{out:?}\n{}",
+        d.log.lock().unwrap(),
+    );
+    let s = d.scope("app");
+    assert_eq!((n(&s, "admitted"), n(&s, "shed")), (1, 2), "{s}");
+    drop(d);
+    drop(app);
 }
 
 /// Nested scopes: a cgroup selected by A, its child selected by B; a grandchild created

@@ -157,9 +157,10 @@ fn idle_destinations_are_forgotten_and_scope_totals_stay() {
     assert_eq!((n(&s, "admitted"), n(&s, "active")), (5, 0), "{s}");
 }
 
-/// Another tool's sock_ops program on the same cgroup that replaces every socket's
-/// callback flags with its own (connguard's state callback off): 1,000 connections
-/// still end with every admission released and every TIME_WAIT counted, exactly.
+/// Another tool's sock_ops program, on the client's cgroup, that replaces every
+/// socket's callback flags with its own (connguard's state callback off): 1,000
+/// connections still end with every admission released and every TIME_WAIT counted,
+/// exactly (the tracepoint releases them).
 #[test]
 fn a_foreign_sock_ops_program_that_rewrites_callback_flags_loses_no_release() {
     let ns = Netns::new("cgforeign");
@@ -171,7 +172,7 @@ fn a_foreign_sock_ops_program_that_rewrites_callback_flags_loses_no_release() {
         "[[scope]]\nname = \"foreign\"\ncgroup = \"{}\"\nmode = \"observe\"\n",
         cg.rel
     ));
-    let _foreign = connguard_tests::ForeignSockOps::attach();
+    let _foreign = connguard_tests::ForeignSockOps::attach(&cg);
     let out = cg.probe(&["churn", &ns.path(), "127.0.0.1:8080", "1000", "0"]);
     assert_eq!((out.attempts, out.ok), (1000, 1000), "{out:?}");
     let s = d.wait_scope("foreign", Duration::from_secs(10), |s| n(s, "active") == 0);

@@ -13,11 +13,9 @@ use anyhow::Context;
 use aya::maps::lpm_trie::Key;
 use guard_common::{CgroupKey, MAX_CGROUP_LEVEL, RuleAddrKey, ScopeConf};
 
-use super::{
-    ids::Ids,
-    scopes::{self, Governed},
-};
+use super::{ids::Ids, scopes::Governed};
 use crate::{
+    host::cgroup,
     kernel::maps::PolicyMaps,
     policy::{
         Policy,
@@ -45,8 +43,14 @@ pub struct Generations {
 }
 
 impl Generations {
-    pub fn new(maps: PolicyMaps, cgroup_root: PathBuf) -> Self {
-        Generations {
+    /// Tells the programs the cgroup id of `cgroup_root` (the daemon's cgroup2 mount),
+    /// from which the levels of selected cgroups count.
+    pub fn new(mut maps: PolicyMaps, cgroup_root: PathBuf) -> anyhow::Result<Self> {
+        let root_id = cgroup::cgroup_id(&cgroup_root)?;
+        maps.cgroup_root
+            .set(0, root_id, 0)
+            .context("writing CGROUP_ROOT")?;
+        Ok(Generations {
             maps,
             cgroup_root,
             gen_: 0,
@@ -58,12 +62,23 @@ impl Generations {
             written_rules: Vec::new(),
             idle_scopes: Vec::new(),
             idle_rules: Vec::new(),
-        }
+        })
     }
 
-    /// Makes `policy` the one in force, atomically for the programs. On error the policy
-    /// in force stays, and the idle generation holds nothing of the new one.
-    pub fn apply(&mut self, policy: Policy) -> anyhow::Result<()> {
+    /// The cgroup2 mount the policy's paths are below.
+    pub fn cgroup_root(&self) -> PathBuf {
+        self.cgroup_root.clone()
+    }
+
+    /// Makes `policy` the one in force, atomically for the programs, with `governed` a
+    /// walk of the cgroup tree for it (`scopes::governed`, made without the daemon's
+    /// lock on this). On error the policy in force stays, and the idle generation holds
+    /// nothing of the new one.
+    pub fn apply(
+        &mut self,
+        policy: Policy,
+        governed: BTreeMap<u64, Governed>,
+    ) -> anyhow::Result<()> {
         let next = self.gen_ ^ 1;
         for id in std::mem::take(&mut self.idle_scopes) {
             let _ = self.maps.scopes.remove(&scope_key(next, id));
@@ -74,13 +89,12 @@ impl Generations {
         // Ids are assigned on a copy: a refused policy takes none.
         let mut ids = Ids::clone(&self.ids);
         ids.assign(&policy)?;
-        let governed = scopes::governed(&self.cgroup_root, &policy)?;
         let confs = scope_confs(&ids, &policy)?;
         let (scopes, levels) = selected(&governed, &confs);
         for g in governed.values() {
             if g.selected && g.level > MAX_CGROUP_LEVEL {
                 log::warn!(
-                    "{} is {} levels below the cgroup2 root; scopes are resolved {MAX_CGROUP_LEVEL} levels deep, so it is not governed",
+                    "{} is {} levels below the cgroup2 mount; scopes are resolved {MAX_CGROUP_LEVEL} levels deep, so its sockets belong to its nearest selected ancestor above that, if any",
                     g.dir.display(),
                     g.level
                 );

@@ -240,14 +240,18 @@ impl Features {
 
     /// The start line: what is used, what is degraded and how.
     pub fn summary(&self) -> String {
-        let used: Vec<&str> = Feature::ALL
-            .iter()
-            .filter(|f| f.without() != Without::Unused && self.has(**f))
+        // Only what was probed (the daemon leaves out what it has no use for).
+        let probed = || {
+            Feature::ALL
+                .into_iter()
+                .filter(|f| self.features.contains_key(f.name()))
+        };
+        let used: Vec<&str> = probed()
+            .filter(|f| f.without() != Without::Unused && self.has(*f))
             .map(|f| f.name())
             .collect();
-        let degraded: Vec<String> = Feature::ALL
-            .iter()
-            .filter(|f| !self.has(**f))
+        let degraded: Vec<String> = probed()
+            .filter(|f| !self.has(*f))
             .filter_map(|f| match f.without() {
                 Without::Degrades(how) => Some(format!("no {}: {how}", f.name())),
                 _ => None,

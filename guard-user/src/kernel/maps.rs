@@ -19,6 +19,7 @@ pub struct PolicyMaps {
     pub active_gen: Array<MapData, u32>,
     pub scopes: Hashed<CgroupKey, ScopeConf>,
     pub scope_levels: Array<MapData, u32>,
+    pub cgroup_root: Array<MapData, u64>,
     pub rules: LpmTrie<MapData, RuleAddrKey, Candidates>,
 }
 
@@ -55,6 +56,7 @@ impl Maps {
                 active_gen: take(ebpf, map::ACTIVE_GEN)?,
                 scopes: take(ebpf, map::SCOPES)?,
                 scope_levels: take(ebpf, map::SCOPE_LEVELS)?,
+                cgroup_root: take(ebpf, map::CGROUP_ROOT)?,
                 rules: take(ebpf, map::RULES)?,
             },
             counters: CounterMaps {
