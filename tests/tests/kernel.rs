@@ -67,7 +67,12 @@ fn kernel_reports_every_feature_and_honours_without() {
     assert_eq!(names(&probed["features"]), expected, "{probed}");
     assert_eq!(
         probed["required"],
-        serde_json::json!(["atomic_fetch", "cgroup_links", "kernel_btf"]),
+        serde_json::json!([
+            "atomic_fetch",
+            "cgroup_links",
+            "kernel_btf",
+            "ancestor_cgroup_id"
+        ]),
         "{probed}"
     );
     let (_, without) = kernel_json("set_retval,tcx");

@@ -628,8 +628,8 @@ fn output(cmd: &mut Command) -> anyhow::Result<String> {
 pub fn kernel_table(root: &Path) -> anyhow::Result<String> {
     let mut rows = String::from(
         "| kernel | tests passed | time | daemon | shed connect() errno | listener guard | \
-         port watermark | bound-only sockets in `ports` | map reads | later: cgroup storage, ancestor cgroup id |\n\
-         |---|---|---|---|---|---|---|---|---|---|\n",
+         port watermark | bound-only sockets in `ports` | map reads | later: cgroup storage |\n\
+         |---|---|---|---|---|---|---|---|---|\n",
     );
     let mut any = false;
     for series in SERIES {
@@ -652,7 +652,7 @@ pub fn kernel_table(root: &Path) -> anyhow::Result<String> {
         };
         let yes = |f: &str| if has(f) { "yes" } else { "no" };
         rows += &format!(
-            "| {} | {} of {} | {} s | {} | {} | {} | {} | {} | {} | {}, {} |\n",
+            "| {} | {} of {} | {} s | {} | {} | {} | {} | {} | {} | {} |\n",
             o.release,
             o.passed.len(),
             o.passed.len() + o.failed.len(),
@@ -688,7 +688,6 @@ pub fn kernel_table(root: &Path) -> anyhow::Result<String> {
                 "entry by entry"
             }),
             yes("cgroup_storage"),
-            yes("ancestor_cgroup_id"),
         );
     }
     ensure!(

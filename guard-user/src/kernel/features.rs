@@ -111,7 +111,7 @@ impl Feature {
             Feature::BatchLookup => "BPF_MAP_LOOKUP_BATCH (Linux 5.6)",
             Feature::RingBuffer => "BPF ring buffers (Linux 5.8)",
             Feature::AncestorCgroupId => {
-                "bpf_get_current_ancestor_cgroup_id in cgroup sock_addr programs (Linux 5.7)"
+                "bpf_get_current_ancestor_cgroup_id in cgroup sock programs (Linux 5.7)"
             }
             Feature::CgroupStorage => "cgroup local storage, BPF_MAP_TYPE_CGRP_STORAGE (Linux 6.2)",
         }
@@ -121,8 +121,12 @@ impl Feature {
         match self {
             // Exact budgets rest on fetch-add's old value; fail-open on the links, which
             // the kernel drops with the process; the tp_btf program (a release path, and
-            // the EADDRNOTAVAIL count) on BTF.
-            Feature::AtomicFetch | Feature::CgroupLinks | Feature::KernelBtf => Without::Refuses,
+            // the EADDRNOTAVAIL count) on BTF; a socket's scope, found by sock_create,
+            // on its creator's ancestor cgroup ids.
+            Feature::AtomicFetch
+            | Feature::CgroupLinks
+            | Feature::KernelBtf
+            | Feature::AncestorCgroupId => Without::Refuses,
             Feature::SetRetval => {
                 Without::Degrades("a shed connect() fails with EPERM, not the policy's errno")
             }
@@ -136,9 +140,7 @@ impl Feature {
                 "ports held by bind() alone (bound, not connected) are not seen by `connguard ports`",
             ),
             Feature::BatchLookup => Without::Degrades("maps are read entry by entry"),
-            Feature::RingBuffer | Feature::AncestorCgroupId | Feature::CgroupStorage => {
-                Without::Unused
-            }
+            Feature::RingBuffer | Feature::CgroupStorage => Without::Unused,
         }
     }
 
@@ -164,7 +166,7 @@ impl Feature {
             Feature::BatchLookup => batch::lookup_batch_known()?,
             Feature::RingBuffer => is_map_supported(MapType::RingBuf)?,
             Feature::AncestorCgroupId => is_helper_supported(
-                ProgramType::CgroupSockAddr,
+                ProgramType::CgroupSock,
                 BpfHelper::BPF_FUNC_get_current_ancestor_cgroup_id,
             )?,
             Feature::CgroupStorage => is_map_supported(MapType::CgrpStorage)?,
