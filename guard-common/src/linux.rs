@@ -20,3 +20,29 @@ pub const TCP_CLOSING: u32 = 11;
 /// Bound to a port, neither listening nor connected (Linux 6.9+; sock_diag reports such
 /// sockets in TCP_CLOSE, and older kernels ignore the bit that asks for them).
 pub const TCP_BOUND_INACTIVE: u32 = 13;
+
+/// Attach types (enum bpf_attach_type, include/uapi/linux/bpf.h) the tests look for:
+/// connect4, attached first to a cgroup, and sock_release, last.
+pub const BPF_CGROUP_INET4_CONNECT: u32 = 10;
+pub const BPF_CGROUP_INET_SOCK_RELEASE: u32 = 34;
+
+/// The `BPF_PROG_QUERY` member of `union bpf_attr` (include/uapi/linux/bpf.h), whole:
+/// the kernel writes its answer (count, attach_flags, revision) at these offsets
+/// whatever size it is given. `target` is a cgroup's fd or an interface's index.
+#[repr(C)]
+#[derive(Default)]
+pub struct ProgQuery {
+    pub target: u32,
+    pub attach_type: u32,
+    pub query_flags: u32,
+    pub attach_flags: u32,
+    pub prog_ids: u64,
+    pub prog_cnt: u32,
+    pub _pad: u32,
+    pub prog_attach_flags: u64,
+    pub link_ids: u64,
+    pub link_attach_flags: u64,
+    pub revision: u64,
+}
+
+const _: () = assert!(core::mem::size_of::<ProgQuery>() == 64);

@@ -16,6 +16,7 @@ use crate::{
     accounting::{add, counter, internal_error, raise_peak, release, rule_counter, scope_counter},
     maps::{ACTIVE_GEN, PORT_USE, RULES, SCOPES, storage},
     net::{ipv4_mapped, opaque_zero, words_addr},
+    scope::nearest_selected,
 };
 
 const ALLOW: i32 = 1;
@@ -69,14 +70,26 @@ pub fn connect6(ctx: SockAddrContext) -> i32 {
 #[inline(always)]
 fn admit(ctx: &SockAddrContext, addr: [u8; 16], port: u16) -> i32 {
     // The socket's scope comes from the cgroup it was created in, which sock_create
-    // stored for sockets created in a governed cgroup. Sockets without storage were
-    // created in an unguarded cgroup (or before the daemon started): they pass.
+    // stored. A socket without storage was created before these programs ran for its
+    // cgroup (just created, or before the daemon started); it was created in this
+    // cgroup's subtree, the one these programs are attached to, and takes the scope of
+    // the connecting task's cgroup, which created it in the common case. With no scope
+    // there, it passes untouched.
     let sk = unsafe { (*ctx.sock_addr).__bindgen_anon_1.sk };
-    let state = storage(sk, false);
-    if state.is_null() {
-        return ALLOW;
-    }
     let gen_ = ACTIVE_GEN.get(0).copied().unwrap_or(0);
+    let mut state = storage(sk, false);
+    if state.is_null() {
+        let selected = nearest_selected(gen_);
+        if selected == 0 {
+            return ALLOW;
+        }
+        state = storage(sk, true);
+        if state.is_null() {
+            internal_error(STAT_INTERNAL_ERRORS);
+            return ALLOW;
+        }
+        unsafe { (*state).cgroup_id = selected };
+    }
     // A reconnect after a failure that no release path saw (the route lookup failed, or
     // another cgroup program refused the first attempt): release the old admission.
     let _ = release(state);

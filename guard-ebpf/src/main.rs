@@ -16,6 +16,7 @@ mod listener;
 mod maps;
 mod net;
 mod release;
+mod scope;
 mod set_state;
 mod sock_create;
 

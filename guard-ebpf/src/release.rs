@@ -103,15 +103,14 @@ fn local_addr(ctx: &SockOpsContext) -> [u8; 16] {
     }
 }
 
-/// The socket is released (close() or exit). This ends the admissions that no state
-/// callback will end: those whose tcp_connect() never ran. That is a connect that failed
-/// before it (ENETUNREACH from the route lookup, EADDRNOTAVAIL from the port search), or
-/// that another cgroup program refused, or a TCP Fast Open connect deferred to a first
-/// send that never came (in SYN_SENT, which tcp_close() then moves to TCP_CLOSE without a
-/// callback). (fexit on tcp_v4_connect would end the failures at once, but on the hosts
-/// this was built on, which run with lockdown=integrity, loading fexit programs fails
-/// with EPERM.) An armed socket is released when it reaches TCP_CLOSE, by the state
-/// callback or the tracepoint.
+/// The socket is released (close() or exit). This ends the admissions that no move to
+/// TCP_CLOSE will end: a connect that failed before the socket left TCP_CLOSE
+/// (ENETUNREACH from the route lookup), or that another cgroup program refused. (fexit
+/// on tcp_v4_connect would end them at once, but on the hosts this was built on, which
+/// run with lockdown=integrity, loading fexit programs fails with EPERM.) A socket that
+/// reached SYN_SENT is released when it moves to TCP_CLOSE, by the state callback if
+/// armed, and by the tracepoint in any case: that includes the port search failing
+/// (EADDRNOTAVAIL) and a TCP Fast Open connect deferred to a first send that never came.
 #[cgroup_sock(sock_release)]
 pub fn sock_release(ctx: SockContext) -> i32 {
     if unsafe { (*ctx.sock).protocol } == IPPROTO_TCP {

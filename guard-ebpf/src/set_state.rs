@@ -1,6 +1,13 @@
-//! tp_btf `inet_sock_set_state`: releases an armed socket that reaches TCP_CLOSE (with
-//! sock_ops STATE_CB, whichever comes first: see release.rs), and counts connect()
-//! failures for want of a local port.
+//! tp_btf `inet_sock_set_state`: releases an admitted socket that reaches TCP_CLOSE
+//! (for an armed one, with sock_ops STATE_CB, whichever comes first: see release.rs),
+//! and counts connect() failures for want of a local port.
+//!
+//! The one host-wide program: a tracepoint runs for every socket of the host, which is
+//! what makes it see the sockets no cgroup program sees any more (another sock_ops
+//! program cleared our callback, or the programs were detached from the socket's
+//! cgroup: it was removed, or a reload no longer selects it). For a socket without
+//! storage it costs a compare of the new state and, for moves to TCP_CLOSE, one storage
+//! lookup.
 //!
 //! tcp_v4_connect()/tcp_v6_connect() move the socket to SYN_SENT, then search a local
 //! port (inet_hash_connect); when none is free they return EADDRNOTAVAIL and move it
@@ -16,7 +23,7 @@ use guard_common::{
 };
 
 use crate::{
-    accounting::bump,
+    accounting::{bump, release},
     maps::{EADDRNOTAVAIL, storage},
     release::closed,
 };
@@ -37,7 +44,7 @@ pub fn sock_set_state(ctx: BtfTracePointContext) -> i32 {
         return 0;
     }
     // Admitted but not armed: the failure came before tcp_connect().
-    if old != TCP_SYN_SENT {
+    if !release(state) || old != TCP_SYN_SENT {
         return 0;
     }
     let mut key = EaddrKey {

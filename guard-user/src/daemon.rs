@@ -26,9 +26,9 @@ use crate::{
         counters::Counters,
         generations::Generations,
         port_watch::{self, PortWatch},
-        scopes,
+        scopes::{self, Tree},
     },
-    host::mounts,
+    host::{cgroup, cgroup_watch::CgroupWatch, mounts},
     kernel::{
         batch,
         features::{Feature, Features},
@@ -64,6 +64,8 @@ struct Daemon {
     /// Held for program costs and for attaching listener guards.
     ebpf: Mutex<Ebpf>,
     generations: Mutex<Generations>,
+    /// Creations of cgroups where a new one may be selected.
+    cgroup_watch: CgroupWatch,
     counters: Mutex<Counters>,
     port_watch: Mutex<PortWatch>,
     listeners: Mutex<ListenerGuard>,
@@ -103,10 +105,8 @@ impl Daemon {
                 // The walk, seconds on hosts with tens of thousands of cgroups, is made
                 // without the lock that `stats` and the jobs need.
                 let root = lock(&self.generations).cgroup_root();
-                let governed = scopes::governed(&root, &p).map_err(|e| format!("{e:#}"))?;
-                lock(&self.generations)
-                    .apply(p, governed)
-                    .map_err(|e| format!("{e:#}"))?;
+                let tree = scopes::walk(&root, &p).map_err(|e| format!("{e:#}"))?;
+                self.apply(p, tree).map_err(|e| format!("{e:#}"))?;
                 Ok((what, listeners))
             });
         let mut status = lock(&self.status);
@@ -129,6 +129,48 @@ impl Daemon {
             generation: status.generation,
             error: status.last_error.clone(),
         }
+    }
+
+    /// Makes `policy` the one in force, with `tree` a walk of the cgroups for it.
+    fn apply(&self, policy: Policy, tree: Tree) -> anyhow::Result<()> {
+        let Tree { governed, watched } = tree;
+        let detached = lock(&self.generations).apply(policy, governed, &mut lock(&self.ebpf))?;
+        self.cgroup_watch.set(&watched);
+        // Detaching waits for the kernel; the locks are free meanwhile.
+        drop(detached);
+        Ok(())
+    }
+
+    /// Brings the policy in force up to date with the cgroups there are now.
+    fn rescan(&self) -> anyhow::Result<()> {
+        let Some(input) = lock(&self.generations).rescan_input() else {
+            return Ok(());
+        };
+        let Tree { governed, watched } = scopes::walk(&input.root, &input.policy)?;
+        let detached = lock(&self.generations).rescan(&input, governed, &mut lock(&self.ebpf))?;
+        self.cgroup_watch.set(&watched);
+        drop(detached);
+        Ok(())
+    }
+
+    /// A cgroup was created at `dir`, in a watched one: govern it now, not at the next
+    /// rescan.
+    fn cgroup_created(&self, dir: &Path) -> anyhow::Result<()> {
+        let Some(input) = lock(&self.generations).rescan_input() else {
+            return Ok(());
+        };
+        let (Ok(rel), Some(parent)) = (dir.strip_prefix(&input.root), dir.parent()) else {
+            return Ok(());
+        };
+        let Some(rel) = rel.to_str() else {
+            return Ok(());
+        };
+        let inherited = lock(&self.generations).scope_index(cgroup::cgroup_id(parent)?);
+        let tree = scopes::walk_below(dir, rel, inherited, &input.policy);
+        self.cgroup_watch.add(&tree.watched);
+        let detached = lock(&self.generations).add(&input, tree.governed, &mut lock(&self.ebpf))?;
+        drop(detached);
+        Ok(())
     }
 
     fn set_listeners(&self, policies: Vec<ListenerPolicy>) {
@@ -168,17 +210,26 @@ impl Daemon {
     /// Starts the periodic jobs.
     fn spawn_jobs(self: &Arc<Self>, forget_idle: Duration) {
         let d = self.clone();
-        self.jobs.spawn(
-            "cgroup_rescan",
-            RESCAN,
-            Arc::new(move || {
-                let Some((policy, root)) = lock(&d.generations).rescan_input() else {
-                    return Ok(());
-                };
-                let governed = scopes::governed(&root, &policy)?;
-                lock(&d.generations).rescan(&policy, governed)
-            }),
-        );
+        self.jobs
+            .spawn("cgroup_rescan", RESCAN, Arc::new(move || d.rescan()));
+        let d = self.clone();
+        let events = std::thread::Builder::new()
+            .name("cgroup_events".into())
+            .spawn(move || {
+                let result = d.cgroup_watch.run(|dir| {
+                    if let Err(e) = d.cgroup_created(&dir) {
+                        log::warn!("new cgroup {}: {e:#}", dir.display());
+                    }
+                });
+                if let Err(e) = result {
+                    log::error!(
+                        "reading cgroup creations: {e}; new cgroups are governed from the next walk"
+                    );
+                }
+            });
+        if let Err(e) = events {
+            log::error!("starting the cgroup event thread: {e}");
+        }
         let d = self.clone();
         self.jobs.spawn(
             "time_wait_rates",
@@ -264,6 +315,23 @@ impl Handler for Daemon {
     }
 }
 
+/// The attached cgroups for a log line: the first few, and how many.
+fn attached_list(dirs: &[PathBuf]) -> String {
+    const SHOWN: usize = 3;
+    if dirs.is_empty() {
+        return "no cgroup".into();
+    }
+    let mut s: Vec<String> = dirs
+        .iter()
+        .take(SHOWN)
+        .map(|d| d.display().to_string())
+        .collect();
+    if dirs.len() > SHOWN {
+        s.push(format!("and {} more", dirs.len() - SHOWN));
+    }
+    format!("{} cgroup(s): {}", dirs.len(), s.join(", "))
+}
+
 /// A file removed when this is dropped.
 struct RemovedOnDrop(PathBuf);
 
@@ -316,15 +384,13 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
     } else {
         None
     };
-    let mut ebpf = object::load_and_attach(&root, &features)?;
+    let mut ebpf = object::load(&features)?;
     let maps = Maps::take(&mut ebpf)?;
-    let mut generations = Generations::new(maps.policy, root.clone())?;
+    let generations = Generations::new(maps.policy, root.clone())?;
     let what = policy::describe(&policy);
     let source = policy.source.clone();
     let listeners = policy.listeners.clone();
-    let governed = scopes::governed(&root, &policy)?;
-    generations.apply(policy, governed)?;
-    let governed = generations.governed_cgroups();
+    let tree = scopes::walk(&root, &policy)?;
     let counters = Counters::new(maps.counters);
     // The first sample, taken before "ready", is the baseline of the first rates.
     let mut tw_rates = TimeWaitRates::default();
@@ -332,6 +398,7 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
     let daemon = Arc::new(Daemon {
         ebpf: Mutex::new(ebpf),
         generations: Mutex::new(generations),
+        cgroup_watch: CgroupWatch::new().context("inotify_init")?,
         counters: Mutex::new(counters),
         port_watch: Mutex::new(PortWatch::new(maps.port_use)),
         listeners: Mutex::new(ListenerGuard::new(
@@ -349,6 +416,11 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
         jobs: Jobs::default(),
         features,
     });
+    daemon.apply(policy, tree)?;
+    let (governed, attached) = {
+        let g = lock(&daemon.generations);
+        (g.governed_cgroups(), g.attached_dirs())
+    };
     daemon.set_listeners(listeners);
 
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -380,7 +452,7 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
         let mut int = signal(SignalKind::interrupt())?;
         log::info!(
             "ready: programs attached to {}, policy {source} ({what}) governs {governed} cgroup(s), control socket {}",
-            root.display(),
+            attached_list(&attached),
             opts.socket.display()
         );
         loop {

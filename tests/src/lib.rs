@@ -840,3 +840,46 @@ impl ForeignSockOps {
         ForeignSockOps { _link: link }
     }
 }
+
+pub use guard_common::linux::{BPF_CGROUP_INET_SOCK_RELEASE, BPF_CGROUP_INET4_CONNECT};
+
+/// How many programs of `attach_type` are attached to the cgroup at `dir` itself (not
+/// inherited), by BPF_PROG_QUERY; None when the cgroup cannot be opened (removed).
+pub fn attached_programs(dir: &Path, attach_type: u32) -> Option<u32> {
+    use std::os::fd::AsRawFd;
+    const BPF_PROG_QUERY: libc::c_long = 16;
+    let cgroup = std::fs::File::open(dir).ok()?;
+    let mut q = guard_common::linux::ProgQuery {
+        target: cgroup.as_raw_fd() as u32,
+        attach_type,
+        ..Default::default()
+    };
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_PROG_QUERY,
+            &raw mut q,
+            std::mem::size_of_val(&q) as u32,
+        )
+    };
+    assert!(
+        r == 0,
+        "BPF_PROG_QUERY on {}: {}",
+        dir.display(),
+        std::io::Error::last_os_error()
+    );
+    Some(q.prog_cnt)
+}
+
+/// Waits (5 s at most) until a program of `attach_type` is attached to `cg` itself.
+pub fn wait_attached(cg: &Cgroup, attach_type: u32) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while attached_programs(&cg.path, attach_type) != Some(1) {
+        assert!(
+            Instant::now() < deadline,
+            "no program of attach type {attach_type} on {} after 5 s",
+            cg.path.display()
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}

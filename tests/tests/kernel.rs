@@ -115,6 +115,14 @@ fn bpftool(args: &[&str]) -> Value {
 
 /// The IDs of the loaded programs named in PROGRAMS (`bpftool prog show name X` fails
 /// when there is none, so all are listed and picked here).
+/// Held by every test here that loads connguard's programs: those that compare the set
+/// of loaded programs before and after would otherwise see each other's.
+static LOADS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn loads() -> std::sync::MutexGuard<'static, ()> {
+    LOADS.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 fn our_programs() -> BTreeSet<u64> {
     bpftool(&["prog", "show"])
         .as_array()
@@ -169,11 +177,14 @@ fn tc_filters(ns: &Netns) -> String {
 /// it added stays, empty, as `tc` leaves one). The guard is a tcx link when `tcx`, else
 /// a clsact filter (which outlives a process that does not remove it).
 fn clean_stop_leaves_nothing(tcx: bool) {
+    let _turn = loads();
     let ns = Netns::new("cgstop");
     ns.exec("ip", &["link", "set", "lo", "up"]);
+    let cg = Cgroup::new("stop");
     let (programs_before, links_before, pins_before) = (our_programs(), links(), pins());
+    let addr = "127.0.0.1:9".parse().unwrap();
     let d = Daemon::start_without(
-        &listener_policy(&ns, "enforce"),
+        &(budget_policy("stop", &cg.rel, "enforce", &addr, 1) + &listener_policy(&ns, "enforce")),
         if tcx { "" } else { "tcx" },
     );
     assert_eq!(d.stats()["kernel"]["features"]["tcx"], tcx);
@@ -186,8 +197,8 @@ fn clean_stop_leaves_nothing(tcx: bool) {
         PROGRAMS.len(),
         "one program of each name loaded"
     );
-    // Links of our programs: 5 on the cgroup root, the tracepoint's, and the guard's on
-    // lo when it is a tcx link.
+    // Links of our programs: 5 on the scope's cgroup, the tracepoint's, and the guard's
+    // on lo when it is a tcx link.
     let our_links: BTreeSet<(u64, u64)> = links()
         .difference(&links_before)
         .filter(|(_, prog)| ours.contains(prog))
@@ -246,6 +257,7 @@ fn without_tcx_a_clean_stop_removes_the_clsact_filter() {
 #[test]
 fn without_atomic_fetch_the_daemon_refuses_to_start_and_attaches_nothing() {
     require_prerequisites();
+    let _turn = loads();
     let before = our_programs();
     let dir = std::env::temp_dir().join(connguard_tests::unique("connguard-refuse"));
     std::fs::create_dir_all(&dir).unwrap();
@@ -293,6 +305,7 @@ fn without_atomic_fetch_the_daemon_refuses_to_start_and_attaches_nothing() {
 /// programs' namespace key cannot be named), which the start line and `stats` say.
 #[test]
 fn without_optional_features_counts_stay_exact_and_sheds_fail_with_eperm() {
+    let _turn = loads();
     let server = Server::start("127.0.0.1:0");
     let cg = Cgroup::new("degraded");
     let d = Daemon::start_without(

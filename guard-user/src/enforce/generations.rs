@@ -1,5 +1,5 @@
 //! Writes the policy into the kernel maps, atomically, and keeps it current as cgroups
-//! come and go.
+//! come and go, with the connection programs attached to the top-most selected cgroups.
 //!
 //! Every policy entry is keyed by a generation (0 or 1). A new policy is written into the
 //! idle generation, then `ACTIVE_GEN` flips in one map update. The generation left idle
@@ -7,21 +7,40 @@
 //! generation just before the flip still finds them. Counters are keyed by scope and
 //! rule ids that stay the same across reloads (by name), so active counts survive a
 //! reload.
+//!
+//! Programs are attached to a new top-most cgroup before the policy that selects it is
+//! in force, and detached from one no longer top-most after: a socket created meanwhile
+//! runs them and finds its scope, or none. While a reload or a walk moves a top-most
+//! cgroup to its ancestor or a descendant, both are attached for that moment, and a
+//! connect() below the lower one runs the connect program twice: the second run
+//! releases the first's admission and admits again, so active counts and budgets stay
+//! exact, and `admitted` counts that attempt twice.
 use std::{collections::BTreeMap, path::PathBuf, sync::Arc};
 
 use anyhow::Context;
-use aya::maps::lpm_trie::Key;
+use aya::{Ebpf, maps::lpm_trie::Key};
 use guard_common::{CgroupKey, MAX_CGROUP_LEVEL, RuleAddrKey, ScopeConf};
 
 use super::{ids::Ids, scopes::Governed};
 use crate::{
     host::cgroup,
-    kernel::maps::PolicyMaps,
+    kernel::{
+        cgroup_links::{CgroupLinks, Detached},
+        maps::PolicyMaps,
+    },
     policy::{
         Policy,
         compile::{rule_entries, rule_ref, scope_conf},
     },
 };
+
+/// What a walk for `rescan` is made from.
+pub struct RescanInput {
+    pub policy: Arc<Policy>,
+    pub root: PathBuf,
+    /// Creation events handled before the walk started.
+    events: u64,
+}
 
 /// The policy in force and what the kernel holds of it.
 pub struct Generations {
@@ -36,6 +55,13 @@ pub struct Generations {
     written_levels: u32,
     /// Every governed cgroup, as of the last walk.
     governed: BTreeMap<u64, Governed>,
+    /// Where the connection programs are attached, and where they should be.
+    links: CgroupLinks,
+    tops: BTreeMap<u64, PathBuf>,
+    /// Cgroups added on creation events, numbered: a walk started before an event does
+    /// not hold what it added, so a rescan keeps them.
+    created: Vec<(u64, u64, Governed)>,
+    events: u64,
     written_rules: Vec<Key<RuleAddrKey>>,
     /// What the idle generation still holds, deleted before it is written again.
     idle_scopes: Vec<u64>,
@@ -59,6 +85,10 @@ impl Generations {
             written_scopes: BTreeMap::new(),
             written_levels: 0,
             governed: BTreeMap::new(),
+            links: CgroupLinks::default(),
+            tops: BTreeMap::new(),
+            created: Vec::new(),
+            events: 0,
             written_rules: Vec::new(),
             idle_scopes: Vec::new(),
             idle_rules: Vec::new(),
@@ -78,7 +108,8 @@ impl Generations {
         &mut self,
         policy: Policy,
         governed: BTreeMap<u64, Governed>,
-    ) -> anyhow::Result<()> {
+        ebpf: &mut Ebpf,
+    ) -> anyhow::Result<Detached> {
         let next = self.gen_ ^ 1;
         for id in std::mem::take(&mut self.idle_scopes) {
             let _ = self.maps.scopes.remove(&scope_key(next, id));
@@ -91,6 +122,7 @@ impl Generations {
         ids.assign(&policy)?;
         let confs = scope_confs(&ids, &policy)?;
         let (scopes, levels) = selected(&governed, &confs);
+        let tops = tops(&governed);
         for g in governed.values() {
             if g.selected && g.level > MAX_CGROUP_LEVEL {
                 log::warn!(
@@ -123,11 +155,13 @@ impl Generations {
                     rule_keys.push(key);
                 }
             }
+            self.links.attach(ebpf, &tops);
             // The switch: from here the programs read the new generation.
             self.maps.active_gen.set(0, next, 0)?;
             Ok(())
         })();
         if let Err(e) = result {
+            drop(self.links.detach_others(&self.tops));
             // Leave nothing half-written in the idle generation.
             for id in scopes.keys() {
                 let _ = self.maps.scopes.remove(&scope_key(next, *id));
@@ -141,19 +175,25 @@ impl Generations {
             .into_keys()
             .collect();
         self.idle_rules = std::mem::replace(&mut self.written_rules, rule_keys);
+        let detached = self.links.detach_others(&tops);
+        self.tops = tops;
         self.written_levels = levels;
         self.gen_ = next;
         self.ids = Arc::new(ids);
         self.policy = Some(Arc::new(policy));
         self.governed = governed;
-        Ok(())
+        Ok(detached)
     }
 
     /// What a rescan walks: the policy in force and the cgroup2 root. The walk (a stat
     /// and a directory read per cgroup: seconds for 50,000 cgroups on a slow machine)
     /// runs without the daemon's lock on this; `rescan` then applies it.
-    pub fn rescan_input(&self) -> Option<(Arc<Policy>, PathBuf)> {
-        Some((self.policy.clone()?, self.cgroup_root.clone()))
+    pub fn rescan_input(&self) -> Option<RescanInput> {
+        Some(RescanInput {
+            policy: self.policy.clone()?,
+            root: self.cgroup_root.clone(),
+            events: self.events,
+        })
     }
 
     /// Brings the active generation up to date with cgroups created or removed since
@@ -162,11 +202,20 @@ impl Generations {
     /// new policy).
     pub fn rescan(
         &mut self,
-        policy: &Arc<Policy>,
-        governed: BTreeMap<u64, Governed>,
-    ) -> anyhow::Result<()> {
+        input: &RescanInput,
+        mut governed: BTreeMap<u64, Governed>,
+        ebpf: &mut Ebpf,
+    ) -> anyhow::Result<Option<Detached>> {
+        let policy = &input.policy;
         if !self.policy.as_ref().is_some_and(|p| Arc::ptr_eq(p, policy)) {
-            return Ok(());
+            return Ok(None);
+        }
+        // What events added since the walk started, unless removed since.
+        self.created.retain(|(n, _, _)| *n > input.events);
+        for (_, id, g) in &self.created {
+            if g.dir.exists() {
+                governed.entry(*id).or_insert_with(|| g.clone());
+            }
         }
         let confs = scope_confs(&self.ids, policy)?;
         let (scopes, levels) = selected(&governed, &confs);
@@ -183,6 +232,8 @@ impl Generations {
             self.maps.scope_levels.set(gen_, levels, 0)?;
             self.written_levels = levels;
         }
+        let tops = tops(&governed);
+        self.links.attach(ebpf, &tops);
         let gone: Vec<u64> = self
             .written_scopes
             .keys()
@@ -193,8 +244,44 @@ impl Generations {
             let _ = self.maps.scopes.remove(&scope_key(gen_, id));
             self.written_scopes.remove(&id);
         }
+        let detached = self.links.detach_others(&tops);
+        self.tops = tops;
         self.governed = governed;
-        Ok(())
+        Ok(Some(detached))
+    }
+
+    /// Adds cgroups just created (a walk of their subtree, `scopes::walk_below`) to the
+    /// active generation, as `rescan` would.
+    pub fn add(
+        &mut self,
+        input: &RescanInput,
+        created: BTreeMap<u64, Governed>,
+        ebpf: &mut Ebpf,
+    ) -> anyhow::Result<Option<Detached>> {
+        if !self
+            .policy
+            .as_ref()
+            .is_some_and(|p| Arc::ptr_eq(p, &input.policy))
+        {
+            return Ok(None);
+        }
+        self.events += 1;
+        let n = self.events;
+        self.created
+            .extend(created.iter().map(|(id, g)| (n, *id, g.clone())));
+        let mut governed = std::mem::take(&mut self.governed);
+        governed.extend(created);
+        self.rescan(input, governed, ebpf)
+    }
+
+    /// The scope governing a cgroup, by its index in the policy, as of the last walk.
+    pub fn scope_index(&self, cgroup_id: u64) -> Option<usize> {
+        self.governed.get(&cgroup_id).map(|g| g.scope)
+    }
+
+    /// The cgroups the connection programs are attached to.
+    pub fn attached_dirs(&self) -> Vec<PathBuf> {
+        self.links.dirs()
     }
 
     /// The policy in force, once one is applied.
@@ -255,6 +342,16 @@ fn selected(
         }
     }
     (out, levels)
+}
+
+/// The cgroups to attach the programs to: the top-most selected ones at levels the
+/// programs look at.
+fn tops(governed: &BTreeMap<u64, Governed>) -> BTreeMap<u64, PathBuf> {
+    governed
+        .iter()
+        .filter(|(_, g)| g.top && g.level <= MAX_CGROUP_LEVEL)
+        .map(|(id, g)| (*id, g.dir.clone()))
+        .collect()
 }
 
 /// The scopes as the kernel sees them; `ids.assign(policy)` must have run.

@@ -15,13 +15,10 @@ pub fn cgroup_id(dir: &Path) -> anyhow::Result<u64> {
 }
 
 /// Visits `dir` and every cgroup below it, parents first. `visit` gets each cgroup's path
-/// below `dir` ("" for `dir` itself), its directory, its id, and what `visit` returned
-/// for its parent (`top` for `dir`). A cgroup removed during the walk is skipped.
-pub fn walk<T: Copy>(dir: &Path, top: T, visit: &mut impl FnMut(&str, &Path, u64, T) -> T) {
-    walk_below(dir, "", top, visit);
-}
-
-fn walk_below<T: Copy>(
+/// (`rel` for `dir`, then `rel/name`...), its directory, its id, and what `visit`
+/// returned for its parent (`parent` for `dir`). A cgroup removed during the walk is
+/// skipped.
+pub fn walk<T: Copy>(
     dir: &Path,
     rel: &str,
     parent: T,
@@ -40,7 +37,7 @@ fn walk_below<T: Copy>(
             } else {
                 format!("{rel}/{name}")
             };
-            walk_below(&entry.path(), &child_rel, here, visit);
+            walk(&entry.path(), &child_rel, here, visit);
         }
     }
 }

@@ -2,6 +2,7 @@
 //! the cgroup v2 tree, network namespaces, /proc, the kernel's socket table, and its
 //! rules for local ports.
 pub mod cgroup;
+pub mod cgroup_watch;
 pub mod mounts;
 pub mod netns;
 pub mod ports;

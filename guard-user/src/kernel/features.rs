@@ -17,6 +17,7 @@ use aya::{
     programs::ProgramType,
     sys::{BpfHelper, is_helper_supported, is_map_supported},
 };
+use guard_common::linux::ProgQuery;
 use serde::{Deserialize, Serialize};
 
 use super::{
@@ -415,32 +416,12 @@ fn raise_memlock_limit() {
     }
 }
 
-/// `BPF_PROG_QUERY` fields of `union bpf_attr`, all of them: the kernel writes its
-/// answer (count, attach_flags, revision) at their offsets whatever size it is given.
-#[repr(C)]
-#[derive(Default)]
-struct ProgQuery {
-    target_ifindex: u32,
-    attach_type: u32,
-    query_flags: u32,
-    attach_flags: u32,
-    prog_ids: u64,
-    prog_cnt: u32,
-    _pad: u32,
-    prog_attach_flags: u64,
-    link_ids: u64,
-    link_attach_flags: u64,
-    revision: u64,
-}
-
-const _: () = assert!(std::mem::size_of::<ProgQuery>() == 64);
-
 /// BPF_PROG_QUERY for tcx ingress programs on loopback (ifindex 1 in every network
 /// namespace): a kernel with tcx answers (zero or more programs), one without refuses
 /// the attach type with EINVAL. Nothing is attached.
 fn tcx_query_known() -> anyhow::Result<bool> {
     let mut attr = ProgQuery {
-        target_ifindex: 1,
+        target: 1,
         attach_type: BPF_TCX_INGRESS,
         ..Default::default()
     };

@@ -1,12 +1,9 @@
 //! The embedded eBPF object: loading it, attaching its programs, and their costs.
-use std::{fs::File, path::Path};
-
 use anyhow::{Context, bail};
 use aya::{
     Btf, Ebpf, EbpfLoader,
     programs::{
-        BtfTracePoint, CgroupAttachMode, CgroupSock, CgroupSockAddr, SchedClassifier, SockOps,
-        TcAttachType,
+        BtfTracePoint, CgroupSock, CgroupSockAddr, SchedClassifier, SockOps, TcAttachType,
         links::LinkOrder,
         tc::{NlOptions, SchedClassifierLink, TcAttachOptions},
     },
@@ -18,11 +15,7 @@ use super::features::{Feature, Features};
 
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/guard-ebpf"));
 
-/// Programs on the cgroup2 root, inherited by every cgroup, including those created
-/// later. They are attached as bpf_links, which the kernel always adds in
-/// BPF_F_ALLOW_MULTI mode, so programs of systemd or a CNI on the same cgroups keep
-/// working. A link takes no attach flags (CgroupAttachMode::AllowMultiple makes
-/// bpf_link_create fail with EINVAL on 6.18), so the default mode, Single, is passed.
+/// The connection programs, attached to cgroups by `cgroup_links`.
 const CGROUP_SOCK_ADDR: &[&str] = &[program::CONNECT4, program::CONNECT6];
 const CGROUP_SOCK: &[&str] = &[program::SOCK_CREATE, program::SOCK_RELEASE];
 const SOCK_OPS: &[&str] = &[program::SOCK_STATE];
@@ -33,42 +26,36 @@ const TP_BTF: &[(&str, &str)] = &[(program::SOCK_SET_STATE, program::SOCK_SET_ST
 pub fn require_root() -> anyhow::Result<()> {
     if unsafe { libc::geteuid() } != 0 {
         bail!(
-            "connguard must run as root: it loads eBPF programs and attaches them to the \
-             cgroup v2 root (CAP_BPF, CAP_NET_ADMIN, CAP_SYS_ADMIN); try `sudo connguard run`"
+            "connguard must run as root: it loads eBPF programs and attaches them to \
+             cgroups (CAP_BPF, CAP_NET_ADMIN, CAP_SYS_ADMIN); try `sudo connguard run`"
         );
     }
     Ok(())
 }
 
-/// Loads and attaches everything. The attachments are bpf_links, which the kernel drops
-/// when the process exits, stopped or killed: that is what makes connguard fail open.
-/// (Listener guards on kernels without tcx are clsact filters, which outlive the
-/// process; a stopping daemon removes them.) `features` must have passed `require`.
-pub fn load_and_attach(cgroup_root: &Path, features: &Features) -> anyhow::Result<Ebpf> {
+/// Loads every program and attaches the host-wide one (the state tracepoint); the
+/// connection programs are attached to cgroups by `cgroup_links`. Attachments are
+/// bpf_links, which the kernel drops when the process exits, stopped or killed: that is
+/// what makes connguard fail open. (Listener guards on kernels without tcx are clsact
+/// filters, which outlive the process; a stopping daemon removes them.) `features` must
+/// have passed `require`.
+pub fn load(features: &Features) -> anyhow::Result<Ebpf> {
     let has_set_retval = u8::from(features.has(Feature::SetRetval));
     let mut ebpf = EbpfLoader::new()
         .override_global("HAS_SET_RETVAL", &has_set_retval, true)
         .load(OBJECT)
         .context("loading the eBPF object")?;
-    let cgroup =
-        File::open(cgroup_root).with_context(|| format!("opening {}", cgroup_root.display()))?;
     for name in CGROUP_SOCK_ADDR {
         let prog: &mut CgroupSockAddr = program(&mut ebpf, name)?.try_into()?;
         prog.load().with_context(|| format!("loading {name}"))?;
-        prog.attach(&cgroup, CgroupAttachMode::Single)
-            .with_context(|| format!("attaching {name} to {}", cgroup_root.display()))?;
     }
     for name in CGROUP_SOCK {
         let prog: &mut CgroupSock = program(&mut ebpf, name)?.try_into()?;
         prog.load().with_context(|| format!("loading {name}"))?;
-        prog.attach(&cgroup, CgroupAttachMode::Single)
-            .with_context(|| format!("attaching {name} to {}", cgroup_root.display()))?;
     }
     for name in SOCK_OPS {
         let prog: &mut SockOps = program(&mut ebpf, name)?.try_into()?;
         prog.load().with_context(|| format!("loading {name}"))?;
-        prog.attach(&cgroup, CgroupAttachMode::Single)
-            .with_context(|| format!("attaching {name} to {}", cgroup_root.display()))?;
     }
     let name = program::LISTENER_SHED;
     let prog: &mut SchedClassifier = program(&mut ebpf, name)?.try_into()?;
@@ -114,7 +101,10 @@ pub fn detach_listener(link: SchedClassifierLink) -> anyhow::Result<()> {
     Ok(aya::programs::links::Link::detach(link)?)
 }
 
-fn program<'a>(ebpf: &'a mut Ebpf, name: &str) -> anyhow::Result<&'a mut aya::programs::Program> {
+pub fn program<'a>(
+    ebpf: &'a mut Ebpf,
+    name: &str,
+) -> anyhow::Result<&'a mut aya::programs::Program> {
     ebpf.program_mut(name)
         .with_context(|| format!("program {name} missing from the eBPF object"))
 }

@@ -7,6 +7,9 @@ pub const BPF_PROG_LOAD: libc::c_long = 5;
 pub const BPF_PROG_QUERY: libc::c_long = 16;
 pub const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
 pub const BPF_LINK_CREATE: libc::c_long = 28;
+const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
+const BPF_LINK_GET_FD_BY_ID: libc::c_long = 30;
+const BPF_LINK_TYPE_CGROUP: u32 = 3;
 
 /// bpf(2) with `attr`, a prefix of `union bpf_attr` (the kernel zero-fills the rest).
 /// Returns what the call returns (an fd for the commands that create one).
@@ -31,4 +34,59 @@ pub unsafe fn bpf<T>(cmd: libc::c_long, attr: &mut T) -> io::Result<libc::c_long
     } else {
         Ok(ret)
     }
+}
+
+/// The cgroup id a cgroup bpf_link is attached to, by the link's id: 0 once the kernel
+/// has detached it itself (cgroup_bpf_release(), when the removed cgroup's last socket
+/// is gone, sets the link's cgroup to NULL). `struct bpf_link_info`: type, id, prog_id,
+/// then the union, whose `cgroup` member starts with the cgroup id.
+pub fn link_cgroup_id(link_id: u32) -> io::Result<u64> {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    #[repr(C)]
+    struct GetFd {
+        link_id: u32,
+        next_id: u32,
+        open_flags: u32,
+    }
+    #[repr(C)]
+    #[derive(Default)]
+    struct LinkInfo {
+        type_: u32,
+        id: u32,
+        prog_id: u32,
+        _pad: u32,
+        cgroup_id: u64,
+        attach_type: u32,
+        _rest: [u32; 9],
+    }
+    #[repr(C)]
+    struct GetInfo {
+        bpf_fd: u32,
+        info_len: u32,
+        info: u64,
+    }
+    let mut get = GetFd {
+        link_id,
+        next_id: 0,
+        open_flags: 0,
+    };
+    // SAFETY: BPF_LINK_GET_FD_BY_ID takes link_id, next_id, open_flags.
+    let fd = unsafe { bpf(BPF_LINK_GET_FD_BY_ID, &mut get) }?;
+    // SAFETY: the kernel returned a new fd, ours to close.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    let mut info = LinkInfo::default();
+    let mut get = GetInfo {
+        bpf_fd: std::os::fd::AsRawFd::as_raw_fd(&fd) as u32,
+        info_len: std::mem::size_of::<LinkInfo>() as u32,
+        info: &raw mut info as u64,
+    };
+    // SAFETY: `info` is valid for `info_len` bytes.
+    unsafe { bpf(BPF_OBJ_GET_INFO_BY_FD, &mut get) }?;
+    if info.type_ != BPF_LINK_TYPE_CGROUP {
+        return Err(io::Error::other(format!(
+            "link {link_id} is of type {}, not a cgroup link",
+            info.type_
+        )));
+    }
+    Ok(info.cgroup_id)
 }

@@ -3,7 +3,7 @@
 //! kernel maps take.
 use std::{fmt, net::IpAddr, path::PathBuf};
 
-use globset::GlobMatcher;
+use globset::{GlobBuilder, GlobMatcher};
 use guard_common::{MODE_ENFORCE, PortRange};
 use ipnet::IpNet;
 
@@ -47,7 +47,7 @@ pub struct Scope {
     pub name: String,
     /// Pattern below the cgroup2 mount, without leading or trailing '/'; "" = root.
     pub cgroup: String,
-    pub matcher: GlobMatcher,
+    pub selector: Selector,
     pub mode: u32,
     pub errno: i32,
     /// Budget of active connections; None = no budget.
@@ -61,6 +61,78 @@ impl Scope {
     /// Whether this scope or one of its rules sets a port watermark.
     pub fn watches_ports(&self) -> bool {
         self.port_watermark.is_some() || self.rules.iter().any(|r| r.port_watermark.is_some())
+    }
+}
+
+/// The cgroups a scope selects, from its `cgroup` pattern.
+#[derive(Debug, Clone)]
+pub struct Selector {
+    /// Empty for the root.
+    whole: Option<GlobMatcher>,
+    /// One matcher per path segment of the pattern; None for a segment with `**`.
+    segments: Vec<Option<GlobMatcher>>,
+}
+
+impl Selector {
+    /// `pattern`: below the cgroup2 mount, without leading or trailing '/'.
+    pub fn new(pattern: &str) -> Result<Selector, globset::Error> {
+        let glob = |p: &str| {
+            GlobBuilder::new(p)
+                .literal_separator(true)
+                .build()
+                .map(|g| g.compile_matcher())
+        };
+        if pattern.is_empty() {
+            return Ok(Selector {
+                whole: None,
+                segments: Vec::new(),
+            });
+        }
+        let whole = glob(pattern)?;
+        // A segment that does not compile alone (a `/` inside braces) matches anything:
+        // `may_select_below` may then say yes too often, never no wrongly.
+        let segments = pattern
+            .split('/')
+            .map(|seg| {
+                if seg.contains("**") {
+                    None
+                } else {
+                    glob(seg).ok()
+                }
+            })
+            .collect();
+        Ok(Selector {
+            whole: Some(whole),
+            segments,
+        })
+    }
+
+    /// Whether the cgroup at `rel` (its path below the mount, "" for the root) is
+    /// selected.
+    pub fn selects(&self, rel: &str) -> bool {
+        match &self.whole {
+            None => rel.is_empty(),
+            Some(m) => m.is_match(rel),
+        }
+    }
+
+    /// Whether a cgroup below the one at `rel` may be selected: false only when none can
+    /// be, so that a creation there need not be watched for.
+    pub fn may_select_below(&self, rel: &str) -> bool {
+        let dirs: Vec<&str> = if rel.is_empty() {
+            Vec::new()
+        } else {
+            rel.split('/').collect()
+        };
+        for (i, dir) in dirs.iter().enumerate() {
+            match self.segments.get(i) {
+                None => return false,
+                Some(None) => return true,
+                Some(Some(m)) if !m.is_match(dir) => return false,
+                Some(Some(_)) => {}
+            }
+        }
+        self.segments.len() > dirs.len()
     }
 }
 

@@ -2,7 +2,6 @@
 //! line, column and reason. Unknown keys are errors.
 use std::{collections::HashSet, net::IpAddr, ops::Range, path::Path};
 
-use globset::{Glob, GlobBuilder};
 use guard_common::{
     MAX_CANDIDATES, MAX_PORT_RANGES, MAX_RULE_IDS, MAX_SCOPE_IDS, MODE_ENFORCE, MODE_OBSERVE,
     PortRange,
@@ -12,7 +11,7 @@ use serde::Deserialize;
 use toml::Spanned;
 
 use super::{
-    ERRNOS, ListenerPolicy, Policy, PolicyError, Rule, Scope,
+    ERRNOS, ListenerPolicy, Policy, PolicyError, Rule, Scope, Selector,
     compile::{candidates_of, rule_prefixes, unmapped_net},
 };
 
@@ -123,10 +122,7 @@ pub fn parse(text: &str, file: &str) -> Result<Policy, PolicyError> {
             return Err(at(s.name.span(), format!("duplicate scope name {name:?}")));
         }
         let cgroup = s.cgroup.get_ref().trim().trim_matches('/').to_string();
-        let matcher = GlobBuilder::new(&cgroup)
-            .literal_separator(true)
-            .build()
-            .map(|g: Glob| g.compile_matcher())
+        let selector = Selector::new(&cgroup)
             .map_err(|e| at(s.cgroup.span(), format!("bad cgroup pattern: {}", e.kind())))?;
         let mode = parse_mode(&s.mode, &at)?;
         let errno = match &s.errno {
@@ -172,7 +168,7 @@ pub fn parse(text: &str, file: &str) -> Result<Policy, PolicyError> {
         scopes.push(Scope {
             name,
             cgroup,
-            matcher,
+            selector,
             mode,
             errno,
             max_connections,

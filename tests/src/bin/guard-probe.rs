@@ -19,8 +19,9 @@ const USAGE: &str = "usage: guard-probe connect ADDR COUNT CONCURRENCY
        guard-probe udp ADDR CYCLES
        guard-probe migrate ADDR CGROUP_DIR
        guard-probe tfo NETNS_PATH ADDR
-       guard-probe serve NETNS_PATH PORT...
-       guard-probe churn NETNS_PATH ADDR COUNT PER_SECOND
+       guard-probe mptcp ADDR COUNT
+       guard-probe serve NETNS_PATH [greet:]PORT...
+       guard-probe churn NETNS_PATH ADDR COUNT PER_SECOND [reset]
        guard-probe bind NETNS_PATH ADDR COUNT
        guard-probe listen NETNS_PATH ADDR BACKLOG [ACCEPT_AFTER_MS]
        guard-probe open NETNS_PATH ADDR COUNT [INTERVAL_MS TIMEOUT_MS]
@@ -44,14 +45,24 @@ fn main() -> anyhow::Result<()> {
         "udp" => udp(arg(1)?.parse()?, num(2)?)?,
         "migrate" => migrate(arg(1)?.parse()?, arg(2)?)?,
         "tfo" => tfo(arg(1)?, arg(2)?.parse()?)?,
+        "mptcp" => mptcp(arg(1)?.parse()?, num(2)?)?,
         "serve" => {
             enter_netns(arg(1)?)?;
             for port in &args[2..] {
-                serve(port.parse()?)?;
+                match port.strip_prefix("greet:") {
+                    Some(p) => serve(p.parse()?, true)?,
+                    None => serve(port.parse()?, false)?,
+                }
             }
             hold(&Outcome::default(), Vec::new())
         }
-        "churn" => churn(arg(1)?, arg(2)?.parse()?, num(3)?, num(4)?)?,
+        "churn" => churn(
+            arg(1)?,
+            arg(2)?.parse()?,
+            num(3)?,
+            num(4)?,
+            args.get(5).map(String::as_str) == Some("reset"),
+        )?,
         // COUNT connects to distinct loopback addresses (127.x.y.z) on a closed PORT: each
         // is refused by the kernel, and each is a new destination for connguard.
         "spray" => {
@@ -215,6 +226,25 @@ fn errno_name(e: &std::io::Error) -> String {
         .map_or(format!("errno{code}"), |(_, n)| n.to_string())
 }
 
+/// COUNT MPTCP connects to ADDR in turn, each held until all are made; closed at exit.
+fn mptcp(addr: SocketAddr, count: u64) -> anyhow::Result<Outcome> {
+    const IPPROTO_MPTCP: i32 = 262;
+    let out = Mutex::new(Outcome::default());
+    let mut held = Vec::new();
+    for _ in 0..count {
+        let s = Socket::new(
+            Domain::for_address(addr),
+            Type::STREAM,
+            Some(Protocol::from(IPPROTO_MPTCP)),
+        )
+        .context("socket(IPPROTO_MPTCP): is MPTCP built in and net.mptcp.enabled 1?")?;
+        let started = Instant::now();
+        record(&out, &s.connect(&addr.into()), started);
+        held.push(s);
+    }
+    Ok(out.into_inner().unwrap())
+}
+
 fn record(out: &Mutex<Outcome>, result: &std::io::Result<()>, started: Instant) {
     let mut o = out.lock().unwrap();
     o.attempts += 1;
@@ -346,11 +376,18 @@ fn tfo(netns: &str, addr: SocketAddr) -> anyhow::Result<Outcome> {
 }
 
 /// A server on 127.0.0.1:PORT that waits for each client's FIN, then closes: TIME_WAIT
-/// lands on the client side.
-fn serve(port: u16) -> anyhow::Result<()> {
+/// lands on the client side. With `greet`, it sends each client one byte as it accepts
+/// it and closes: a client that resets at once waits for that byte (without it, such a
+/// client outruns the accept loop, the accept queue overflows, and connects stall 1 s
+/// on a SYN retransmit), and its RST leaves no TIME_WAIT on either side.
+fn serve(port: u16, greet: bool) -> anyhow::Result<()> {
     let l = TcpListener::bind((Ipv4Addr::LOCALHOST, port))?;
     thread::spawn(move || {
         for mut c in l.incoming().flatten() {
+            if greet {
+                let _ = c.write_all(b"g");
+                continue;
+            }
             thread::spawn(move || {
                 let _ = c.read(&mut [0u8; 1]);
             });
@@ -363,7 +400,15 @@ fn serve(port: u16) -> anyhow::Result<()> {
 /// after the server's FIN (leaving TIME_WAIT on the client side), PER_SECOND at most
 /// (0: as fast as possible). `categories` has the 1-based attempt number of the first
 /// EADDRNOTAVAIL and of the first ECONNREFUSED (0 if none), and the run's elapsed_ns.
-fn churn(netns: &str, target: SocketAddr, count: u64, per_second: u64) -> anyhow::Result<Outcome> {
+/// With `reset`, each is closed once the server's greeting byte (`serve greet:PORT`) is
+/// read, with SO_LINGER 0: a RST, no TIME_WAIT.
+fn churn(
+    netns: &str,
+    target: SocketAddr,
+    count: u64,
+    per_second: u64,
+    reset: bool,
+) -> anyhow::Result<Outcome> {
     enter_netns(netns)?;
     let out = Mutex::new(Outcome::default());
     let (mut first_eaddrnotavail, mut first_refused) = (0, 0);
@@ -382,7 +427,10 @@ fn churn(netns: &str, target: SocketAddr, count: u64, per_second: u64) -> anyhow
             _ => {}
         }
         record(&out, &r, started);
-        if r.is_ok() {
+        if r.is_ok() && reset {
+            let _ = std::io::Read::read(&mut &s, &mut [0u8; 1]);
+            let _ = s.set_linger(Some(Duration::ZERO));
+        } else if r.is_ok() {
             let _ = s.shutdown(std::net::Shutdown::Write);
             let _ = std::io::Read::read(&mut &s, &mut [0u8; 1]);
         }
