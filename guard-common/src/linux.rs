@@ -21,11 +21,6 @@ pub const TCP_CLOSING: u32 = 11;
 /// sockets in TCP_CLOSE, and older kernels ignore the bit that asks for them).
 pub const TCP_BOUND_INACTIVE: u32 = 13;
 
-/// Attach types (enum bpf_attach_type, include/uapi/linux/bpf.h) the tests look for:
-/// connect4, attached first to a cgroup, and sock_release, last.
-pub const BPF_CGROUP_INET4_CONNECT: u32 = 10;
-pub const BPF_CGROUP_INET_SOCK_RELEASE: u32 = 34;
-
 /// The `BPF_PROG_QUERY` member of `union bpf_attr` (include/uapi/linux/bpf.h), whole:
 /// the kernel writes its answer (count, attach_flags, revision) at these offsets
 /// whatever size it is given. `target` is a cgroup's fd or an interface's index.

@@ -16,7 +16,7 @@ use crate::{
     accounting::{add, counter, internal_error, raise_peak, release, rule_counter, scope_counter},
     maps::{ACTIVE_GEN, PORT_USE, RULES, SCOPES, storage},
     net::{ipv4_mapped, opaque_zero, words_addr},
-    scope::nearest_selected,
+    scope::{current_in_root, nearest_selected},
 };
 
 const ALLOW: i32 = 1;
@@ -71,14 +71,19 @@ pub fn connect6(ctx: SockAddrContext) -> i32 {
 fn admit(ctx: &SockAddrContext, addr: [u8; 16], port: u16) -> i32 {
     // The socket's scope comes from the cgroup it was created in, which sock_create
     // stored. A socket without storage was created before these programs ran for its
-    // cgroup (just created, or before the daemon started); it was created in this
-    // cgroup's subtree, the one these programs are attached to, and takes the scope of
-    // the connecting task's cgroup, which created it in the common case. With no scope
-    // there, it passes untouched.
+    // cgroup (just created, or before the daemon started), or by the kernel (an MPTCP
+    // subflow); it was created in this cgroup's subtree, the one these programs are
+    // attached to, and takes the scope of the connecting task's cgroup, which created
+    // it in the common case. Not for a task of the root cgroup, as kernel threads are:
+    // their kernel sockets never run sock_release, which a failure before the SYN
+    // needs. With no scope there, it passes untouched.
     let sk = unsafe { (*ctx.sock_addr).__bindgen_anon_1.sk };
     let gen_ = ACTIVE_GEN.get(0).copied().unwrap_or(0);
     let mut state = storage(sk, false);
     if state.is_null() {
+        if current_in_root() {
+            return ALLOW;
+        }
         let selected = nearest_selected(gen_);
         if selected == 0 {
             return ALLOW;

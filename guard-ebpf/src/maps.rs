@@ -19,13 +19,13 @@ use guard_common::{
 pub static ACTIVE_GEN: Array<u32> = Array::with_max_entries(1, 0);
 
 /// (generation, cgroup id) -> scope, for the cgroups a scope selects (not their
-/// descendants: sock_create finds a socket's nearest selected ancestor).
+/// descendants: scope::nearest_selected finds a task's nearest selected ancestor).
 #[map]
 pub static SCOPES: HashMap<CgroupKey, ScopeConf> =
     HashMap::with_max_entries(65536, BPF_F_NO_PREALLOC);
 
 /// Per generation: bit L set when SCOPES holds a cgroup L levels below the daemon's
-/// cgroup2 mount, so that sock_create looks only at those levels of a socket's ancestry.
+/// cgroup2 mount, so that scope::nearest_selected looks only at those levels.
 #[map]
 pub static SCOPE_LEVELS: Array<u32> = Array::with_max_entries(2, 0);
 

@@ -2,7 +2,7 @@
 //! and its ancestors, looked up from the deepest level that holds a selected cgroup
 //! (`SCOPE_LEVELS`) to the daemon's cgroup2 mount. So a cgroup created under a selected
 //! one is governed from its first socket, with nothing for the daemon to learn first.
-use aya_ebpf::helpers::generated::bpf_get_current_ancestor_cgroup_id;
+use aya_ebpf::helpers::generated::{bpf_get_current_ancestor_cgroup_id, bpf_get_current_cgroup_id};
 use guard_common::{CgroupKey, MAX_CGROUP_LEVEL};
 
 use crate::maps::{CGROUP_ROOT, SCOPE_LEVELS, SCOPES};
@@ -38,6 +38,14 @@ pub fn nearest_selected(gen_: u32) -> u64 {
         }
     }
     0
+}
+
+/// Whether the current task is in the cgroup2 mount's root cgroup, as kernel threads
+/// are.
+#[inline(always)]
+pub fn current_in_root() -> bool {
+    let root = CGROUP_ROOT.get(0).copied().unwrap_or(0);
+    (unsafe { bpf_get_current_cgroup_id() }) == root
 }
 
 /// The kernel's level of the daemon's cgroup2 mount among the task's ancestors: 0 on a

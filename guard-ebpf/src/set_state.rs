@@ -3,9 +3,9 @@
 //! and counts connect() failures for want of a local port.
 //!
 //! The one host-wide program: a tracepoint runs for every socket of the host, which is
-//! what makes it see the sockets no cgroup program sees any more (another sock_ops
-//! program cleared our callback, or the programs were detached from the socket's
-//! cgroup: it was removed, or a reload no longer selects it). For a socket without
+//! what makes it see the sockets the state callback does not (another sock_ops program
+//! cleared it, or the socket was admitted before sock_ops was attached to its cgroup,
+//! just created). For a socket without
 //! storage it costs a compare of the new state and, for moves to TCP_CLOSE, one storage
 //! lookup.
 //!

@@ -1,6 +1,6 @@
 //! cgroup sock_create: find the scope of a new TCP socket, because the socket belongs to
 //! the scope of the cgroup it is created in, whichever task later calls connect().
-//! Only sockets with a scope get storage; the others pass connect() untouched.
+//! Only sockets with a scope get storage.
 use aya_ebpf::{macros::cgroup_sock, programs::SockContext};
 use guard_common::{STAT_INTERNAL_ERRORS, SockState, linux::IPPROTO_TCP};
 

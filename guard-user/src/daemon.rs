@@ -61,7 +61,8 @@ pub struct Options {
 
 /// The daemon's state, one lock per owner.
 struct Daemon {
-    /// Held for program costs and for attaching listener guards.
+    /// Held for program costs, and to attach the connection programs and listener
+    /// guards. Taken after `generations` by who takes both.
     ebpf: Mutex<Ebpf>,
     generations: Mutex<Generations>,
     /// Creations of cgroups where a new one may be selected.
@@ -117,6 +118,11 @@ impl Daemon {
                 log::info!("policy reloaded: generation {}, {what}", status.generation);
                 drop(status);
                 self.set_listeners(listeners);
+                // Cgroups created while the reload walked, whose events were for the
+                // policy it replaced.
+                if let Err(e) = self.rescan() {
+                    log::warn!("walking the cgroups after the reload: {e:#}");
+                }
             }
             Err(e) => {
                 log::error!("policy reload rejected, the previous policy stays in force: {e}");
@@ -166,6 +172,16 @@ impl Daemon {
             return Ok(());
         };
         let inherited = lock(&self.generations).scope_index(cgroup::cgroup_id(parent)?);
+        // Watched before the walk, so that a child created meanwhile is an event.
+        if input
+            .policy
+            .scopes
+            .iter()
+            .any(|s| s.selector.may_select_below(rel))
+        {
+            self.cgroup_watch
+                .add(&std::collections::BTreeSet::from([dir.to_path_buf()]));
+        }
         let tree = scopes::walk_below(dir, rel, inherited, &input.policy);
         self.cgroup_watch.add(&tree.watched);
         let detached = lock(&self.generations).add(&input, tree.governed, &mut lock(&self.ebpf))?;
@@ -398,7 +414,7 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
     let daemon = Arc::new(Daemon {
         ebpf: Mutex::new(ebpf),
         generations: Mutex::new(generations),
-        cgroup_watch: CgroupWatch::new().context("inotify_init")?,
+        cgroup_watch: CgroupWatch::new(),
         counters: Mutex::new(counters),
         port_watch: Mutex::new(PortWatch::new(maps.port_use)),
         listeners: Mutex::new(ListenerGuard::new(

@@ -841,7 +841,10 @@ impl ForeignSockOps {
     }
 }
 
-pub use guard_common::linux::{BPF_CGROUP_INET_SOCK_RELEASE, BPF_CGROUP_INET4_CONNECT};
+/// Attach types (enum bpf_attach_type, include/uapi/linux/bpf.h) of connguard's
+/// connect4, the first program attached to a cgroup, and sock_release, the last.
+pub const BPF_CGROUP_INET4_CONNECT: u32 = 10;
+pub const BPF_CGROUP_INET_SOCK_RELEASE: u32 = 34;
 
 /// How many programs of `attach_type` are attached to the cgroup at `dir` itself (not
 /// inherited), by BPF_PROG_QUERY; None when the cgroup cannot be opened (removed).

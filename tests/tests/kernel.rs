@@ -113,16 +113,19 @@ fn bpftool(args: &[&str]) -> Value {
     serde_json::from_slice(&out.stdout).unwrap_or(Value::Null)
 }
 
-/// The IDs of the loaded programs named in PROGRAMS (`bpftool prog show name X` fails
-/// when there is none, so all are listed and picked here).
 /// Held by every test here that loads connguard's programs: those that compare the set
-/// of loaded programs before and after would otherwise see each other's.
+/// of loaded programs before and after would otherwise see each other's (when the
+/// tests of this file run in parallel, as a plain `cargo test` runs them).
 static LOADS: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn loads() -> std::sync::MutexGuard<'static, ()> {
-    LOADS.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    LOADS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
+/// The IDs of the loaded programs named in PROGRAMS (`bpftool prog show name X` fails
+/// when there is none, so all are listed and picked here).
 fn our_programs() -> BTreeSet<u64> {
     bpftool(&["prog", "show"])
         .as_array()

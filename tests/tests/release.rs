@@ -186,3 +186,30 @@ fn a_foreign_sock_ops_program_that_rewrites_callback_flags_loses_no_release() {
         "{s}"
     );
 }
+
+/// A connect that fails before leaving TCP_CLOSE (no route) holds its admission until
+/// the socket is closed, which only sock_release sees. A reload that no longer selects
+/// the socket's cgroup keeps the release programs there: the close still releases it.
+#[test]
+fn a_reload_away_from_a_cgroup_keeps_releasing_what_it_admitted() {
+    let ns = Netns::new("cgaway");
+    ns.exec("ip", &["link", "set", "lo", "up"]);
+    let (first, second) = (Cgroup::new("away-1"), Cgroup::new("away-2"));
+    let scope = |cg: &Cgroup| {
+        format!(
+            "[[scope]]\nname = \"away\"\ncgroup = \"{}\"\nmax_connections = 10\n",
+            cg.rel
+        )
+    };
+    let d = Daemon::start(&scope(&first));
+    let mut held = first.hold_args(&["fail-hold", &ns.path(), "198.51.100.1:80"]);
+    assert_eq!(held.outcome.errors("ENETUNREACH"), 1, "{:?}", held.outcome);
+    assert_eq!(n(&d.scope("away"), "active"), 1);
+    // The scope, by name (and so its counts), now selects another cgroup.
+    std::fs::write(&d.policy, scope(&second)).unwrap();
+    let r = d.cli(&["reload"]);
+    assert!(r.status.success(), "{r:?}");
+    held.kill();
+    let s = d.wait_scope("away", Duration::from_secs(5), |s| n(s, "active") == 0);
+    assert_eq!((n(&s, "admitted"), n(&s, "active")), (1, 0), "{s}");
+}

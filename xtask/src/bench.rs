@@ -101,10 +101,17 @@ pub fn run(quick: bool) -> anyhow::Result<()> {
                 } else {
                     (MODE_PORTS + i as u16, COSTS_PORT)
                 };
+                // Every mode's timed churn follows the same spray of refused connects
+                // (which makes the tracked destinations when a daemon runs), so that
+                // none is timed on a machine warmer or colder than the others.
                 let rate = match mode {
-                    "no guard" => churn(&s, &s.client, churn_n, port, reset)?,
+                    "no guard" => {
+                        spray(&s, destinations)?;
+                        churn(&s, &s.client, churn_n, port, reset)?
+                    }
                     "nftables" => {
                         nft(&s.ns, Some(CHURN_NFT))?;
+                        spray(&s, destinations)?;
                         let rate = churn(&s, &s.client, churn_n, port, reset);
                         nft(&s.ns, None)?;
                         rate?

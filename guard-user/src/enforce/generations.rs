@@ -101,7 +101,7 @@ impl Generations {
     }
 
     /// Makes `policy` the one in force, atomically for the programs, with `governed` a
-    /// walk of the cgroup tree for it (`scopes::governed`, made without the daemon's
+    /// walk of the cgroup tree for it (`scopes::walk`, made without the daemon's
     /// lock on this). On error the policy in force stays, and the idle generation holds
     /// nothing of the new one.
     pub fn apply(
@@ -197,28 +197,72 @@ impl Generations {
     }
 
     /// Brings the active generation up to date with cgroups created or removed since
-    /// the policy was applied, from a walk (`scopes::governed`) made for `policy`; a
-    /// walk made for a policy since replaced is dropped (the next one is made for the
-    /// new policy).
+    /// the policy was applied, from a walk of the whole tree (`scopes::walk`) made for
+    /// `input`; a walk made for a policy since replaced is dropped (the next one is made
+    /// for the new policy). What creation events added since the walk started is kept.
     pub fn rescan(
         &mut self,
         input: &RescanInput,
         mut governed: BTreeMap<u64, Governed>,
         ebpf: &mut Ebpf,
     ) -> anyhow::Result<Option<Detached>> {
-        let policy = &input.policy;
-        if !self.policy.as_ref().is_some_and(|p| Arc::ptr_eq(p, policy)) {
+        if !self.in_force(&input.policy) {
             return Ok(None);
         }
-        // What events added since the walk started, unless removed since.
         self.created.retain(|(n, _, _)| *n > input.events);
         for (_, id, g) in &self.created {
             if g.dir.exists() {
                 governed.entry(*id).or_insert_with(|| g.clone());
             }
         }
-        let confs = scope_confs(&self.ids, policy)?;
-        let (scopes, levels) = selected(&governed, &confs);
+        let detached = self.update(governed, ebpf)?;
+        Ok(Some(detached.and(self.links.reap())))
+    }
+
+    /// Adds cgroups just created (a walk of their subtree, `scopes::walk_below`) to the
+    /// active generation.
+    pub fn add(
+        &mut self,
+        input: &RescanInput,
+        created: BTreeMap<u64, Governed>,
+        ebpf: &mut Ebpf,
+    ) -> anyhow::Result<Option<Detached>> {
+        if created.is_empty() || !self.in_force(&input.policy) {
+            return Ok(None);
+        }
+        self.events += 1;
+        let n = self.events;
+        self.created
+            .extend(created.iter().map(|(id, g)| (n, *id, g.clone())));
+        let mut governed = std::mem::take(&mut self.governed);
+        governed.extend(created);
+        self.update(governed, ebpf).map(Some)
+    }
+
+    fn in_force(&self, policy: &Arc<Policy>) -> bool {
+        self.policy.as_ref().is_some_and(|p| Arc::ptr_eq(p, policy))
+    }
+
+    /// Writes `governed` (every governed cgroup) into the active generation and
+    /// attaches where it says; `governed` is the picture kept, even on an error.
+    fn update(
+        &mut self,
+        governed: BTreeMap<u64, Governed>,
+        ebpf: &mut Ebpf,
+    ) -> anyhow::Result<Detached> {
+        let result = self.write(&governed, ebpf);
+        self.governed = governed;
+        result
+    }
+
+    fn write(
+        &mut self,
+        governed: &BTreeMap<u64, Governed>,
+        ebpf: &mut Ebpf,
+    ) -> anyhow::Result<Detached> {
+        let policy = self.policy.clone().context("no policy in force")?;
+        let confs = scope_confs(&self.ids, &policy)?;
+        let (scopes, levels) = selected(governed, &confs);
         let gen_ = self.gen_;
         // New entries first, then the levels to look at, then what went: a socket
         // created meanwhile finds its scope or, for a cgroup being removed, none.
@@ -232,7 +276,7 @@ impl Generations {
             self.maps.scope_levels.set(gen_, levels, 0)?;
             self.written_levels = levels;
         }
-        let tops = tops(&governed);
+        let tops = tops(governed);
         self.links.attach(ebpf, &tops);
         let gone: Vec<u64> = self
             .written_scopes
@@ -246,32 +290,7 @@ impl Generations {
         }
         let detached = self.links.detach_others(&tops);
         self.tops = tops;
-        self.governed = governed;
-        Ok(Some(detached))
-    }
-
-    /// Adds cgroups just created (a walk of their subtree, `scopes::walk_below`) to the
-    /// active generation, as `rescan` would.
-    pub fn add(
-        &mut self,
-        input: &RescanInput,
-        created: BTreeMap<u64, Governed>,
-        ebpf: &mut Ebpf,
-    ) -> anyhow::Result<Option<Detached>> {
-        if !self
-            .policy
-            .as_ref()
-            .is_some_and(|p| Arc::ptr_eq(p, &input.policy))
-        {
-            return Ok(None);
-        }
-        self.events += 1;
-        let n = self.events;
-        self.created
-            .extend(created.iter().map(|(id, g)| (n, *id, g.clone())));
-        let mut governed = std::mem::take(&mut self.governed);
-        governed.extend(created);
-        self.rescan(input, governed, ebpf)
+        Ok(detached)
     }
 
     /// The scope governing a cgroup, by its index in the policy, as of the last walk.

@@ -18,7 +18,8 @@ pub struct CgroupWatch {
 }
 
 struct State {
-    watches: Watches,
+    /// None when inotify could not be had: nothing is watched.
+    watches: Option<Watches>,
     dirs: BTreeMap<PathBuf, WatchDescriptor>,
     by_wd: HashMap<i32, PathBuf>,
     /// The watch limit (fs.inotify.max_user_watches) was met; logged once.
@@ -26,18 +27,24 @@ struct State {
 }
 
 impl CgroupWatch {
-    pub fn new() -> io::Result<CgroupWatch> {
-        let inotify = Inotify::init()?;
+    /// Without inotify (fs.inotify.max_user_instances reached, say), a watch that sees
+    /// nothing, with a warning: the caller's periodic walk still finds every cgroup.
+    pub fn new() -> CgroupWatch {
+        let inotify = Inotify::init()
+            .inspect_err(|e| {
+                log::warn!("inotify: {e}; cgroups created are picked up by the periodic walk only")
+            })
+            .ok();
         let state = State {
-            watches: inotify.watches(),
+            watches: inotify.as_ref().map(Inotify::watches),
             dirs: BTreeMap::new(),
             by_wd: HashMap::new(),
             full: false,
         };
-        Ok(CgroupWatch {
-            inotify: Mutex::new(Some(inotify)),
+        CgroupWatch {
+            inotify: Mutex::new(inotify),
             state: Arc::new(Mutex::new(state)),
-        })
+        }
     }
 
     /// Watches exactly `dirs` for creations from now on. A directory that cannot be
@@ -54,7 +61,9 @@ impl CgroupWatch {
         for dir in gone {
             if let Some(wd) = s.dirs.remove(&dir) {
                 s.by_wd.remove(&wd.get_watch_descriptor_id());
-                let _ = s.watches.remove(wd);
+                if let Some(w) = &mut s.watches {
+                    let _ = w.remove(wd);
+                }
             }
         }
         s.add(dirs);
@@ -84,6 +93,12 @@ impl CgroupWatch {
             {
                 let mut s = self.state.lock().unwrap_or_else(PoisonError::into_inner);
                 for event in events {
+                    if event.mask.contains(EventMask::Q_OVERFLOW) {
+                        log::warn!(
+                            "inotify queue overflow: cgroups created meanwhile are picked up by the periodic walk"
+                        );
+                        continue;
+                    }
                     if event.mask.contains(EventMask::IGNORED) {
                         // The kernel dropped the watch: the directory is gone.
                         let wd = event.wd.get_watch_descriptor_id();
@@ -110,14 +125,14 @@ impl CgroupWatch {
 
 impl State {
     fn add(&mut self, dirs: &BTreeSet<PathBuf>) {
+        let Some(watches) = &mut self.watches else {
+            return;
+        };
         for dir in dirs {
             if self.dirs.contains_key(dir) {
                 continue;
             }
-            match self
-                .watches
-                .add(dir, WatchMask::CREATE | WatchMask::ONLYDIR)
-            {
+            match watches.add(dir, WatchMask::CREATE | WatchMask::ONLYDIR) {
                 Ok(wd) => {
                     self.by_wd.insert(wd.get_watch_descriptor_id(), dir.clone());
                     self.dirs.insert(dir.clone(), wd);

@@ -23,30 +23,46 @@ use guard_common::names::program::{CONNECT4, CONNECT6, SOCK_CREATE, SOCK_RELEASE
 
 use super::{object::program, syscall::link_cgroup_id};
 
-/// A cgroup's links, in attach order: connect first, so that a cgroup just created is
+/// A cgroup's links, in two parts. The admitting programs (connect4, connect6,
+/// sock_create) are attached first, connect first, so that a cgroup just created is
 /// governed after one attach (each waits for the kernel's cgroup_mutex, which a service
-/// restart's rmdir, mkdir and move of its first process contend for); then sock_create,
-/// sock_ops and sock_release. Until those are there, connect creates the storage of a
-/// socket created before, and the state tracepoint releases what it admits. They are
-/// detached in the same order (dropping a link closes its fd, which detaches it), so
-/// that admissions stop first.
+/// restart's rmdir, mkdir and move of its first process contend for); until the rest is
+/// there, connect creates the storage of a socket created before, and the state
+/// tracepoint releases what it admits. The releasing programs (sock_ops, sock_release)
+/// follow, and stay as long as the cgroup lives: a socket admitted here may need them
+/// to its end, long after a reload stopped selecting the cgroup. Dropping a link
+/// closes its fd, which detaches it.
 struct Attachment {
     dir: PathBuf,
+    /// Empty once the cgroup is no longer wanted.
+    admit: Vec<FdLink>,
     /// Held to be dropped.
-    _links: Vec<FdLink>,
-    /// The kernel's id of the first link, to ask whether the kernel detached it.
-    first_id: u32,
+    _release: Vec<FdLink>,
+    /// The kernel's id of a releasing link, to ask whether the kernel detached it.
+    release_id: u32,
 }
 
-/// Attachments taken out by `detach_others`, detached on drop.
+/// Links taken out by `detach_others`, detached on drop.
 #[must_use]
 pub struct Detached {
+    _links: Vec<FdLink>,
     _attachments: Vec<Attachment>,
+}
+
+impl Detached {
+    /// Both, to be dropped together.
+    pub fn and(mut self, mut other: Detached) -> Detached {
+        self._links.append(&mut other._links);
+        self._attachments.append(&mut other._attachments);
+        self
+    }
 }
 
 /// The cgroups the connection programs are attached to.
 #[derive(Default)]
 pub struct CgroupLinks {
+    /// By cgroup id: wanted ones with all their links; existing ones no longer wanted
+    /// with their releasing links only.
     attached: BTreeMap<u64, Attachment>,
     /// Attachments of removed cgroups, kept until the kernel detaches them itself: a
     /// removed cgroup lives on while a socket created in it does (each holds a
@@ -54,76 +70,91 @@ pub struct CgroupLinks {
     /// sockets keep every release path until then. Detaching them ourselves would also
     /// take cgroup_mutex, which the attach of a cgroup just created waits for.
     removed: Vec<Attachment>,
-    /// Cgroups whose attach failed, not tried again while they stay wanted.
+    /// Cgroups whose attach failed, warned about once; tried again at each walk.
     failed: BTreeSet<u64>,
 }
 
 impl CgroupLinks {
-    /// Attaches the programs to every cgroup of `wanted` (id -> directory) not yet
-    /// attached. A cgroup that cannot be attached (removed meanwhile, or refused: a
-    /// program attached without BPF_F_ALLOW_MULTI above it forbids any below) is left
-    /// unguarded, fail-open, with a warning.
+    /// Attaches the programs to every cgroup of `wanted` (id -> directory) that lacks
+    /// them. A cgroup that cannot be attached (removed meanwhile, or refused: a program
+    /// attached without BPF_F_ALLOW_MULTI above it forbids any below) is left unguarded,
+    /// fail-open, with a warning.
     pub fn attach(&mut self, ebpf: &mut Ebpf, wanted: &BTreeMap<u64, PathBuf>) {
         self.failed.retain(|id| wanted.contains_key(id));
         for (id, dir) in wanted {
-            if self.attached.contains_key(id) || self.failed.contains(id) {
-                continue;
-            }
-            match attach(ebpf, *id, dir) {
-                Ok(attachment) => {
-                    self.attached.insert(*id, attachment);
+            let result = match self.attached.get_mut(id) {
+                Some(a) if !a.admit.is_empty() => continue,
+                Some(a) => admitting(ebpf, *id, dir).map(|links| a.admit = links),
+                None => attach(ebpf, *id, dir).map(|a| {
+                    self.attached.insert(*id, a);
+                }),
+            };
+            match result {
+                Ok(()) => {
+                    self.failed.remove(id);
                 }
                 // Removed since the walk (or since replaced): nothing to govern.
                 Err(_) if !holds(dir, *id) => {}
                 Err(e) => {
-                    log::warn!(
-                        "{} is not governed: attaching the connection programs failed: {e:#}",
-                        dir.display()
-                    );
-                    self.failed.insert(*id);
+                    if self.failed.insert(*id) {
+                        log::warn!(
+                            "{} is not governed: attaching the connection programs failed: {e:#}; tried again at each walk",
+                            dir.display()
+                        );
+                    }
                 }
             }
         }
     }
 
-    /// Takes out every attached cgroup not in `wanted`. For one that still exists (a
-    /// reload no longer selects it), the programs are detached when the result is
-    /// dropped: drop it outside the caller's locks, as detaching takes the kernel's
-    /// cgroup_mutex. Its sockets that hold an admission are then released by the state
-    /// tracepoint, which sees every socket of the host. One removed is kept until the
-    /// kernel detaches it. Attachments the kernel has detached are let go.
+    /// Detaches the admitting programs from every attached cgroup not in `wanted`, when
+    /// the result is dropped: drop it outside the caller's locks, as detaching takes
+    /// the kernel's cgroup_mutex. The releasing programs stay while the cgroup lives.
+    /// The attachments of a removed cgroup are kept until the kernel detaches them.
     pub fn detach_others(&mut self, wanted: &BTreeMap<u64, PathBuf>) -> Detached {
+        let mut links = Vec::new();
         let gone: Vec<u64> = self
             .attached
-            .keys()
-            .filter(|id| !wanted.contains_key(id))
-            .copied()
+            .iter()
+            .filter(|(id, _)| !wanted.contains_key(id))
+            .map(|(id, _)| *id)
             .collect();
-        let mut detached = Vec::new();
         for id in gone {
-            let Some(a) = self.attached.remove(&id) else {
-                continue;
-            };
-            if holds(&a.dir, id) {
-                detached.push(a);
-            } else {
-                self.removed.push(a);
+            if let Some(a) = self.attached.get_mut(&id) {
+                if holds(&a.dir, id) {
+                    links.append(&mut a.admit);
+                } else if let Some(a) = self.attached.remove(&id) {
+                    self.removed.push(a);
+                }
             }
         }
-        // Let go of what the kernel detached (or what cannot be asked about).
-        let (kept, done): (Vec<_>, Vec<_>) = std::mem::take(&mut self.removed)
-            .into_iter()
-            .partition(|a| link_cgroup_id(a.first_id).is_ok_and(|id| id != 0));
-        self.removed = kept;
-        detached.extend(done);
         Detached {
-            _attachments: detached,
+            _links: links,
+            _attachments: Vec::new(),
         }
     }
 
-    /// The directories the programs are attached to.
+    /// Takes out the attachments of removed cgroups that the kernel has detached (or
+    /// that cannot be asked about), to be dropped outside the caller's locks: asking
+    /// takes cgroup_mutex too, so this is for the periodic walk, not for events.
+    pub fn reap(&mut self) -> Detached {
+        let (kept, done): (Vec<_>, Vec<_>) = std::mem::take(&mut self.removed)
+            .into_iter()
+            .partition(|a| link_cgroup_id(a.release_id).is_ok_and(|id| id != 0));
+        self.removed = kept;
+        Detached {
+            _links: Vec::new(),
+            _attachments: done,
+        }
+    }
+
+    /// The directories the admitting programs are attached to.
     pub fn dirs(&self) -> Vec<PathBuf> {
-        self.attached.values().map(|a| a.dir.clone()).collect()
+        self.attached
+            .values()
+            .filter(|a| !a.admit.is_empty())
+            .map(|a| a.dir.clone())
+            .collect()
     }
 }
 
@@ -133,14 +164,42 @@ fn holds(dir: &Path, id: u64) -> bool {
     std::fs::metadata(dir).is_ok_and(|m| m.ino() == id)
 }
 
-/// All of the connection programs' links to cgroup `id` at `dir`, or none.
-fn attach(ebpf: &mut Ebpf, id: u64, dir: &Path) -> anyhow::Result<Attachment> {
+/// The cgroup at `dir`, opened, if it is cgroup `id`.
+fn open(id: u64, dir: &Path) -> anyhow::Result<File> {
     let cgroup = File::open(dir).with_context(|| format!("opening {}", dir.display()))?;
     if cgroup.metadata()?.ino() != id {
         anyhow::bail!("{} was replaced", dir.display());
     }
+    Ok(cgroup)
+}
+
+/// All of the connection programs' links to cgroup `id` at `dir`, or none.
+fn attach(ebpf: &mut Ebpf, id: u64, dir: &Path) -> anyhow::Result<Attachment> {
+    let admit = admitting(ebpf, id, dir)?;
+    let cgroup = open(id, dir)?;
     let mode = CgroupAttachMode::Single;
-    // On an error, `links` is dropped: what was attached is detached.
+    // On an error, what was attached is detached (dropped).
+    let mut release: Vec<FdLink> = Vec::new();
+    let prog: &mut SockOps = program(ebpf, SOCK_STATE)?.try_into()?;
+    let link = prog.attach(&cgroup, mode).context(SOCK_STATE)?;
+    release.push(prog.take_link(link)?.try_into()?);
+    let prog: &mut CgroupSock = program(ebpf, SOCK_RELEASE)?.try_into()?;
+    let link = prog.attach(&cgroup, mode).context(SOCK_RELEASE)?;
+    release.push(prog.take_link(link)?.try_into()?);
+    let release_id = release[0].info()?.id();
+    Ok(Attachment {
+        dir: dir.to_path_buf(),
+        admit,
+        _release: release,
+        release_id,
+    })
+}
+
+/// The admitting programs' links to cgroup `id` at `dir`: connect4, connect6 and
+/// sock_create, in that order.
+fn admitting(ebpf: &mut Ebpf, id: u64, dir: &Path) -> anyhow::Result<Vec<FdLink>> {
+    let cgroup = open(id, dir)?;
+    let mode = CgroupAttachMode::Single;
     let mut links: Vec<FdLink> = Vec::new();
     for name in [CONNECT4, CONNECT6] {
         let prog: &mut CgroupSockAddr = program(ebpf, name)?.try_into()?;
@@ -150,16 +209,5 @@ fn attach(ebpf: &mut Ebpf, id: u64, dir: &Path) -> anyhow::Result<Attachment> {
     let prog: &mut CgroupSock = program(ebpf, SOCK_CREATE)?.try_into()?;
     let link = prog.attach(&cgroup, mode).context(SOCK_CREATE)?;
     links.push(prog.take_link(link)?.try_into()?);
-    let prog: &mut SockOps = program(ebpf, SOCK_STATE)?.try_into()?;
-    let link = prog.attach(&cgroup, mode).context(SOCK_STATE)?;
-    links.push(prog.take_link(link)?.try_into()?);
-    let prog: &mut CgroupSock = program(ebpf, SOCK_RELEASE)?.try_into()?;
-    let link = prog.attach(&cgroup, mode).context(SOCK_RELEASE)?;
-    links.push(prog.take_link(link)?.try_into()?);
-    let first_id = links[0].info()?.id();
-    Ok(Attachment {
-        dir: dir.to_path_buf(),
-        _links: links,
-        first_id,
-    })
+    Ok(links)
 }

@@ -20,6 +20,7 @@ const USAGE: &str = "usage: guard-probe connect ADDR COUNT CONCURRENCY
        guard-probe migrate ADDR CGROUP_DIR
        guard-probe tfo NETNS_PATH ADDR
        guard-probe mptcp ADDR COUNT
+       guard-probe fail-hold NETNS_PATH ADDR
        guard-probe serve NETNS_PATH [greet:]PORT...
        guard-probe churn NETNS_PATH ADDR COUNT PER_SECOND [reset]
        guard-probe bind NETNS_PATH ADDR COUNT
@@ -46,6 +47,17 @@ fn main() -> anyhow::Result<()> {
         "migrate" => migrate(arg(1)?.parse()?, arg(2)?)?,
         "tfo" => tfo(arg(1)?, arg(2)?.parse()?)?,
         "mptcp" => mptcp(arg(1)?.parse()?, num(2)?)?,
+        // One connect inside NETNS_PATH, whose socket is then held until killed: to an
+        // address with no route, it fails before leaving TCP_CLOSE (ENETUNREACH).
+        "fail-hold" => {
+            enter_netns(arg(1)?)?;
+            let addr: SocketAddr = arg(2)?.parse()?;
+            let out = Mutex::new(Outcome::default());
+            let s = tcp_socket(&addr);
+            let started = Instant::now();
+            record(&out, &s.connect(&addr.into()), started);
+            hold(&out.into_inner().unwrap(), vec![s])
+        }
         "serve" => {
             enter_netns(arg(1)?)?;
             for port in &args[2..] {
