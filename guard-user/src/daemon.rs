@@ -154,8 +154,15 @@ impl Daemon {
         };
         let Tree { governed, watched } = scopes::walk(&input.root, &input.policy)?;
         let detached = lock(&self.generations).rescan(&input, governed, &mut lock(&self.ebpf))?;
-        self.cgroup_watch.set(&watched);
+        // Added to, not replaced: the event path may have watched a cgroup created since
+        // the walk started. A removed directory drops its watch itself.
+        self.cgroup_watch.add(&watched);
         drop(detached);
+        // Removed cgroups the kernel has detached, asked about without the locks.
+        let removed = lock(&self.generations).take_removed();
+        let (kept, done) = removed.reap();
+        lock(&self.generations).restore_removed(kept);
+        drop(done);
         Ok(())
     }
 

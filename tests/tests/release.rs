@@ -1,7 +1,9 @@
 //! Every admission is released exactly once, on every path.
 use std::time::Duration;
 
-use connguard_tests::{Cgroup, Daemon, Netns, Server, n};
+use connguard_tests::{
+    BPF_CGROUP_INET4_CONNECT, Cgroup, Daemon, Netns, Server, attached_programs, n,
+};
 
 /// (b) 10,000 connection attempts with every outcome, inside a test netns, then a
 /// client SIGKILLed while holding connections: afterwards every count is exactly 0.
@@ -209,6 +211,8 @@ fn a_reload_away_from_a_cgroup_keeps_releasing_what_it_admitted() {
     std::fs::write(&d.policy, scope(&second)).unwrap();
     let r = d.cli(&["reload"]);
     assert!(r.status.success(), "{r:?}");
+    let connect4 = |cg: &Cgroup| attached_programs(&cg.path, BPF_CGROUP_INET4_CONNECT);
+    assert_eq!((connect4(&first), connect4(&second)), (Some(0), Some(1)));
     held.kill();
     let s = d.wait_scope("away", Duration::from_secs(5), |s| n(s, "active") == 0);
     assert_eq!((n(&s, "admitted"), n(&s, "active")), (1, 0), "{s}");

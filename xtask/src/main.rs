@@ -56,7 +56,7 @@ enum Task {
     /// Measure connguard's cost side by side with no guard and with nftables, in
     /// interleaved rounds; prints a markdown table, writes target/bench.json.
     Bench {
-        /// 3 rounds and smaller tables instead of 20 rounds (about a minute instead of 3).
+        /// 4 rounds and smaller tables instead of 20 rounds (about 3 minutes instead of 10).
         #[arg(long)]
         quick: bool,
     },

@@ -25,7 +25,7 @@ use super::{ids::Ids, scopes::Governed};
 use crate::{
     host::cgroup,
     kernel::{
-        cgroup_links::{CgroupLinks, Detached},
+        cgroup_links::{CgroupLinks, Detached, Removed},
         maps::PolicyMaps,
     },
     policy::{
@@ -62,6 +62,8 @@ pub struct Generations {
     /// not hold what it added, so a rescan keeps them.
     created: Vec<(u64, u64, Governed)>,
     events: u64,
+    /// The events count at the start of the last walk applied.
+    walked: u64,
     written_rules: Vec<Key<RuleAddrKey>>,
     /// What the idle generation still holds, deleted before it is written again.
     idle_scopes: Vec<u64>,
@@ -89,6 +91,7 @@ impl Generations {
             tops: BTreeMap::new(),
             created: Vec::new(),
             events: 0,
+            walked: 0,
             written_rules: Vec::new(),
             idle_scopes: Vec::new(),
             idle_rules: Vec::new(),
@@ -155,7 +158,7 @@ impl Generations {
                     rule_keys.push(key);
                 }
             }
-            self.links.attach(ebpf, &tops);
+            self.links.attach(ebpf, &tops, true);
             // The switch: from here the programs read the new generation.
             self.maps.active_gen.set(0, next, 0)?;
             Ok(())
@@ -206,17 +209,28 @@ impl Generations {
         mut governed: BTreeMap<u64, Governed>,
         ebpf: &mut Ebpf,
     ) -> anyhow::Result<Option<Detached>> {
-        if !self.in_force(&input.policy) {
+        // A walk started before one already applied (a reload's, beside the periodic
+        // one) knows less than it.
+        if !self.in_force(&input.policy) || input.events < self.walked {
             return Ok(None);
         }
+        self.walked = input.events;
         self.created.retain(|(n, _, _)| *n > input.events);
         for (_, id, g) in &self.created {
             if g.dir.exists() {
                 governed.entry(*id).or_insert_with(|| g.clone());
             }
         }
-        let detached = self.update(governed, ebpf)?;
-        Ok(Some(detached.and(self.links.reap())))
+        self.update(governed, ebpf, true).map(Some)
+    }
+
+    /// The attachments of removed cgroups, to be reaped without the lock on this.
+    pub fn take_removed(&mut self) -> Removed {
+        self.links.take_removed()
+    }
+
+    pub fn restore_removed(&mut self, kept: Removed) {
+        self.links.restore_removed(kept);
     }
 
     /// Adds cgroups just created (a walk of their subtree, `scopes::walk_below`) to the
@@ -236,7 +250,7 @@ impl Generations {
             .extend(created.iter().map(|(id, g)| (n, *id, g.clone())));
         let mut governed = std::mem::take(&mut self.governed);
         governed.extend(created);
-        self.update(governed, ebpf).map(Some)
+        self.update(governed, ebpf, false).map(Some)
     }
 
     fn in_force(&self, policy: &Arc<Policy>) -> bool {
@@ -244,21 +258,26 @@ impl Generations {
     }
 
     /// Writes `governed` (every governed cgroup) into the active generation and
-    /// attaches where it says; `governed` is the picture kept, even on an error.
+    /// attaches where it says (`retry`: failed attaches too); `governed` is the picture
+    /// kept, even on an error.
     fn update(
         &mut self,
         governed: BTreeMap<u64, Governed>,
         ebpf: &mut Ebpf,
+        retry: bool,
     ) -> anyhow::Result<Detached> {
-        let result = self.write(&governed, ebpf);
+        let result = self.write(&governed, ebpf, retry);
         self.governed = governed;
         result
     }
 
+    /// An entry that cannot be written (a full map) fails the call, after the rest is
+    /// done: what went is removed, and the attachments follow.
     fn write(
         &mut self,
         governed: &BTreeMap<u64, Governed>,
         ebpf: &mut Ebpf,
+        retry: bool,
     ) -> anyhow::Result<Detached> {
         let policy = self.policy.clone().context("no policy in force")?;
         let confs = scope_confs(&self.ids, &policy)?;
@@ -266,10 +285,17 @@ impl Generations {
         let gen_ = self.gen_;
         // New entries first, then the levels to look at, then what went: a socket
         // created meanwhile finds its scope or, for a cgroup being removed, none.
+        let mut failed = None;
         for (id, conf) in &scopes {
             if self.written_scopes.get(id) != Some(conf) {
-                self.maps.scopes.insert(scope_key(gen_, *id), conf, 0)?;
-                self.written_scopes.insert(*id, *conf);
+                match self.maps.scopes.insert(scope_key(gen_, *id), conf, 0) {
+                    Ok(()) => {
+                        self.written_scopes.insert(*id, *conf);
+                    }
+                    Err(e) => {
+                        failed.get_or_insert(anyhow::Error::from(e).context("writing SCOPES"));
+                    }
+                }
             }
         }
         if levels != self.written_levels {
@@ -277,7 +303,7 @@ impl Generations {
             self.written_levels = levels;
         }
         let tops = tops(governed);
-        self.links.attach(ebpf, &tops);
+        self.links.attach(ebpf, &tops, retry);
         let gone: Vec<u64> = self
             .written_scopes
             .keys()
@@ -290,7 +316,13 @@ impl Generations {
         }
         let detached = self.links.detach_others(&tops);
         self.tops = tops;
-        Ok(detached)
+        match failed {
+            Some(e) => {
+                drop(detached);
+                Err(e)
+            }
+            None => Ok(detached),
+        }
     }
 
     /// The scope governing a cgroup, by its index in the policy, as of the last walk.

@@ -33,6 +33,7 @@ use super::{object::program, syscall::link_cgroup_id};
 /// to its end, long after a reload stopped selecting the cgroup. Dropping a link
 /// closes its fd, which detaches it.
 struct Attachment {
+    id: u64,
     dir: PathBuf,
     /// Empty once the cgroup is no longer wanted.
     admit: Vec<FdLink>,
@@ -47,15 +48,6 @@ struct Attachment {
 pub struct Detached {
     _links: Vec<FdLink>,
     _attachments: Vec<Attachment>,
-}
-
-impl Detached {
-    /// Both, to be dropped together.
-    pub fn and(mut self, mut other: Detached) -> Detached {
-        self._links.append(&mut other._links);
-        self._attachments.append(&mut other._attachments);
-        self
-    }
 }
 
 /// The cgroups the connection programs are attached to.
@@ -74,14 +66,48 @@ pub struct CgroupLinks {
     failed: BTreeSet<u64>,
 }
 
+/// Attachments of removed cgroups, taken out to be asked about without the caller's
+/// locks (`CgroupLinks::take_removed`).
+pub struct Removed(Vec<Attachment>);
+
+impl Removed {
+    /// Splits off the attachments the kernel has detached, to be dropped. Asking takes
+    /// the kernel's cgroup_mutex, which the attach of a cgroup just created waits for:
+    /// this is for the periodic walk, outside the locks an event needs. An attachment
+    /// that cannot be asked about is kept.
+    pub fn reap(self) -> (Removed, Detached) {
+        let (kept, done): (Vec<_>, Vec<_>) = self
+            .0
+            .into_iter()
+            .partition(|a| link_cgroup_id(a.release_id).map_or(true, |id| id != 0));
+        (
+            Removed(kept),
+            Detached {
+                _links: Vec::new(),
+                _attachments: done,
+            },
+        )
+    }
+}
+
 impl CgroupLinks {
     /// Attaches the programs to every cgroup of `wanted` (id -> directory) that lacks
     /// them. A cgroup that cannot be attached (removed meanwhile, or refused: a program
     /// attached without BPF_F_ALLOW_MULTI above it forbids any below) is left unguarded,
-    /// fail-open, with a warning.
-    pub fn attach(&mut self, ebpf: &mut Ebpf, wanted: &BTreeMap<u64, PathBuf>) {
+    /// fail-open, with a warning, and tried again when `retry` (at each walk; not for
+    /// an event, which would wait behind every such failure).
+    pub fn attach(&mut self, ebpf: &mut Ebpf, wanted: &BTreeMap<u64, PathBuf>, retry: bool) {
         self.failed.retain(|id| wanted.contains_key(id));
         for (id, dir) in wanted {
+            if !retry && self.failed.contains(id) {
+                continue;
+            }
+            // A cgroup renamed was taken for removed, with its links.
+            if let Some(i) = self.removed.iter().position(|a| a.id == *id) {
+                let mut a = self.removed.swap_remove(i);
+                a.dir = dir.clone();
+                self.attached.insert(*id, a);
+            }
             let result = match self.attached.get_mut(id) {
                 Some(a) if !a.admit.is_empty() => continue,
                 Some(a) => admitting(ebpf, *id, dir).map(|links| a.admit = links),
@@ -110,7 +136,8 @@ impl CgroupLinks {
     /// Detaches the admitting programs from every attached cgroup not in `wanted`, when
     /// the result is dropped: drop it outside the caller's locks, as detaching takes
     /// the kernel's cgroup_mutex. The releasing programs stay while the cgroup lives.
-    /// The attachments of a removed cgroup are kept until the kernel detaches them.
+    /// The attachments of a removed cgroup are kept until the kernel detaches them (a
+    /// cgroup renamed is taken for removed, and keeps them while it lives).
     pub fn detach_others(&mut self, wanted: &BTreeMap<u64, PathBuf>) -> Detached {
         let mut links = Vec::new();
         let gone: Vec<u64> = self
@@ -134,18 +161,14 @@ impl CgroupLinks {
         }
     }
 
-    /// Takes out the attachments of removed cgroups that the kernel has detached (or
-    /// that cannot be asked about), to be dropped outside the caller's locks: asking
-    /// takes cgroup_mutex too, so this is for the periodic walk, not for events.
-    pub fn reap(&mut self) -> Detached {
-        let (kept, done): (Vec<_>, Vec<_>) = std::mem::take(&mut self.removed)
-            .into_iter()
-            .partition(|a| link_cgroup_id(a.release_id).is_ok_and(|id| id != 0));
-        self.removed = kept;
-        Detached {
-            _links: Vec::new(),
-            _attachments: done,
-        }
+    /// The attachments of removed cgroups, taken out (see `Removed::reap`).
+    pub fn take_removed(&mut self) -> Removed {
+        Removed(std::mem::take(&mut self.removed))
+    }
+
+    /// Puts back what `Removed::reap` kept.
+    pub fn restore_removed(&mut self, kept: Removed) {
+        self.removed.extend(kept.0);
     }
 
     /// The directories the admitting programs are attached to.
@@ -188,6 +211,7 @@ fn attach(ebpf: &mut Ebpf, id: u64, dir: &Path) -> anyhow::Result<Attachment> {
     release.push(prog.take_link(link)?.try_into()?);
     let release_id = release[0].info()?.id();
     Ok(Attachment {
+        id,
         dir: dir.to_path_buf(),
         admit,
         _release: release,
