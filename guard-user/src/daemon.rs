@@ -478,6 +478,10 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
             attached_list(&attached),
             opts.socket.display()
         );
+        // systemd's Type=notify: a no-op without NOTIFY_SOCKET.
+        if let Err(e) = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]) {
+            log::warn!("telling systemd the daemon is ready: {e}");
+        }
         loop {
             tokio::select! {
                 _ = hup.recv() => {
@@ -489,6 +493,7 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
             }
         }
         log::info!("signal received: detaching and exiting");
+        let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Stopping]);
         anyhow::Ok(())
     });
     // Links detach when the process exits; clsact filters (kernels before 6.6) do not.

@@ -301,6 +301,13 @@ impl Daemon {
 
     /// A daemon told to treat `features` (comma-separated names of `connguard kernel`)
     /// as absent from the kernel, as on a kernel without them.
+    /// A daemon with `env` set in its environment.
+    pub fn start_with_env(policy: &str, env: &[(&str, &std::ffi::OsStr)]) -> Daemon {
+        let mut command = Command::new(connguard_bin());
+        command.envs(env.iter().copied());
+        Self::spawn(policy, None, &[], "", command)
+    }
+
     pub fn start_without(policy: &str, features: &str) -> Daemon {
         Self::spawn(policy, None, &[], features, Command::new(connguard_bin()))
     }

@@ -1,6 +1,7 @@
 //! `cargo xtask`: set-up, build, run, test and demo for connguard.
 mod bench;
 mod demo;
+mod package;
 mod setup;
 mod vm;
 
@@ -55,6 +56,9 @@ enum Task {
     Demo,
     /// Measure connguard's cost side by side with no guard and with nftables, in
     /// interleaved rounds; prints a markdown table, writes target/bench.json.
+    /// Build, then make a Debian package of the release build in target/package: the
+    /// binary, the systemd unit (not enabled on install), /etc/connguard/policy.toml.
+    Package,
     Bench {
         /// 4 rounds and smaller tables instead of 20 rounds (about 3 minutes instead of 10).
         #[arg(long)]
@@ -66,6 +70,10 @@ fn main() -> anyhow::Result<()> {
     match Cli::parse().task {
         Task::Setup => setup::run(),
         Task::Build => build(),
+        Task::Package => {
+            build()?;
+            package::run(&root()).map(|_| ())
+        }
         Task::Run { args } => {
             build()?;
             let status = Command::new(root().join("target/release/connguard"))

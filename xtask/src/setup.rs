@@ -20,6 +20,9 @@ const PACKAGES: &[&str] = &[
     "wrk",
     "tmux",
     "nftables",
+    "systemd",
+    "binutils",
+    "lintian",
 ];
 const BPF_LINKER_VERSION: &str = "0.13.0";
 
