@@ -33,7 +33,6 @@ use super::{object::program, syscall::link_cgroup_id};
 /// to its end, long after a reload stopped selecting the cgroup. Dropping a link
 /// closes its fd, which detaches it.
 struct Attachment {
-    id: u64,
     dir: PathBuf,
     /// Empty once the cgroup is no longer wanted.
     admit: Vec<FdLink>,
@@ -61,14 +60,14 @@ pub struct CgroupLinks {
     /// reference to its cgroup's programs, taken in cgroup_sk_alloc()), and those
     /// sockets keep every release path until then. Detaching them ourselves would also
     /// take cgroup_mutex, which the attach of a cgroup just created waits for.
-    removed: Vec<Attachment>,
+    removed: BTreeMap<u64, Attachment>,
     /// Cgroups whose attach failed, warned about once; tried again at each walk.
     failed: BTreeSet<u64>,
 }
 
 /// Attachments of removed cgroups, taken out to be asked about without the caller's
 /// locks (`CgroupLinks::take_removed`).
-pub struct Removed(Vec<Attachment>);
+pub struct Removed(BTreeMap<u64, Attachment>);
 
 impl Removed {
     /// Splits off the attachments the kernel has detached, to be dropped. Asking takes
@@ -76,15 +75,15 @@ impl Removed {
     /// this is for the periodic walk, outside the locks an event needs. An attachment
     /// that cannot be asked about is kept.
     pub fn reap(self) -> (Removed, Detached) {
-        let (kept, done): (Vec<_>, Vec<_>) = self
+        let (kept, done): (BTreeMap<_, _>, BTreeMap<_, _>) = self
             .0
             .into_iter()
-            .partition(|a| link_cgroup_id(a.release_id).map_or(true, |id| id != 0));
+            .partition(|(_, a)| link_cgroup_id(a.release_id).map_or(true, |id| id != 0));
         (
             Removed(kept),
             Detached {
                 _links: Vec::new(),
-                _attachments: done,
+                _attachments: done.into_values().collect(),
             },
         )
     }
@@ -103,14 +102,15 @@ impl CgroupLinks {
                 continue;
             }
             // A cgroup renamed was taken for removed, with its links.
-            if let Some(i) = self.removed.iter().position(|a| a.id == *id) {
-                let mut a = self.removed.swap_remove(i);
+            if let Some(mut a) = self.removed.remove(id) {
                 a.dir = dir.clone();
                 self.attached.insert(*id, a);
             }
             let result = match self.attached.get_mut(id) {
                 Some(a) if !a.admit.is_empty() => continue,
-                Some(a) => admitting(ebpf, *id, dir).map(|links| a.admit = links),
+                Some(a) => open(*id, dir)
+                    .and_then(|cgroup| admitting(ebpf, &cgroup))
+                    .map(|links| a.admit = links),
                 None => attach(ebpf, *id, dir).map(|a| {
                     self.attached.insert(*id, a);
                 }),
@@ -151,7 +151,7 @@ impl CgroupLinks {
                 if holds(&a.dir, id) {
                     links.append(&mut a.admit);
                 } else if let Some(a) = self.attached.remove(&id) {
-                    self.removed.push(a);
+                    self.removed.insert(id, a);
                 }
             }
         }
@@ -198,8 +198,8 @@ fn open(id: u64, dir: &Path) -> anyhow::Result<File> {
 
 /// All of the connection programs' links to cgroup `id` at `dir`, or none.
 fn attach(ebpf: &mut Ebpf, id: u64, dir: &Path) -> anyhow::Result<Attachment> {
-    let admit = admitting(ebpf, id, dir)?;
     let cgroup = open(id, dir)?;
+    let admit = admitting(ebpf, &cgroup)?;
     let mode = CgroupAttachMode::Single;
     // On an error, what was attached is detached (dropped).
     let mut release: Vec<FdLink> = Vec::new();
@@ -211,7 +211,6 @@ fn attach(ebpf: &mut Ebpf, id: u64, dir: &Path) -> anyhow::Result<Attachment> {
     release.push(prog.take_link(link)?.try_into()?);
     let release_id = release[0].info()?.id();
     Ok(Attachment {
-        id,
         dir: dir.to_path_buf(),
         admit,
         _release: release,
@@ -219,19 +218,18 @@ fn attach(ebpf: &mut Ebpf, id: u64, dir: &Path) -> anyhow::Result<Attachment> {
     })
 }
 
-/// The admitting programs' links to cgroup `id` at `dir`: connect4, connect6 and
-/// sock_create, in that order.
-fn admitting(ebpf: &mut Ebpf, id: u64, dir: &Path) -> anyhow::Result<Vec<FdLink>> {
-    let cgroup = open(id, dir)?;
+/// The admitting programs' links to `cgroup`: connect4, connect6 and sock_create, in
+/// that order.
+fn admitting(ebpf: &mut Ebpf, cgroup: &File) -> anyhow::Result<Vec<FdLink>> {
     let mode = CgroupAttachMode::Single;
     let mut links: Vec<FdLink> = Vec::new();
     for name in [CONNECT4, CONNECT6] {
         let prog: &mut CgroupSockAddr = program(ebpf, name)?.try_into()?;
-        let link = prog.attach(&cgroup, mode).context(name)?;
+        let link = prog.attach(cgroup, mode).context(name)?;
         links.push(prog.take_link(link)?.try_into()?);
     }
     let prog: &mut CgroupSock = program(ebpf, SOCK_CREATE)?.try_into()?;
-    let link = prog.attach(&cgroup, mode).context(SOCK_CREATE)?;
+    let link = prog.attach(cgroup, mode).context(SOCK_CREATE)?;
     links.push(prog.take_link(link)?.try_into()?);
     Ok(links)
 }
