@@ -1,15 +1,24 @@
 //! A selected cgroup created again is governed on its creation event. Alone in its test
 //! binary: the race it checks (the daemon's attach against a service's first connect)
 //! is the daemon's to win on a host at rest, not against tests running beside it.
+//!
+//! It is a race all the same: nothing in the kernel orders the daemon's attach before
+//! a process's first connect, so a busy host loses it now and then (2 in 800 here with
+//! both CPUs spinning; once in a CI run). The test allows [`LOST`] of 100, so that a
+//! broken event path (every first connect missed: the 0.5 s walk comes too late for
+//! all of them) fails it and the scheduler's noise does not.
 use std::time::Duration;
 
 use connguard_tests::{
     BPF_CGROUP_INET_SOCK_RELEASE, Cgroup, Daemon, Server, budget_policy, n, wait_attached,
 };
 
+/// First connects allowed to win the race against the daemon's attach, of 100.
+const LOST: usize = 3;
+
 /// A selected cgroup removed and created again, 100 times, as systemd does on a service
 /// restart (a new cgroup, with a new id, and the service's first process moved in at
-/// once): each time, that process's first connect is governed. The daemon attaches on
+/// once): that process's first connect is governed (all but [`LOST`] times). The daemon attaches on
 /// the inotify creation event, with no walk of the tree.
 #[test]
 fn a_selected_cgroup_created_again_is_governed_from_its_first_connect() {
@@ -24,18 +33,24 @@ fn a_selected_cgroup_created_again_is_governed_from_its_first_connect() {
     wait_attached(&hold, BPF_CGROUP_INET_SOCK_RELEASE);
     let _held = hold.hold(&server.addr, 1, 1);
     assert_eq!(n(&d.scope("r"), "active"), 1);
+    let mut missed = Vec::new();
     for i in 0..100 {
         let svc = parent.child("svc");
         let out = svc.probe(&["connect", &server.addr.to_string(), "1", "1"]);
-        assert_eq!(
-            (out.ok, out.errors("ECONNREFUSED")),
-            (0, 1),
-            "recreation {i}: the first connect was not governed: {out:?}"
-        );
+        match (out.ok, out.errors("ECONNREFUSED")) {
+            (0, 1) => {}
+            (1, 0) => missed.push(i),
+            _ => panic!("recreation {i}: one connect, neither admitted nor shed: {out:?}"),
+        }
         // The service runs until every program is attached, then stops.
         wait_attached(&svc, BPF_CGROUP_INET_SOCK_RELEASE);
         drop(svc);
     }
-    let s = d.wait_scope("r", Duration::from_secs(5), |s| n(s, "shed") == 100);
-    assert_eq!((n(&s, "active"), n(&s, "shed")), (1, 100), "{s}");
+    assert!(
+        missed.len() <= LOST,
+        "first connects not governed in recreations {missed:?}, more than {LOST} of 100"
+    );
+    let shed = 100 - missed.len() as u64;
+    let s = d.wait_scope("r", Duration::from_secs(5), |s| n(s, "shed") == shed);
+    assert_eq!((n(&s, "active"), n(&s, "shed")), (1, shed), "{s}");
 }
