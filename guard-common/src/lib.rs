@@ -26,7 +26,30 @@ pub const MODE_ENFORCE: u32 = 1;
 
 /// Indices into the `STATS` per-CPU array of internal counters.
 pub const STAT_INTERNAL_ERRORS: u32 = 0;
-pub const STAT_COUNT: u32 = 1;
+/// Connections let through over a budget because the daemon's lease had run out.
+pub const STAT_LEASE_EXPIRED: u32 = 1;
+pub const STAT_COUNT: u32 = 2;
+
+/// Version of the layout of the pinned maps (`names::map::PINNED`): their types, keys,
+/// values and sizes. A daemon adopts pinned state of its own layout only; bump this with
+/// any change to them.
+pub const STATE_LAYOUT: u32 = 1;
+
+/// Key of `IDS`: a scope name (`kind` ID_SCOPE), or a scope name, a NUL and a rule name
+/// (`kind` ID_RULE), NUL-padded. Value: the id (u32). Names are at most
+/// [`MAX_ID_NAME`] bytes together.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IdKey {
+    pub kind: u32,
+    pub name: [u8; MAX_ID_NAME],
+}
+pub const ID_SCOPE: u32 = 0;
+pub const ID_RULE: u32 = 1;
+/// Bytes of a scope name, or of a scope name, a NUL and a rule name.
+pub const MAX_ID_NAME: usize = 252;
+/// Longest scope or rule name, in bytes (two and a NUL fit in [`MAX_ID_NAME`]).
+pub const MAX_NAME: usize = 125;
 
 /// Key of `SCOPES`: which scope governs sockets created in a cgroup, for one policy
 /// generation (`gen` is 0 or 1; the daemon fills the idle one, then flips `ACTIVE_GEN`).
@@ -268,4 +291,5 @@ mod pod {
     unsafe impl aya::Pod for ListenerKey {}
     unsafe impl aya::Pod for ListenerShed {}
     unsafe impl aya::Pod for EaddrKey {}
+    unsafe impl aya::Pod for IdKey {}
 }

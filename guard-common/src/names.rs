@@ -21,6 +21,23 @@ pub mod map {
     pub const WOULD_RST: &str = "WOULD_RST";
     pub const SOCKS: &str = "SOCKS";
     pub const STATS: &str = "STATS";
+    pub const IDS: &str = "IDS";
+    pub const LEASE: &str = "LEASE";
+    /// The maps pinned in the state directory, which outlive the daemon: what the
+    /// programs count, the sockets' own state, and the names the counts are kept by.
+    /// The policy maps are not: a daemon writes its own, and programs of the daemon
+    /// before it keep theirs until their links are moved to the new programs.
+    pub const PINNED: &[&str] = &[
+        COUNTERS,
+        SCOPE_COUNTERS,
+        RULE_COUNTERS,
+        TIME_WAITS,
+        EADDRNOTAVAIL,
+        SOCKS,
+        STATS,
+        IDS,
+        LEASE,
+    ];
     /// Every map of the object.
     pub const ALL: &[&str] = &[
         ACTIVE_GEN,
@@ -39,6 +56,8 @@ pub mod map {
         WOULD_RST,
         SOCKS,
         STATS,
+        IDS,
+        LEASE,
     ];
 }
 

@@ -9,12 +9,13 @@ use aya_ebpf::{
 };
 use guard_common::{
     CgroupKey, Counter, CounterKey, MAX_CANDIDATES, MODE_ENFORCE, NO_RULE, PortUseKey,
-    RULE_KEY_FIXED_BITS, RuleAddrKey, RuleRef, STAT_INTERNAL_ERRORS, linux::IPPROTO_TCP,
+    RULE_KEY_FIXED_BITS, RuleAddrKey, RuleRef, STAT_INTERNAL_ERRORS, STAT_LEASE_EXPIRED,
+    linux::IPPROTO_TCP,
 };
 
 use crate::{
     accounting::{add, counter, internal_error, raise_peak, release, rule_counter, scope_counter},
-    maps::{ACTIVE_GEN, PORT_USE, RULES, SCOPES, storage},
+    maps::{ACTIVE_GEN, PORT_USE, RULES, SCOPES, lease_held, storage},
     net::{ipv4_mapped, opaque_zero, words_addr},
     scope::{current_in_root, nearest_selected},
 };
@@ -189,7 +190,9 @@ fn admit(ctx: &SockAddrContext, addr: [u8; 16], port: u16) -> i32 {
             }
         }
     }
-    if over && scope.mode == MODE_ENFORCE {
+    if over && scope.mode == MODE_ENFORCE && !lease_held() {
+        internal_error(STAT_LEASE_EXPIRED);
+    } else if over && scope.mode == MODE_ENFORCE {
         for &c in counters.iter().filter(|c| !c.is_null()) {
             add(unsafe { &raw mut (*c).active }, u64::MAX);
             add(unsafe { &raw mut (*c).shed }, 1);

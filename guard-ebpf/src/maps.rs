@@ -10,8 +10,9 @@ use aya_ebpf::{
     maps::{Array, HashMap, LpmTrie, PerCpuArray},
 };
 use guard_common::{
-    Candidates, CgroupKey, Counter, CounterKey, EaddrKey, ListenerKey, ListenerShed, MAX_RULE_IDS,
-    MAX_SCOPE_IDS, PortUseKey, RuleAddrKey, STAT_COUNT, ScopeConf, SockState, TimeWaitKey,
+    Candidates, CgroupKey, Counter, CounterKey, EaddrKey, IdKey, ListenerKey, ListenerShed,
+    MAX_RULE_IDS, MAX_SCOPE_IDS, PortUseKey, RuleAddrKey, STAT_COUNT, ScopeConf, SockState,
+    TimeWaitKey,
 };
 
 /// Element 0: the policy generation (0 or 1) that the programs read.
@@ -85,6 +86,27 @@ pub static SOCKS: SkStorage<SockState> = SkStorage::new();
 /// Internal counters (see guard_common::STAT_*), summed over CPUs by the daemon.
 #[map]
 pub static STATS: PerCpuArray<u64> = PerCpuArray::with_max_entries(STAT_COUNT, 0);
+
+/// The ids the daemon gave scope and rule names, which key SCOPE_COUNTERS,
+/// RULE_COUNTERS and the rest: pinned with them, so that a daemon started again keeps
+/// each name's counts. Written and read by the daemon only.
+#[map]
+pub static IDS: HashMap<IdKey, u32> =
+    HashMap::with_max_entries(MAX_SCOPE_IDS + MAX_RULE_IDS, BPF_F_NO_PREALLOC);
+
+/// Element 0: until when (bpf_ktime_get_ns, CLOCK_MONOTONIC ns) the daemon holds its
+/// lease, renewed every second. Past it, nothing is shed (fail-open): the daemon is
+/// gone or stuck, and the programs it left attached only count.
+#[map]
+pub static LEASE: Array<u64> = Array::with_max_entries(1, 0);
+
+/// Whether the daemon's lease holds (see `LEASE`).
+#[inline(always)]
+pub fn lease_held() -> bool {
+    let until = LEASE.get(0).copied().unwrap_or(0);
+    let now = unsafe { aya_ebpf::helpers::generated::bpf_ktime_get_ns() };
+    now < until
+}
 
 /// The storage of a full socket, created zeroed when `create` is set and the socket has
 /// none. Null when absent (or when creation failed). (The kernel zeroes new storage when

@@ -31,8 +31,15 @@ pub enum Command {
     ///
     /// Attaches the eBPF programs to the cgroup v2 root, applies the policy and serves
     /// stats. Logs a line containing "ready" once the programs are attached and the
-    /// policy applied. SIGHUP re-reads the policy; SIGTERM/SIGINT detach everything and
-    /// exit (traffic is then unguarded: connguard fails open).
+    /// policy applied. SIGHUP re-reads the policy.
+    ///
+    /// State outlives the daemon: its maps and links are pinned in
+    /// /sys/fs/bpf/connguard/v<layout>/, and SIGTERM/SIGINT exit leaving the programs
+    /// attached, so that the next start (a restart, an upgrade) adopts them with every
+    /// count and no moment unguarded. The daemon renews a lease every second; once it
+    /// has run out (`--lease` seconds after the last renewal), the programs shed
+    /// nothing and only count (fail-open), until a daemon starts again. `connguard
+    /// stop`, or `--detach-on-exit`, detaches and unpins everything.
     Run {
         /// Policy file (TOML: [[scope]] tables with name, cgroup, mode, errno,
         /// max_connections and [[scope.rule]]s; see `connguard check` and the README);
@@ -54,6 +61,17 @@ pub enum Command {
         /// seconds (up to twice as long); its scope and rule keep their totals.
         #[arg(long, value_name = "SECS", default_value_t = 300)]
         forget_idle: u64,
+        /// Seconds the programs keep shedding after the daemon's last lease renewal
+        /// (renewed every second): how long a restart may take with no budget lifted.
+        #[arg(long, value_name = "SECS", default_value_t = 5, value_parser = clap::value_parser!(u64).range(2..))]
+        lease: u64,
+        /// On SIGTERM/SIGINT, detach the programs and unpin the state, as `connguard
+        /// stop` does.
+        #[arg(long)]
+        detach_on_exit: bool,
+        /// Layout version of the pinned state, for tests of an upgrade that changes it.
+        #[arg(long, hide = true, default_value_t = guard_common::STATE_LAYOUT)]
+        state_layout: u32,
     },
     /// Validate a policy file: exit 0, or 1 with the error as FILE:LINE:COLUMN: REASON.
     Check {
@@ -108,6 +126,13 @@ pub enum Command {
     ///
     /// A bad file is rejected (exit 1) and the policy in force stays, with its counts.
     Reload {
+        #[arg(long, value_name = "PATH", default_value = DEFAULT_SOCKET)]
+        socket: PathBuf,
+    },
+    /// Stop for good: the running daemon detaches its programs, unpins its state and
+    /// exits; with no daemon running, the programs and state one left are removed.
+    /// Counts start from the kernel's socket table at the next start.
+    Stop {
         #[arg(long, value_name = "PATH", default_value = DEFAULT_SOCKET)]
         socket: PathBuf,
     },

@@ -1,7 +1,8 @@
-//! `connguard run`: attach, apply the policy, then serve stats and reloads until
-//! SIGTERM/SIGINT. This module wires the layers and owns the daemon's life cycle; each
-//! piece of state has its own lock, so the listener and port watchers never wait for a
-//! snapshot being built or sent.
+//! `connguard run`: adopt or create the pinned state, attach, apply the policy, then
+//! serve stats and reloads until SIGTERM/SIGINT (exit keeping the state) or `stop`
+//! (exit detaching everything). This module wires the layers and owns the daemon's life
+//! cycle; each piece of state has its own lock, so the listener and port watchers never
+//! wait for a snapshot being built or sent.
 mod jobs;
 
 use std::{
@@ -18,13 +19,14 @@ use self::jobs::Jobs;
 use crate::{
     control::{
         self,
-        protocol::{ReloadReply, Reply, Request, ScopeReply},
+        protocol::{ReloadReply, Reply, Request, ScopeReply, StopReply},
         server::Handler,
     },
     diagnose::attribution::{TimeWaitRates, daemon_ports, eaddrnotavail_counts},
     enforce::{
         counters::Counters,
         generations::Generations,
+        lease::{self, Lease},
         port_watch::{self, PortWatch},
         scopes::{self, Tree},
     },
@@ -34,6 +36,7 @@ use crate::{
         features::{Feature, Features},
         maps::Maps,
         object,
+        state::{self, Pin, State},
     },
     listen::{self, ListenerGuard},
     policy::{self, ListenerPolicy, Policy},
@@ -57,6 +60,12 @@ pub struct Options {
     pub bpf_stats: bool,
     /// Destination entries idle this long (to twice as long) are forgotten.
     pub forget_idle: Duration,
+    /// How long the programs keep shedding after the last renewal of the lease.
+    pub lease: Duration,
+    /// Exit detaching and unpinning everything, as `stop` does.
+    pub detach_on_exit: bool,
+    /// The pinned state's layout version (guard_common::STATE_LAYOUT but in tests).
+    pub state_layout: u32,
 }
 
 /// The daemon's state, one lock per owner.
@@ -78,6 +87,12 @@ struct Daemon {
     jobs: Jobs,
     /// What the kernel offers, probed at start.
     features: Features,
+    lease: Mutex<Lease>,
+    /// Notified by a `stop` request.
+    stop: tokio::sync::Notify,
+    /// The pinned state, and the tracepoint's link in it.
+    state: State,
+    _tracepoint: Pin,
 }
 
 /// With a panic hook that aborts, a lock is never left poisoned; this only spares the
@@ -216,11 +231,12 @@ impl Daemon {
         let listeners = lock(&self.listeners).stats();
         let scope_name = |id| ids.scope_name(id).unwrap_or("?").to_string();
         let eaddrnotavail = eaddrnotavail_counts(&dump.eaddrnotavail, scope_name);
-        let internal_errors = dump.internal_errors;
+        let (internal_errors, lease_expired) = (dump.internal_errors, dump.lease_expired);
         Snapshot {
             policy: status,
             scopes: policy.map_or_else(Vec::new, |p| snapshot::scopes(&p, &ids, dump, top)),
             internal_errors,
+            lease_expired,
             programs,
             eaddrnotavail,
             watched_ports,
@@ -230,8 +246,54 @@ impl Daemon {
         }
     }
 
+    /// Says what the start took over: the pinned state of a daemon before this one
+    /// (`adopted_links` cgroups' links), or none; and removes the state of other
+    /// layouts, now that this daemon's programs are attached.
+    fn log_adoption(&self, adopted_links: usize) {
+        let snap = self.snapshot(Some(0));
+        let active: Vec<String> = snap
+            .scopes
+            .iter()
+            .filter(|s| s.counts.active > 0)
+            .map(|s| format!("{} {}", s.name, s.counts.active))
+            .collect();
+        if self.state.adopted {
+            log::info!(
+                "adopted the pinned state of the daemon before: links of {adopted_links} cgroup(s) moved to this daemon's programs; active connections kept: {}",
+                if active.is_empty() {
+                    "none".into()
+                } else {
+                    active.join(", ")
+                }
+            );
+            if snap.lease_expired > 0 {
+                log::warn!(
+                    "{} connection(s) were let through over a budget since the pinned state was created, while no daemon held the lease",
+                    snap.lease_expired
+                );
+            }
+        } else {
+            log::info!("no pinned state of this layout: counting starts from zero");
+        }
+        for dir in self.state.other_layouts() {
+            match state::remove_pins(&dir) {
+                Ok(n) => log::info!(
+                    "removed the state of another layout, {} ({n} pin(s)): its programs are detached, its counts are not carried over",
+                    dir.display()
+                ),
+                Err(e) => log::warn!("removing the state in {}: {e}", dir.display()),
+            }
+        }
+    }
+
     /// Starts the periodic jobs.
     fn spawn_jobs(self: &Arc<Self>, forget_idle: Duration) {
+        let d = self.clone();
+        self.jobs.spawn(
+            "lease",
+            lease::RENEW,
+            Arc::new(move || lock(&d.lease).renew()),
+        );
         let d = self.clone();
         self.jobs
             .spawn("cgroup_rescan", RESCAN, Arc::new(move || d.rescan()));
@@ -327,6 +389,10 @@ impl Handler for Daemon {
                     |id| ids.scope_name(id).unwrap_or("?").to_string(),
                 ))
             }
+            Request::Stop => {
+                self.stop.notify_one();
+                Reply::Stop(StopReply { stopping: true })
+            }
             Request::Scope { cgroup_id } => {
                 let g = lock(&self.generations);
                 let scope = g
@@ -387,6 +453,7 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
     log::info!("{}", features.summary());
     batch::use_batch_lookups(features.has(Feature::BatchLookup));
     mounts::ensure_bpffs()?;
+    let state = State::open(opts.state_layout)?;
     let root = mounts::cgroup2_mount()?;
     let metrics = match &opts.metrics {
         Some(addr) => Some(
@@ -407,9 +474,14 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
     } else {
         None
     };
-    let mut ebpf = object::load(&features)?;
+    let (mut ebpf, tracepoint) = object::load(&features, &state)?;
     let maps = Maps::take(&mut ebpf)?;
-    let generations = Generations::new(maps.policy, root.clone())?;
+    // Held from before the first attach or adoption, so that programs shed from the
+    // first connect they see.
+    let mut lease = Lease::new(maps.lease, opts.lease);
+    lease.renew()?;
+    let generations = Generations::new(maps.policy, root.clone(), state.links_dir())?;
+    let adopted_links = generations.adopted_links();
     let what = policy::describe(&policy);
     let source = policy.source.clone();
     let listeners = policy.listeners.clone();
@@ -438,8 +510,13 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
         policy_path: opts.policy.clone(),
         jobs: Jobs::default(),
         features,
+        lease: Mutex::new(lease),
+        stop: tokio::sync::Notify::new(),
+        state,
+        _tracepoint: tracepoint,
     });
     daemon.apply(policy, tree)?;
+    daemon.log_adoption(adopted_links);
     let (governed, attached) = {
         let g = lock(&daemon.generations);
         (g.governed_cgroups(), g.attached_dirs())
@@ -482,27 +559,69 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
         if let Err(e) = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]) {
             log::warn!("telling systemd the daemon is ready: {e}");
         }
-        loop {
+        let detach = loop {
             tokio::select! {
                 _ = hup.recv() => {
                     let d = daemon.clone();
                     tokio::task::spawn_blocking(move || d.reload()).await?;
                 }
-                _ = term.recv() => break,
-                _ = int.recv() => break,
+                _ = term.recv() => break opts.detach_on_exit,
+                _ = int.recv() => break opts.detach_on_exit,
+                _ = daemon.stop.notified() => break true,
             }
-        }
-        log::info!("signal received: detaching and exiting");
+        };
         let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Stopping]);
-        anyhow::Ok(())
+        anyhow::Ok(detach)
     });
-    // Links detach when the process exits; clsact filters (kernels before 6.6) do not.
-    // A reload still under way holds the guard's lock until it is done; one after this
+    // tcx links detach when the process exits; clsact filters (kernels before 6.6) do
+    // not. A reload still under way holds the guard's lock until it is done; one after this
     // attaches nothing.
     if let Err(e) = lock(&daemon.listeners).stop() {
         log::warn!("emptying LISTENERS_SHED: {e:#}");
     }
     // Tasks still running (a client being served) end with the runtime.
     runtime.shutdown_timeout(Duration::from_secs(1));
-    served
+    if served? {
+        let n = daemon.state.remove()?;
+        log::info!("stopping: programs detached, {n} pin(s) removed; exiting");
+    } else {
+        log::info!(
+            "exiting with the programs attached and the state pinned in {}: the next start adopts them, with their counts; they shed nothing once the lease runs out, {} s after its last renewal (`connguard stop` removes them)",
+            state::ROOT,
+            opts.lease.as_secs()
+        );
+        // Dropping the daemon would remove its pins, which must outlive it.
+        std::mem::forget(daemon);
+    }
+    Ok(())
+}
+
+/// `connguard stop`: asks the daemon at `socket` to detach, unpin and exit, and waits
+/// for it; with no daemon there, removes the pins one left.
+pub fn stop(socket: &Path) -> anyhow::Result<()> {
+    if socket.exists()
+        && let Ok(StopReply { stopping: true }) = control::client::ask(socket, Request::Stop)
+    {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while socket.exists() {
+            if Instant::now() > deadline {
+                anyhow::bail!(
+                    "the daemon at {} did not exit within 30 s",
+                    socket.display()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        println!("stopped: the daemon detached its programs, unpinned its state and exited");
+        return Ok(());
+    }
+    match state::remove_left()? {
+        0 => println!("no daemon at {} and nothing pinned", socket.display()),
+        n => println!(
+            "no daemon at {}: removed the {n} pin(s) one left in {} (its programs are detached)",
+            socket.display(),
+            state::ROOT
+        ),
+    }
+    Ok(())
 }

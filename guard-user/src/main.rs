@@ -53,6 +53,9 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             socket,
             bpf_stats,
             forget_idle,
+            lease,
+            detach_on_exit,
+            state_layout,
         } => {
             let metrics = (metrics != "off").then_some(metrics);
             let forget_idle = std::time::Duration::from_secs(forget_idle.max(1));
@@ -62,6 +65,9 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 socket,
                 bpf_stats,
                 forget_idle,
+                lease: std::time::Duration::from_secs(lease),
+                detach_on_exit,
+                state_layout,
             })?;
         }
         Command::Check { file } => match policy::load_file(&file) {
@@ -131,6 +137,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 }
             }
         }
+        Command::Stop { socket } => daemon::stop(&socket)?,
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -251,8 +251,11 @@ impl Drop for Holder {
 }
 
 /// A running `connguard run` with its own policy file and control socket; stopped with
-/// SIGTERM on drop.
+/// SIGTERM on drop, and the state it pinned removed (`connguard stop`), unless it was
+/// stopped with `exit_keeping_state`. Each daemon starts from no pinned state but one
+/// started with `start_adopting`.
 pub struct Daemon {
+    keep_state: bool,
     child: Child,
     pub policy: PathBuf,
     pub socket: PathBuf,
@@ -299,6 +302,27 @@ impl Daemon {
         Self::spawn(policy, socket, extra, "", Command::new(connguard_bin()))
     }
 
+    /// A daemon that adopts the state pinned by one before it (`exit_keeping_state`).
+    pub fn start_adopting(policy: &str, extra: &[&str]) -> Daemon {
+        Self::spawn_as(policy, None, extra, "", Command::new(connguard_bin()), true)
+    }
+
+    /// Sends `signal` and waits for the daemon to exit, leaving its pinned state for
+    /// the next daemon (`start_adopting`).
+    pub fn exit_keeping_state(mut self, signal: i32) {
+        self.keep_state = true;
+        unsafe { libc::kill(self.pid(), signal) };
+        let until = Instant::now() + Duration::from_secs(10);
+        while !matches!(self.child.try_wait(), Ok(Some(_))) {
+            assert!(
+                Instant::now() < until,
+                "connguard did not exit on signal {signal}:\n{}",
+                self.log.lock().unwrap()
+            );
+            thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// A daemon told to treat `features` (comma-separated names of `connguard kernel`)
     /// as absent from the kernel, as on a kernel without them.
     /// A daemon with `env` set in its environment.
@@ -342,9 +366,24 @@ impl Daemon {
         socket: Option<PathBuf>,
         extra: &[&str],
         without: &str,
+        command: Command,
+    ) -> Daemon {
+        Self::spawn_as(policy, socket, extra, without, command, false)
+    }
+
+    /// `spawn`, adopting the pinned state there is when `adopt`, else removing it first.
+    fn spawn_as(
+        policy: &str,
+        socket: Option<PathBuf>,
+        extra: &[&str],
+        without: &str,
         mut command: Command,
+        adopt: bool,
     ) -> Daemon {
         require_prerequisites();
+        if !adopt {
+            remove_pinned_state();
+        }
         let dir = std::env::temp_dir().join(unique("connguard-test"));
         std::fs::create_dir_all(&dir).unwrap();
         let policy_path = dir.join("policy.toml");
@@ -381,6 +420,7 @@ impl Daemon {
             }
         });
         let mut d = Daemon {
+            keep_state: false,
             child,
             policy: policy_path,
             socket,
@@ -473,7 +513,23 @@ impl Drop for Daemon {
         }
         self.kill();
         let _ = std::fs::remove_dir_all(&self.dir);
+        if !self.keep_state {
+            remove_pinned_state();
+        }
     }
+}
+
+/// `connguard stop` with no daemon: removes the programs and state a daemon pinned.
+pub fn remove_pinned_state() {
+    let out = Command::new(connguard_bin())
+        .args(["stop", "--socket", "/nonexistent/connguard.sock"])
+        .output()
+        .expect("run connguard stop");
+    assert!(
+        out.status.success(),
+        "connguard stop: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// A TCP server in the test process (outside every test cgroup) that accepts, holds each

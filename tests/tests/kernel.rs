@@ -344,6 +344,7 @@ fn without_optional_features_counts_stay_exact_and_sheds_fail_with_eperm() {
     assert_eq!(
         jobs,
         [
+            "lease",
             "cgroup_rescan",
             "time_wait_rates",
             "listener_watch",

@@ -24,11 +24,15 @@ if [ -d /run/systemd/system ]; then
 fi
 ";
 
-/// Before removal: stop the daemon (its programs are detached as it exits).
+/// Before removal (not before an upgrade, whose new daemon adopts the pinned state):
+/// stop the daemon, then detach its programs and unpin its state, which a stop keeps.
 const PRERM: &str = "#!/bin/sh
 set -e
-if [ -d /run/systemd/system ] && [ \"$1\" = remove ]; then
-\tdeb-systemd-invoke stop connguard.service >/dev/null || true
+if [ \"$1\" = remove ]; then
+\tif [ -d /run/systemd/system ]; then
+\t\tdeb-systemd-invoke stop connguard.service >/dev/null || true
+\tfi
+\t/usr/bin/connguard stop >/dev/null || true
 fi
 ";
 

@@ -3,7 +3,8 @@
 //! daemon closes the connection. Every error is answered `{"error": "..."}`.
 //!
 //! Requests: `stats` (everything), `stats N` (at most N destinations per scope, the rest
-//! summed), `reload`, `ports NETNS_COOKIE`, `scope CGROUP_ID`.
+//! summed), `reload`, `ports NETNS_COOKIE`, `scope CGROUP_ID`, `stop` (detach, unpin
+//! and exit; answered `{"stopping": true}` before the daemon does).
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
@@ -24,6 +25,8 @@ pub enum Request {
     Ports { netns: u64 },
     /// The scope governing the cgroup with this id.
     Scope { cgroup_id: u64 },
+    /// Detach, unpin and exit.
+    Stop,
 }
 
 impl Request {
@@ -39,6 +42,7 @@ impl Request {
                 top: Some(number(n)? as usize),
             }),
             ["reload"] => Ok(Request::Reload),
+            ["stop"] => Ok(Request::Stop),
             ["ports", n] => Ok(Request::Ports { netns: number(n)? }),
             ["scope", n] => Ok(Request::Scope {
                 cgroup_id: number(n)?,
@@ -54,6 +58,7 @@ impl fmt::Display for Request {
             Request::Stats { top: None } => write!(f, "stats"),
             Request::Stats { top: Some(n) } => write!(f, "stats {n}"),
             Request::Reload => write!(f, "reload"),
+            Request::Stop => write!(f, "stop"),
             Request::Ports { netns } => write!(f, "ports {netns}"),
             Request::Scope { cgroup_id } => write!(f, "scope {cgroup_id}"),
         }
@@ -68,7 +73,14 @@ pub enum Reply {
     Reload(ReloadReply),
     Ports(DaemonPorts),
     Scope(ScopeReply),
+    Stop(StopReply),
     Error(ErrorReply),
+}
+
+/// Answer of `stop`.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct StopReply {
+    pub stopping: bool,
 }
 
 impl Reply {
@@ -107,6 +119,7 @@ mod tests {
             Request::Reload,
             Request::Ports { netns: 4097 },
             Request::Scope { cgroup_id: 1 },
+            Request::Stop,
         ] {
             assert_eq!(Request::parse(&format!("{r}\n")), Ok(r));
         }
@@ -115,8 +128,8 @@ mod tests {
             Err("\"x\" is not a number, in request \"stats x\"".into())
         );
         assert_eq!(
-            Request::parse("stop"),
-            Err("unknown request \"stop\"".into())
+            Request::parse("halt"),
+            Err("unknown request \"halt\"".into())
         );
     }
 }

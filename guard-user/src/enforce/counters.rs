@@ -3,7 +3,9 @@
 //! map of a long-running daemon holds the destinations in use.
 use std::collections::HashMap;
 
-use guard_common::{Counter, CounterKey, EaddrKey, STAT_INTERNAL_ERRORS, TimeWaitKey};
+use guard_common::{
+    Counter, CounterKey, EaddrKey, STAT_INTERNAL_ERRORS, STAT_LEASE_EXPIRED, TimeWaitKey,
+};
 
 use crate::kernel::{batch, maps::CounterMaps};
 
@@ -28,6 +30,7 @@ pub struct CounterDump {
     pub time_wait_created: HashMap<u32, u64>,
     pub eaddrnotavail: Vec<(EaddrKey, u64)>,
     pub internal_errors: u64,
+    pub lease_expired: u64,
 }
 
 impl Counters {
@@ -48,7 +51,8 @@ impl Counters {
             rules: batch::array_prefix(&self.maps.rule_counters, rules),
             time_wait_created: self.time_wait_created(),
             eaddrnotavail: self.eaddrnotavail(),
-            internal_errors: self.internal_errors(),
+            internal_errors: self.stat(STAT_INTERNAL_ERRORS),
+            lease_expired: self.stat(STAT_LEASE_EXPIRED),
         }
     }
 
@@ -112,11 +116,11 @@ impl Counters {
         batch::entries(&self.maps.eaddrnotavail)
     }
 
-    /// Internal errors summed over CPUs (fail-open events).
-    fn internal_errors(&self) -> u64 {
+    /// An internal counter (`guard_common::STAT_*`) summed over CPUs.
+    fn stat(&self, index: u32) -> u64 {
         self.maps
             .stats
-            .get(&STAT_INTERNAL_ERRORS, 0)
+            .get(&index, 0)
             .map(|v| v.iter().sum())
             .unwrap_or(0)
     }

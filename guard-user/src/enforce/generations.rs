@@ -73,21 +73,28 @@ pub struct Generations {
 impl Generations {
     /// Tells the programs the cgroup id of `cgroup_root` (the daemon's cgroup2 mount),
     /// from which the levels of selected cgroups count.
-    pub fn new(mut maps: PolicyMaps, cgroup_root: PathBuf) -> anyhow::Result<Self> {
+    /// The links are pinned in `links_dir`, where those of a daemon before this one are
+    /// adopted; so are the ids it gave names.
+    pub fn new(
+        mut maps: PolicyMaps,
+        cgroup_root: PathBuf,
+        links_dir: PathBuf,
+    ) -> anyhow::Result<Self> {
         let root_id = cgroup::cgroup_id(&cgroup_root)?;
         maps.cgroup_root
             .set(0, root_id, 0)
             .context("writing CGROUP_ROOT")?;
+        let ids = Arc::new(Ids::restore(&maps.ids)?);
         Ok(Generations {
             maps,
             cgroup_root,
             gen_: 0,
-            ids: Arc::default(),
+            ids,
             policy: None,
             written_scopes: BTreeMap::new(),
             written_levels: 0,
             governed: BTreeMap::new(),
-            links: CgroupLinks::default(),
+            links: CgroupLinks::new(links_dir),
             tops: BTreeMap::new(),
             created: Vec::new(),
             events: 0,
@@ -96,6 +103,12 @@ impl Generations {
             idle_scopes: Vec::new(),
             idle_rules: Vec::new(),
         })
+    }
+
+    /// How many cgroups' links were adopted from a daemon before, to be moved to this
+    /// daemon's programs by the first `apply`.
+    pub fn adopted_links(&self) -> usize {
+        self.links.adopted()
     }
 
     /// The cgroup2 mount the policy's paths are below.
@@ -123,6 +136,8 @@ impl Generations {
         // Ids are assigned on a copy: a refused policy takes none.
         let mut ids = Ids::clone(&self.ids);
         ids.assign(&policy)?;
+        // Kept where the next daemon finds them before any count is keyed by them.
+        ids.persist(&self.ids, &mut self.maps.ids)?;
         let confs = scope_confs(&ids, &policy)?;
         let (scopes, levels) = selected(&governed, &confs);
         let tops = tops(&governed);
@@ -161,6 +176,7 @@ impl Generations {
             self.links.attach(ebpf, &tops, true);
             // The switch: from here the programs read the new generation.
             self.maps.active_gen.set(0, next, 0)?;
+            self.links.finish_adoption(ebpf, &tops);
             Ok(())
         })();
         if let Err(e) = result {

@@ -1,14 +1,14 @@
 //! Stable ids for scope and rule names: the keys of their counters.
 use std::collections::{HashMap, HashSet};
 
-use anyhow::bail;
-use guard_common::{MAX_RULE_IDS, MAX_SCOPE_IDS};
+use anyhow::{Context, bail};
+use guard_common::{ID_RULE, ID_SCOPE, IdKey, MAX_ID_NAME, MAX_RULE_IDS, MAX_SCOPE_IDS};
 
-use crate::policy::Policy;
+use crate::{kernel::maps::Hashed, policy::Policy};
 
-/// Stable numeric ids for scope and rule names, for the daemon's life: a scope or rule
-/// removed by a reload and added again by a later one gets its id, and so its counts,
-/// back. Ids index the kernel's SCOPE_COUNTERS and RULE_COUNTERS arrays, so there are
+/// Stable numeric ids for scope and rule names, for the life of the pinned state: a
+/// scope or rule removed by a reload and added again by a later one, or by the next
+/// daemon, gets its id, and so its counts, back. Ids index the kernel's SCOPE_COUNTERS and RULE_COUNTERS arrays, so there are
 /// at most MAX_SCOPE_IDS scope ids and MAX_RULE_IDS rule ids (unique across scopes);
 /// a policy that needs more is refused.
 #[derive(Default, Clone)]
@@ -65,6 +65,46 @@ impl Ids {
         Ok(())
     }
 
+    /// The ids kept in the pinned `IDS` map (none on a first start).
+    pub fn restore(map: &Hashed<IdKey, u32>) -> anyhow::Result<Ids> {
+        let mut ids = Ids::default();
+        for entry in map.iter() {
+            let (key, id) = entry.context("reading IDS")?;
+            let end = key.name.iter().position(|b| *b == 0).unwrap_or(MAX_ID_NAME);
+            let name = String::from_utf8_lossy(&key.name[..end]).into_owned();
+            if key.kind == ID_SCOPE {
+                ids.scopes.insert(name, id);
+            } else {
+                let rule = key.name[end..]
+                    .iter()
+                    .skip(1)
+                    .take_while(|b| **b != 0)
+                    .copied()
+                    .collect::<Vec<u8>>();
+                let rule = String::from_utf8_lossy(&rule).into_owned();
+                ids.rules.insert((name, rule), id);
+            }
+        }
+        Ok(ids)
+    }
+
+    /// Writes into `map` the ids this holds and `before` did not.
+    pub fn persist(&self, before: &Ids, map: &mut Hashed<IdKey, u32>) -> anyhow::Result<()> {
+        for (name, id) in &self.scopes {
+            if !before.scopes.contains_key(name) {
+                map.insert(id_key(ID_SCOPE, &[name]), id, 0)
+                    .context("writing IDS")?;
+            }
+        }
+        for ((scope, rule), id) in &self.rules {
+            if !before.rules.contains_key(&(scope.clone(), rule.clone())) {
+                map.insert(id_key(ID_RULE, &[scope, rule]), id, 0)
+                    .context("writing IDS")?;
+            }
+        }
+        Ok(())
+    }
+
     /// The id of a scope name, once assigned.
     pub fn scope(&self, name: &str) -> Option<u32> {
         self.scopes.get(name).copied()
@@ -96,6 +136,19 @@ impl Ids {
             .map(|((_, r), id)| (*id, r.as_str()))
             .collect()
     }
+}
+
+/// The `IDS` key of `names` (a scope's, or a scope's and a rule's), NUL-separated. The
+/// policy keeps names short enough (`MAX_NAME`).
+fn id_key(kind: u32, names: &[&str]) -> IdKey {
+    let mut key = IdKey {
+        kind,
+        name: [0; MAX_ID_NAME],
+    };
+    let joined = names.join("\0");
+    let n = joined.len().min(MAX_ID_NAME);
+    key.name[..n].copy_from_slice(&joined.as_bytes()[..n]);
+    key
 }
 
 #[cfg(test)]

@@ -1,7 +1,9 @@
 //! Enforcement: which cgroups each scope governs, the policy generations in the kernel
-//! and their atomic switch, the counters the programs keep, and port watermarks.
+//! and their atomic switch, the counters the programs keep, port watermarks, and the
+//! lease the programs shed under.
 pub mod counters;
 pub mod generations;
 pub mod ids;
+pub mod lease;
 pub mod port_watch;
 pub mod scopes;

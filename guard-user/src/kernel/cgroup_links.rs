@@ -6,11 +6,13 @@
 //! Each attachment is a bpf_link, which the kernel adds in BPF_F_ALLOW_MULTI mode, so
 //! programs of systemd or a CNI on the same cgroups keep working. A link takes no attach
 //! flags (CgroupAttachMode::AllowMultiple makes bpf_link_create fail with EINVAL on
-//! 6.18), so the default mode, Single, is passed.
+//! 6.18), so the default mode, Single, is passed. Each link is pinned in the state
+//! directory as `cg<cgroup id>-<program>` (bpffs refuses a dot in a name, EPERM), so that it outlives the daemon; a daemon
+//! started again adopts the pins and moves them to its own programs.
 use std::{
     collections::{BTreeMap, BTreeSet},
     fs::File,
-    os::unix::fs::MetadataExt,
+    os::{fd::AsFd, unix::fs::MetadataExt},
     path::{Path, PathBuf},
 };
 
@@ -21,7 +23,11 @@ use aya::{
 };
 use guard_common::names::program::{CONNECT4, CONNECT6, SOCK_CREATE, SOCK_RELEASE, SOCK_STATE};
 
-use super::{object::program, syscall::link_cgroup_id};
+use super::{object::program, state::Pin, syscall::link_cgroup_id};
+
+/// The admitting programs, in the order they are attached, and the releasing ones.
+const ADMITTING: [&str; 3] = [CONNECT4, CONNECT6, SOCK_CREATE];
+const RELEASING: [&str; 2] = [SOCK_STATE, SOCK_RELEASE];
 
 /// A cgroup's links, in two parts. The admitting programs (connect4, connect6,
 /// sock_create) are attached first, connect first, so that a cgroup just created is
@@ -34,10 +40,10 @@ use super::{object::program, syscall::link_cgroup_id};
 /// closes its fd, which detaches it.
 struct Attachment {
     dir: PathBuf,
-    /// Empty once the cgroup is no longer wanted.
-    admit: Vec<FdLink>,
-    /// Held to be dropped.
-    _release: Vec<FdLink>,
+    /// Empty once the cgroup is no longer wanted; else one per `ADMITTING`.
+    admit: Vec<Pin>,
+    /// One per `RELEASING`.
+    release: Vec<Pin>,
     /// The kernel's id of a releasing link, to ask whether the kernel detached it.
     release_id: u32,
 }
@@ -45,13 +51,17 @@ struct Attachment {
 /// Links taken out by `detach_others`, detached on drop.
 #[must_use]
 pub struct Detached {
-    _links: Vec<FdLink>,
+    _links: Vec<Pin>,
     _attachments: Vec<Attachment>,
 }
 
 /// The cgroups the connection programs are attached to.
-#[derive(Default)]
 pub struct CgroupLinks {
+    /// Where the links are pinned.
+    dir: PathBuf,
+    /// Links pinned by a daemon before this one, by cgroup id, until the first policy
+    /// is in force (`finish_adoption`).
+    adopted: BTreeMap<u64, Attachment>,
     /// By cgroup id: wanted ones with all their links; existing ones no longer wanted
     /// with their releasing links only.
     attached: BTreeMap<u64, Attachment>,
@@ -90,6 +100,94 @@ impl Removed {
 }
 
 impl CgroupLinks {
+    /// Links pinned in `dir`; those a daemon before this one left there are adopted.
+    /// A cgroup's links are adopted when all are there; a partial set (a daemon that
+    /// died attaching) is removed, and attached again.
+    pub fn new(dir: PathBuf) -> CgroupLinks {
+        let mut pins: BTreeMap<u64, Vec<(String, Pin)>> = BTreeMap::new();
+        for path in std::fs::read_dir(&dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.path())
+        {
+            let Some((id, prog)) = path
+                .file_name()
+                .and_then(|n| n.to_str())
+                .and_then(|n| n.strip_prefix("cg"))
+                .and_then(|n| n.split_once('-'))
+                .and_then(|(id, prog)| Some((id.parse::<u64>().ok()?, prog.to_string())))
+            else {
+                continue;
+            };
+            match Pin::adopt(path.clone()) {
+                Ok(pin) => pins.entry(id).or_default().push((prog, pin)),
+                Err(e) => log::warn!("adopting the link pinned at {}: {e}", path.display()),
+            }
+        }
+        let mut adopted = BTreeMap::new();
+        for (id, mut found) in pins {
+            let mut take = |name: &str| {
+                let i = found.iter().position(|(p, _)| p == name)?;
+                Some(found.swap_remove(i).1)
+            };
+            let admit: Option<Vec<Pin>> = ADMITTING.iter().map(|n| take(n)).collect();
+            let release: Option<Vec<Pin>> = RELEASING.iter().map(|n| take(n)).collect();
+            if let (Some(admit), Some(release)) = (admit, release) {
+                let release_id = release[0].id;
+                adopted.insert(
+                    id,
+                    Attachment {
+                        dir: PathBuf::new(),
+                        admit,
+                        release,
+                        release_id,
+                    },
+                );
+            }
+        }
+        CgroupLinks {
+            dir,
+            adopted,
+            attached: BTreeMap::new(),
+            removed: BTreeMap::new(),
+            failed: BTreeSet::new(),
+        }
+    }
+
+    /// How many cgroups' links were adopted and wait for `finish_adoption`.
+    pub fn adopted(&self) -> usize {
+        self.adopted.len()
+    }
+
+    /// Moves the adopted links of the cgroups in `wanted` to this daemon's programs,
+    /// once its policy is in force (until then they run the programs of the daemon
+    /// before, with its policy). Those of other cgroups lose their admitting links and
+    /// keep their releasing ones, as for a cgroup a reload stops selecting.
+    pub fn finish_adoption(&mut self, ebpf: &mut Ebpf, wanted: &BTreeMap<u64, PathBuf>) {
+        for (id, mut a) in std::mem::take(&mut self.adopted) {
+            let Some(dir) = wanted.get(&id) else {
+                a.admit.clear();
+                self.removed.insert(id, a);
+                continue;
+            };
+            let names = ADMITTING.iter().chain(&RELEASING);
+            for (name, pin) in names.zip(a.admit.iter().chain(&a.release)) {
+                let updated = program(ebpf, name)
+                    .and_then(|p| Ok(p.fd()?.as_fd().try_clone_to_owned()?))
+                    .and_then(|fd| Ok(pin.update(fd.as_fd())?));
+                if let Err(e) = updated {
+                    log::warn!(
+                        "{} keeps the {name} program of the daemon before: moving its link failed: {e:#}",
+                        dir.display()
+                    );
+                }
+            }
+            a.dir = dir.clone();
+            self.attached.insert(id, a);
+        }
+    }
+
     /// Attaches the programs to every cgroup of `wanted` (id -> directory) that lacks
     /// them. A cgroup that cannot be attached (removed meanwhile, or refused: a program
     /// attached without BPF_F_ALLOW_MULTI above it forbids any below) is left unguarded,
@@ -98,7 +196,7 @@ impl CgroupLinks {
     pub fn attach(&mut self, ebpf: &mut Ebpf, wanted: &BTreeMap<u64, PathBuf>, retry: bool) {
         self.failed.retain(|id| wanted.contains_key(id));
         for (id, dir) in wanted {
-            if !retry && self.failed.contains(id) {
+            if (!retry && self.failed.contains(id)) || self.adopted.contains_key(id) {
                 continue;
             }
             // A cgroup renamed was taken for removed, with its links.
@@ -109,9 +207,9 @@ impl CgroupLinks {
             let result = match self.attached.get_mut(id) {
                 Some(a) if !a.admit.is_empty() => continue,
                 Some(a) => open(*id, dir)
-                    .and_then(|cgroup| admitting(ebpf, &cgroup))
+                    .and_then(|cgroup| admitting(ebpf, &self.dir, *id, &cgroup))
                     .map(|links| a.admit = links),
-                None => attach(ebpf, *id, dir).map(|a| {
+                None => attach(ebpf, &self.dir, *id, dir).map(|a| {
                     self.attached.insert(*id, a);
                 }),
             };
@@ -196,40 +294,60 @@ fn open(id: u64, dir: &Path) -> anyhow::Result<File> {
     Ok(cgroup)
 }
 
-/// All of the connection programs' links to cgroup `id` at `dir`, or none.
-fn attach(ebpf: &mut Ebpf, id: u64, dir: &Path) -> anyhow::Result<Attachment> {
+/// All of the connection programs' links to cgroup `id` at `dir`, pinned in `pins`, or
+/// none.
+fn attach(ebpf: &mut Ebpf, pins: &Path, id: u64, dir: &Path) -> anyhow::Result<Attachment> {
     let cgroup = open(id, dir)?;
-    let admit = admitting(ebpf, &cgroup)?;
+    let admit = admitting(ebpf, pins, id, &cgroup)?;
     let mode = CgroupAttachMode::Single;
     // On an error, what was attached is detached (dropped).
-    let mut release: Vec<FdLink> = Vec::new();
+    let mut release = Vec::new();
     let prog: &mut SockOps = program(ebpf, SOCK_STATE)?.try_into()?;
     let link = prog.attach(&cgroup, mode).context(SOCK_STATE)?;
-    release.push(prog.take_link(link)?.try_into()?);
+    release.push(pin(
+        prog.take_link(link)?.try_into()?,
+        pins,
+        id,
+        SOCK_STATE,
+    )?);
     let prog: &mut CgroupSock = program(ebpf, SOCK_RELEASE)?.try_into()?;
     let link = prog.attach(&cgroup, mode).context(SOCK_RELEASE)?;
-    release.push(prog.take_link(link)?.try_into()?);
-    let release_id = release[0].info()?.id();
+    release.push(pin(
+        prog.take_link(link)?.try_into()?,
+        pins,
+        id,
+        SOCK_RELEASE,
+    )?);
+    let release_id = release[0].id;
     Ok(Attachment {
         dir: dir.to_path_buf(),
         admit,
-        _release: release,
+        release,
         release_id,
     })
 }
 
-/// The admitting programs' links to `cgroup`: connect4, connect6 and sock_create, in
-/// that order.
-fn admitting(ebpf: &mut Ebpf, cgroup: &File) -> anyhow::Result<Vec<FdLink>> {
+/// The admitting programs' links to `cgroup` (cgroup `id`), in `ADMITTING` order.
+fn admitting(ebpf: &mut Ebpf, pins: &Path, id: u64, cgroup: &File) -> anyhow::Result<Vec<Pin>> {
     let mode = CgroupAttachMode::Single;
-    let mut links: Vec<FdLink> = Vec::new();
+    let mut links = Vec::new();
     for name in [CONNECT4, CONNECT6] {
         let prog: &mut CgroupSockAddr = program(ebpf, name)?.try_into()?;
         let link = prog.attach(cgroup, mode).context(name)?;
-        links.push(prog.take_link(link)?.try_into()?);
+        links.push(pin(prog.take_link(link)?.try_into()?, pins, id, name)?);
     }
     let prog: &mut CgroupSock = program(ebpf, SOCK_CREATE)?.try_into()?;
     let link = prog.attach(cgroup, mode).context(SOCK_CREATE)?;
-    links.push(prog.take_link(link)?.try_into()?);
+    links.push(pin(
+        prog.take_link(link)?.try_into()?,
+        pins,
+        id,
+        SOCK_CREATE,
+    )?);
     Ok(links)
+}
+
+/// Pins program `name`'s link to cgroup `id` in `pins`.
+fn pin(link: FdLink, pins: &Path, id: u64, name: &str) -> anyhow::Result<Pin> {
+    Pin::new(link, pins.join(format!("cg{id}-{name}")))
 }

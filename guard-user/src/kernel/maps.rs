@@ -8,14 +8,15 @@ use aya::{
     maps::{Array, HashMap as BpfHash, LpmTrie, Map, MapData, MapError, PerCpuArray},
 };
 use guard_common::{
-    Candidates, CgroupKey, Counter, CounterKey, EaddrKey, ListenerKey, ListenerShed, PortUseKey,
-    RuleAddrKey, ScopeConf, TimeWaitKey, names::map,
+    Candidates, CgroupKey, Counter, CounterKey, EaddrKey, IdKey, ListenerKey, ListenerShed,
+    PortUseKey, RuleAddrKey, ScopeConf, TimeWaitKey, names::map,
 };
 
 pub type Hashed<K, V> = BpfHash<MapData, K, V>;
 
-/// The policy in force, in two generations.
+/// The policy in force, in two generations, and the ids names are counted by.
 pub struct PolicyMaps {
+    pub ids: Hashed<IdKey, u32>,
     pub active_gen: Array<MapData, u32>,
     pub scopes: Hashed<CgroupKey, ScopeConf>,
     pub scope_levels: Array<MapData, u32>,
@@ -33,6 +34,9 @@ pub struct CounterMaps {
     pub stats: PerCpuArray<MapData, u64>,
 }
 
+/// Until when the daemon holds its lease (CLOCK_MONOTONIC ns).
+pub type Lease = Array<MapData, u64>;
+
 /// Listener guards' decisions and counts.
 pub struct ListenerMaps {
     pub shed: Hashed<ListenerKey, ListenerShed>,
@@ -47,12 +51,14 @@ pub struct Maps {
     /// Ports held toward destinations near a port watermark.
     pub port_use: Hashed<PortUseKey, u32>,
     pub listeners: ListenerMaps,
+    pub lease: Lease,
 }
 
 impl Maps {
     pub fn take(ebpf: &mut Ebpf) -> anyhow::Result<Maps> {
         Ok(Maps {
             policy: PolicyMaps {
+                ids: take(ebpf, map::IDS)?,
                 active_gen: take(ebpf, map::ACTIVE_GEN)?,
                 scopes: take(ebpf, map::SCOPES)?,
                 scope_levels: take(ebpf, map::SCOPE_LEVELS)?,
@@ -73,6 +79,7 @@ impl Maps {
                 rst_shed: take(ebpf, map::RST_SHED)?,
                 would_rst: take(ebpf, map::WOULD_RST)?,
             },
+            lease: take(ebpf, map::LEASE)?,
         })
     }
 }

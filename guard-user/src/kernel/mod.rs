@@ -6,4 +6,5 @@ pub mod cgroup_links;
 pub mod features;
 pub mod maps;
 pub mod object;
+pub mod state;
 pub mod syscall;

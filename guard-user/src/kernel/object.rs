@@ -4,14 +4,17 @@ use aya::{
     Btf, Ebpf, EbpfLoader,
     programs::{
         BtfTracePoint, CgroupSock, CgroupSockAddr, SchedClassifier, SockOps, TcAttachType,
-        links::LinkOrder,
+        links::{FdLink, LinkOrder},
         tc::{NlOptions, SchedClassifierLink, TcAttachOptions},
     },
 };
-use guard_common::names::program;
+use guard_common::names::{map, program};
 use serde::{Deserialize, Serialize};
 
-use super::features::{Feature, Features};
+use super::{
+    features::{Feature, Features},
+    state::{Pin, State},
+};
 
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/guard-ebpf"));
 
@@ -20,7 +23,7 @@ const CGROUP_SOCK_ADDR: &[&str] = &[program::CONNECT4, program::CONNECT6];
 const CGROUP_SOCK: &[&str] = &[program::SOCK_CREATE, program::SOCK_RELEASE];
 const SOCK_OPS: &[&str] = &[program::SOCK_STATE];
 /// (program, BTF tracepoint)
-const TP_BTF: &[(&str, &str)] = &[(program::SOCK_SET_STATE, program::SOCK_SET_STATE_TRACEPOINT)];
+const TP_BTF: (&str, &str) = (program::SOCK_SET_STATE, program::SOCK_SET_STATE_TRACEPOINT);
 
 /// Fails with a plain message unless we run as root.
 pub fn require_root() -> anyhow::Result<()> {
@@ -33,18 +36,20 @@ pub fn require_root() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Loads every program and attaches the host-wide one (the state tracepoint); the
-/// connection programs are attached to cgroups by `cgroup_links`. Attachments are
-/// bpf_links, which the kernel drops when the process exits, stopped or killed: that is
-/// what makes connguard fail open. (Listener guards on kernels without tcx are clsact
-/// filters, which outlive the process; a stopping daemon removes them.) `features` must
-/// have passed `require`.
-pub fn load(features: &Features) -> anyhow::Result<Ebpf> {
+/// Loads every program, with the pinned maps of `state` (adopted, or created and
+/// pinned), and attaches the host-wide one (the state tracepoint), pinned; the
+/// connection programs are attached to cgroups by `cgroup_links`. The tracepoint link
+/// pinned by a daemon before is removed once this one is attached: for that moment
+/// both run, and the release each makes is a swap only one wins. `features` must have
+/// passed `require`.
+pub fn load(features: &Features, state: &State) -> anyhow::Result<(Ebpf, Pin)> {
     let has_set_retval = u8::from(features.has(Feature::SetRetval));
-    let mut ebpf = EbpfLoader::new()
-        .override_global("HAS_SET_RETVAL", &has_set_retval, true)
-        .load(OBJECT)
-        .context("loading the eBPF object")?;
+    let mut loader = EbpfLoader::new();
+    loader.override_global("HAS_SET_RETVAL", &has_set_retval, true);
+    for name in map::PINNED {
+        loader.map_pin_path(name, state.map_path(name));
+    }
+    let mut ebpf = loader.load(OBJECT).context("loading the eBPF object")?;
     for name in CGROUP_SOCK_ADDR {
         let prog: &mut CgroupSockAddr = program(&mut ebpf, name)?.try_into()?;
         prog.load().with_context(|| format!("loading {name}"))?;
@@ -61,14 +66,26 @@ pub fn load(features: &Features) -> anyhow::Result<Ebpf> {
     let prog: &mut SchedClassifier = program(&mut ebpf, name)?.try_into()?;
     prog.load().with_context(|| format!("loading {name}"))?;
     let btf = Btf::from_sys_fs().context("reading kernel BTF from /sys/kernel/btf/vmlinux")?;
-    for (name, tracepoint) in TP_BTF {
-        let prog: &mut BtfTracePoint = program(&mut ebpf, name)?.try_into()?;
-        prog.load(tracepoint, &btf)
-            .with_context(|| format!("loading {name}"))?;
-        prog.attach()
-            .with_context(|| format!("attaching {name} to {tracepoint}"))?;
+    let (name, tracepoint) = TP_BTF;
+    let prog: &mut BtfTracePoint = program(&mut ebpf, name)?.try_into()?;
+    prog.load(tracepoint, &btf)
+        .with_context(|| format!("loading {name}"))?;
+    let link = prog
+        .attach()
+        .with_context(|| format!("attaching {name} to {tracepoint}"))?;
+    let link: FdLink = prog.take_link(link)?.into();
+    let id = link.info()?.id();
+    let pinned = Pin::new(link, state.links_dir().join(format!("{name}-{id}")))?;
+    let prefix = format!("{name}-");
+    for old in std::fs::read_dir(state.links_dir())?.flatten() {
+        let path = old.path();
+        let file = old.file_name();
+        if file.to_string_lossy().starts_with(&prefix) && path != pinned.path() {
+            std::fs::remove_file(&path)
+                .with_context(|| format!("removing the old tracepoint link {}", path.display()))?;
+        }
     }
-    Ok(ebpf)
+    Ok((ebpf, pinned))
 }
 
 /// Attaches the loaded listener program to an interface's ingress, in the calling

@@ -1,13 +1,18 @@
 //! The raw bpf(2) system call, for what aya 0.14 has no API for (batch lookups, feature
 //! probes). Source: include/uapi/linux/bpf.h (`enum bpf_cmd`, `union bpf_attr`).
-use std::io;
+use std::{
+    io,
+    os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd},
+};
 
 // enum bpf_cmd.
 pub const BPF_PROG_LOAD: libc::c_long = 5;
 pub const BPF_PROG_QUERY: libc::c_long = 16;
 pub const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
 pub const BPF_LINK_CREATE: libc::c_long = 28;
+const BPF_OBJ_GET: libc::c_long = 7;
 const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
+const BPF_LINK_UPDATE: libc::c_long = 29;
 const BPF_LINK_GET_FD_BY_ID: libc::c_long = 30;
 const BPF_LINK_TYPE_CGROUP: u32 = 3;
 
@@ -36,34 +41,94 @@ pub unsafe fn bpf<T>(cmd: libc::c_long, attr: &mut T) -> io::Result<libc::c_long
     }
 }
 
-/// The cgroup id a cgroup bpf_link is attached to, by the link's id: 0 once the kernel
-/// has detached it itself (cgroup_bpf_release(), when the removed cgroup's last socket
-/// is gone, sets the link's cgroup to NULL). `struct bpf_link_info`: type, id, prog_id,
-/// then the union, whose `cgroup` member starts with the cgroup id.
-pub fn link_cgroup_id(link_id: u32) -> io::Result<u64> {
-    use std::os::fd::{FromRawFd, OwnedFd};
+/// The object pinned at `path` (BPF_OBJ_GET: pathname, bpf_fd, file_flags).
+pub fn obj_get(path: &std::path::Path) -> io::Result<OwnedFd> {
+    use std::os::unix::ffi::OsStrExt;
     #[repr(C)]
-    struct GetFd {
-        link_id: u32,
-        next_id: u32,
-        open_flags: u32,
+    struct ObjGet {
+        pathname: u64,
+        bpf_fd: u32,
+        file_flags: u32,
     }
+    let path = std::ffi::CString::new(path.as_os_str().as_bytes())?;
+    let mut attr = ObjGet {
+        pathname: path.as_ptr() as u64,
+        bpf_fd: 0,
+        file_flags: 0,
+    };
+    // SAFETY: `pathname` is a NUL-terminated string that outlives the call.
+    let fd = unsafe { bpf(BPF_OBJ_GET, &mut attr) }?;
+    // SAFETY: the kernel returned a new fd, ours to close.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// Moves link `link` to program `prog` (BPF_LINK_UPDATE: link_fd, new_prog_fd, flags,
+/// old_prog_fd; no flags: whatever program the link runs now).
+pub fn link_update(link: BorrowedFd<'_>, prog: BorrowedFd<'_>) -> io::Result<()> {
     #[repr(C)]
-    #[derive(Default)]
-    struct LinkInfo {
-        type_: u32,
-        id: u32,
-        prog_id: u32,
-        _pad: u32,
-        cgroup_id: u64,
-        attach_type: u32,
-        _rest: [u32; 9],
+    struct LinkUpdate {
+        link_fd: u32,
+        new_prog_fd: u32,
+        flags: u32,
+        old_prog_fd: u32,
     }
+    let mut attr = LinkUpdate {
+        link_fd: link.as_raw_fd() as u32,
+        new_prog_fd: prog.as_raw_fd() as u32,
+        flags: 0,
+        old_prog_fd: 0,
+    };
+    // SAFETY: BPF_LINK_UPDATE reads these four fields.
+    unsafe { bpf(BPF_LINK_UPDATE, &mut attr) }?;
+    Ok(())
+}
+
+/// `struct bpf_link_info`: type, id, prog_id, then the union, whose `cgroup` member
+/// starts with the cgroup id.
+#[repr(C)]
+#[derive(Default)]
+struct LinkInfo {
+    type_: u32,
+    id: u32,
+    prog_id: u32,
+    _pad: u32,
+    cgroup_id: u64,
+    attach_type: u32,
+    _rest: [u32; 9],
+}
+
+fn link_info(fd: BorrowedFd<'_>) -> io::Result<LinkInfo> {
     #[repr(C)]
     struct GetInfo {
         bpf_fd: u32,
         info_len: u32,
         info: u64,
+    }
+    let mut info = LinkInfo::default();
+    let mut get = GetInfo {
+        bpf_fd: fd.as_raw_fd() as u32,
+        info_len: std::mem::size_of::<LinkInfo>() as u32,
+        info: &raw mut info as u64,
+    };
+    // SAFETY: `info` is valid for `info_len` bytes.
+    unsafe { bpf(BPF_OBJ_GET_INFO_BY_FD, &mut get) }?;
+    Ok(info)
+}
+
+/// The kernel's id of the link `fd`.
+pub fn link_id(fd: BorrowedFd<'_>) -> io::Result<u32> {
+    Ok(link_info(fd)?.id)
+}
+
+/// The cgroup id a cgroup bpf_link is attached to, by the link's id: 0 once the kernel
+/// has detached it itself (cgroup_bpf_release(), when the removed cgroup's last socket
+/// is gone, sets the link's cgroup to NULL).
+pub fn link_cgroup_id(link_id: u32) -> io::Result<u64> {
+    #[repr(C)]
+    struct GetFd {
+        link_id: u32,
+        next_id: u32,
+        open_flags: u32,
     }
     let mut get = GetFd {
         link_id,
@@ -74,14 +139,7 @@ pub fn link_cgroup_id(link_id: u32) -> io::Result<u64> {
     let fd = unsafe { bpf(BPF_LINK_GET_FD_BY_ID, &mut get) }?;
     // SAFETY: the kernel returned a new fd, ours to close.
     let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
-    let mut info = LinkInfo::default();
-    let mut get = GetInfo {
-        bpf_fd: std::os::fd::AsRawFd::as_raw_fd(&fd) as u32,
-        info_len: std::mem::size_of::<LinkInfo>() as u32,
-        info: &raw mut info as u64,
-    };
-    // SAFETY: `info` is valid for `info_len` bytes.
-    unsafe { bpf(BPF_OBJ_GET_INFO_BY_FD, &mut get) }?;
+    let info = link_info(fd.as_fd())?;
     if info.type_ != BPF_LINK_TYPE_CGROUP {
         return Err(io::Error::other(format!(
             "link {link_id} is of type {}, not a cgroup link",

@@ -3,8 +3,8 @@
 use std::{collections::HashSet, net::IpAddr, ops::Range, path::Path};
 
 use guard_common::{
-    MAX_CANDIDATES, MAX_PORT_RANGES, MAX_RULE_IDS, MAX_SCOPE_IDS, MODE_ENFORCE, MODE_OBSERVE,
-    PortRange,
+    MAX_CANDIDATES, MAX_NAME, MAX_PORT_RANGES, MAX_RULE_IDS, MAX_SCOPE_IDS, MODE_ENFORCE,
+    MODE_OBSERVE, PortRange,
 };
 use ipnet::IpNet;
 use serde::Deserialize;
@@ -82,6 +82,20 @@ pub fn load_file(path: &Path) -> Result<Policy, PolicyError> {
     parse(&text, &file)
 }
 
+/// Why a scope or rule name cannot be used, if it cannot: counts are kept by name in a
+/// pinned map whose keys hold [`MAX_NAME`] bytes.
+fn bad_name(name: &str) -> Option<String> {
+    if name.is_empty() {
+        Some("must not be empty".into())
+    } else if name.len() > MAX_NAME {
+        Some(format!("is {} bytes long, at most {MAX_NAME}", name.len()))
+    } else if name.contains('\0') {
+        Some("must not contain NUL".into())
+    } else {
+        None
+    }
+}
+
 /// Parses and validates policy text; `file` names it in errors and in `source`.
 pub fn parse(text: &str, file: &str) -> Result<Policy, PolicyError> {
     let at = |span: Range<usize>, reason: String| {
@@ -115,8 +129,8 @@ pub fn parse(text: &str, file: &str) -> Result<Policy, PolicyError> {
             &at,
         )?;
         let name = s.name.get_ref().trim().to_string();
-        if name.is_empty() {
-            return Err(at(s.name.span(), "scope name must not be empty".into()));
+        if let Some(reason) = bad_name(&name) {
+            return Err(at(s.name.span(), format!("scope name {reason}")));
         }
         if !names.insert(name.clone()) {
             return Err(at(s.name.span(), format!("duplicate scope name {name:?}")));
@@ -277,10 +291,13 @@ fn parse_rule(
         at,
     )?;
     let name = match &r.name {
-        Some(n) if n.get_ref().trim().is_empty() => {
-            return Err(at(n.span(), "rule name must not be empty".into()));
+        Some(n) => {
+            let name = n.get_ref().trim().to_string();
+            if let Some(reason) = bad_name(&name) {
+                return Err(at(n.span(), format!("rule name {reason}")));
+            }
+            name
         }
-        Some(n) => n.get_ref().trim().to_string(),
         None => format!("rule{}", index + 1),
     };
     let mut dst = Vec::new();

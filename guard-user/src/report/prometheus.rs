@@ -80,6 +80,12 @@ pub fn render(snap: &Snapshot) -> String {
         "Fail-open events: connections let through uncounted because of an internal problem",
         internal.clone(),
     );
+    let lease_expired = PromCounter::<u64>::default();
+    reg.register(
+        "lease_expired",
+        "Connections let through over a budget because no daemon held the lease",
+        lease_expired.clone(),
+    );
     let generation = Gauge::<i64>::default();
     reg.register(
         "policy_generation",
@@ -232,6 +238,7 @@ pub fn render(snap: &Snapshot) -> String {
             .set(j.last_error.is_some() as i64);
     }
     internal.inc_by(snap.internal_errors);
+    lease_expired.inc_by(snap.lease_expired);
     for (name, present) in snap.kernel.iter().flat_map(|k| &k.features) {
         feature
             .get_or_create(&vec![("feature", name.clone())])
@@ -289,6 +296,7 @@ mod tests {
             policy: PolicyStatus::default(),
             scopes: vec![scope],
             internal_errors: 0,
+            lease_expired: 0,
             programs: Vec::new(),
             eaddrnotavail: Vec::new(),
             watched_ports: Vec::new(),

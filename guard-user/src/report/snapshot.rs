@@ -23,6 +23,11 @@ pub struct Snapshot {
     /// Fail-open events: a full map or another internal problem let a connection
     /// through uncounted.
     pub internal_errors: u64,
+    /// Connections let through over a budget because no daemon held the lease (it was
+    /// gone or stuck for longer than `--lease`), since the pinned state was created
+    /// (absent from the answers of older daemons).
+    #[serde(default)]
+    pub lease_expired: u64,
     /// Per-program cost from the kernel's bpf_stats (`connguard run --bpf-stats`).
     pub programs: Vec<ProgramCost>,
     /// connect() failures with EADDRNOTAVAIL, per scope and process name.

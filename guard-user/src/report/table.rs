@@ -15,6 +15,13 @@ pub fn stats(snap: &Snapshot) -> String {
         );
     }
     let _ = writeln!(out, "internal errors (fail-open): {}", snap.internal_errors);
+    if snap.lease_expired > 0 {
+        let _ = writeln!(
+            out,
+            "let through over budget while no daemon held the lease: {}",
+            snap.lease_expired
+        );
+    }
     for s in &snap.scopes {
         let budget = s
             .max_connections

@@ -1,0 +1,164 @@
+//! State that outlives the daemon: maps and links pinned in bpffs, one directory per
+//! state layout, `/sys/fs/bpf/connguard/v<layout>/` with `maps/` and `links/`.
+//!
+//! The counting maps (`names::map::PINNED`) are pinned by name and adopted by the next
+//! daemon of the same layout, with the sockets' storage in them: a socket admitted
+//! before a restart is released into the same counters when it closes. The links are
+//! pinned too, so the programs stay attached while no daemon runs; the next daemon
+//! moves each to its own programs (BPF_LINK_UPDATE), with no moment unattached. A pin,
+//! not a file descriptor, holds each link: removing the pin detaches it.
+use std::{
+    fs::File,
+    io,
+    os::fd::{AsFd, AsRawFd, BorrowedFd},
+    path::{Path, PathBuf},
+};
+
+use anyhow::{Context, bail};
+use aya::programs::links::FdLink;
+
+use super::syscall::{link_update, obj_get};
+
+/// Where every layout's state directory is.
+pub const ROOT: &str = "/sys/fs/bpf/connguard";
+
+/// This daemon's state directory, locked for its life.
+pub struct State {
+    dir: PathBuf,
+    /// flock(LOCK_EX) on `ROOT`, so that one daemon at a time owns the pins.
+    _lock: File,
+    /// Whether the maps were pinned already, by a daemon before this one.
+    pub adopted: bool,
+}
+
+impl State {
+    /// Opens (creating) the directory of state `layout` and takes its lock: an error
+    /// when another daemon holds it. bpffs must be mounted.
+    pub fn open(layout: u32) -> anyhow::Result<State> {
+        let root = Path::new(ROOT);
+        let dir = root.join(format!("v{layout}"));
+        for d in [dir.join("maps"), dir.join("links")] {
+            std::fs::create_dir_all(&d).with_context(|| format!("creating {}", d.display()))?;
+        }
+        let lock = File::open(root).with_context(|| format!("opening {ROOT}"))?;
+        // SAFETY: flock on an fd we own.
+        if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+            bail!(
+                "another connguard daemon holds {ROOT} ({}); one daemon runs per host",
+                io::Error::last_os_error()
+            );
+        }
+        let adopted = std::fs::read_dir(dir.join("maps"))?.next().is_some();
+        Ok(State {
+            dir,
+            _lock: lock,
+            adopted,
+        })
+    }
+
+    pub fn map_path(&self, name: &str) -> PathBuf {
+        self.dir.join("maps").join(name)
+    }
+
+    pub fn links_dir(&self) -> PathBuf {
+        self.dir.join("links")
+    }
+
+    /// The state directories of other layouts (left by a daemon of another version).
+    pub fn other_layouts(&self) -> Vec<PathBuf> {
+        std::fs::read_dir(ROOT)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| *p != self.dir)
+            .collect()
+    }
+
+    /// Removes this layout's pins: its links detach, its maps go when their last
+    /// program does.
+    pub fn remove(&self) -> io::Result<usize> {
+        remove_pins(&self.dir)
+    }
+}
+
+/// Removes the pins of every layout, when no daemon holds them (`connguard stop` with
+/// no daemon running); returns how many.
+pub fn remove_left() -> anyhow::Result<usize> {
+    let root = Path::new(ROOT);
+    if !root.exists() {
+        return Ok(0);
+    }
+    let lock = File::open(root).with_context(|| format!("opening {ROOT}"))?;
+    // SAFETY: flock on an fd we own.
+    if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        bail!("a connguard daemon holds {ROOT} but did not answer: stop it with its --socket");
+    }
+    let mut n = 0;
+    for dir in std::fs::read_dir(root)? {
+        n += remove_pins(&dir?.path())?;
+    }
+    Ok(n)
+}
+
+/// Removes every pin below `dir`, and the directories; returns how many pins.
+pub fn remove_pins(dir: &Path) -> io::Result<usize> {
+    let mut n = 0;
+    for entry in std::fs::read_dir(dir)? {
+        let path = entry?.path();
+        if path.is_dir() {
+            n += remove_pins(&path)?;
+        } else {
+            std::fs::remove_file(&path)?;
+            n += 1;
+        }
+    }
+    std::fs::remove_dir(dir)?;
+    Ok(n)
+}
+
+/// A bpf_link held by its pin, detached when this is dropped (its pin removed), unless
+/// the daemon exits keeping its state.
+pub struct Pin {
+    path: PathBuf,
+    /// The kernel's id of the link.
+    pub id: u32,
+}
+
+impl Pin {
+    /// Pins `link` at `path`; the link's fd is closed, the pin holds it.
+    pub fn new(link: FdLink, path: PathBuf) -> anyhow::Result<Pin> {
+        let id = link.info()?.id();
+        link.pin(&path)
+            .with_context(|| format!("pinning a link at {}", path.display()))?;
+        Ok(Pin { path, id })
+    }
+
+    /// The link pinned at `path`, by a daemon before this one.
+    pub fn adopt(path: PathBuf) -> io::Result<Pin> {
+        let fd = obj_get(&path)?;
+        let id = super::syscall::link_id(fd.as_fd())?;
+        Ok(Pin { path, id })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Moves the link to program `prog`, atomically: the kernel runs the old program
+    /// or the new one, never neither.
+    pub fn update(&self, prog: BorrowedFd<'_>) -> io::Result<()> {
+        let fd = obj_get(&self.path)?;
+        link_update(fd.as_fd(), prog)
+    }
+}
+
+impl Drop for Pin {
+    fn drop(&mut self) {
+        if let Err(e) = std::fs::remove_file(&self.path)
+            && e.kind() != io::ErrorKind::NotFound
+        {
+            log::warn!("removing the pin {}: {e}", self.path.display());
+        }
+    }
+}

@@ -1,0 +1,190 @@
+//! A daemon stopped and started again, killed, or gone for good: counts survive in the
+//! pinned state, the programs stay attached, and a lease makes them fail open.
+use std::time::{Duration, Instant};
+
+use connguard_tests::{Cgroup, Daemon, Server, budget_policy, n};
+
+const WAIT: Duration = Duration::from_secs(10);
+
+/// Budget 5, 5 connections held, the daemon stopped by `signal` and started again: the
+/// new daemon counts the 5 at once, sheds 5 more, and sees the old ones close.
+fn restart_keeps_every_count(signal: i32) {
+    let server = Server::start("127.0.0.1:0");
+    let cg = Cgroup::new("restart");
+    let policy = budget_policy("r", &cg.rel, "enforce", &server.addr, 5);
+    let d = Daemon::start(&policy);
+    let held = cg.hold(&server.addr, 5, 5);
+    assert_eq!(held.outcome.ok, 5, "{:?}", held.outcome);
+    d.exit_keeping_state(signal);
+
+    let d = Daemon::start_adopting(&policy, &[]);
+    let s = d.scope("r");
+    assert_eq!((n(&s, "active"), n(&s, "admitted")), (5, 5), "{s}");
+    assert!(d.log.lock().unwrap().contains("adopted the pinned state"));
+    let out = cg.probe(&["connect", &server.addr.to_string(), "5", "5"]);
+    assert_eq!((out.ok, out.errors("ECONNREFUSED")), (0, 5), "{out:?}");
+    drop(held);
+    let s = d.wait_scope("r", WAIT, |s| n(s, "active") == 0);
+    assert_eq!(n(&s, "active"), 0, "closing the 5 old connections: {s}");
+    let again = cg.hold(&server.addr, 5, 5);
+    assert_eq!(again.outcome.ok, 5, "{:?}", again.outcome);
+    let s = d.scope("r");
+    assert_eq!(
+        (n(&s, "active"), n(&s, "admitted"), n(&s, "shed")),
+        (5, 10, 5),
+        "{s}"
+    );
+    drop(again);
+    let s = d.wait_scope("r", WAIT, |s| n(s, "active") == 0);
+    assert_eq!(n(&s, "active"), 0, "{s}");
+    assert_eq!(
+        server.peak(),
+        5,
+        "the server never held more than the budget"
+    );
+}
+
+#[test]
+fn a_restart_on_sigterm_keeps_every_count_and_lifts_no_budget() {
+    restart_keeps_every_count(libc::SIGTERM);
+}
+
+#[test]
+fn a_restart_after_sigkill_within_the_lease_keeps_every_count() {
+    restart_keeps_every_count(libc::SIGKILL);
+}
+
+/// Killed and not started again: the programs stay attached and shed until the lease
+/// runs out, then let everything through while still counting; a daemon started later
+/// adopts those counts, exactly.
+#[test]
+fn a_daemon_gone_for_good_fails_open_after_its_lease_and_the_next_adopts_its_counts() {
+    let server = Server::start("127.0.0.1:0");
+    let cg = Cgroup::new("lease");
+    let policy = budget_policy("l", &cg.rel, "enforce", &server.addr, 2);
+    let d = Daemon::start_with(&policy, &["--lease", "3"]);
+    let held = cg.hold(&server.addr, 2, 2);
+    assert_eq!(held.outcome.ok, 2, "{:?}", held.outcome);
+    let killed = Instant::now();
+    d.exit_keeping_state(libc::SIGKILL);
+    let out = cg.probe(&["connect", &server.addr.to_string(), "1", "1"]);
+    if killed.elapsed() < Duration::from_secs(3) {
+        assert_eq!(out.errors("ECONNREFUSED"), 1, "within the lease: {out:?}");
+    }
+    // Fail-open once the lease has run out: a connect over the budget is let through.
+    let until = Instant::now() + WAIT;
+    let over = loop {
+        let over = cg.hold(&server.addr, 1, 1);
+        if over.outcome.ok == 1 || Instant::now() > until {
+            break over;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert_eq!(over.outcome.ok, 1, "after the lease: {:?}", over.outcome);
+    assert!(killed.elapsed() >= Duration::from_secs(3));
+
+    let d = Daemon::start_adopting(&policy, &[]);
+    let stats = d.stats();
+    assert_eq!(n(&stats, "lease_expired"), 1, "{stats}");
+    let s = d.scope("l");
+    assert_eq!(n(&s, "active"), 3, "the one let through was counted: {s}");
+    let out = cg.probe(&["connect", &server.addr.to_string(), "1", "1"]);
+    assert_eq!(out.errors("ECONNREFUSED"), 1, "a new lease sheds: {out:?}");
+    drop((held, over));
+    let s = d.wait_scope("l", WAIT, |s| n(s, "active") == 0);
+    assert_eq!(n(&s, "active"), 0, "{s}");
+}
+
+/// Connections opened and closed while no daemon ran are counted by the programs it
+/// left attached: nothing drifts.
+#[test]
+fn connections_opened_and_closed_with_no_daemon_leave_no_drift() {
+    let server = Server::start("127.0.0.1:0");
+    let cg = Cgroup::new("gap");
+    let policy = budget_policy("g", &cg.rel, "enforce", &server.addr, 100);
+    let d = Daemon::start(&policy);
+    d.exit_keeping_state(libc::SIGTERM);
+    let churn = cg.probe(&["connect", &server.addr.to_string(), "50", "5"]);
+    assert_eq!(churn.ok, 50, "{churn:?}");
+    let held = cg.hold(&server.addr, 3, 3);
+    assert_eq!(held.outcome.ok, 3, "{:?}", held.outcome);
+
+    let d = Daemon::start_adopting(&policy, &[]);
+    let s = d.wait_scope("g", WAIT, |s| n(s, "active") == 3);
+    assert_eq!((n(&s, "active"), n(&s, "admitted")), (3, 53), "{s}");
+    drop(held);
+    let s = d.wait_scope("g", WAIT, |s| n(s, "active") == 0);
+    assert_eq!(n(&s, "active"), 0, "{s}");
+}
+
+/// `connguard stop` detaches everything and unpins the state: the next daemon starts
+/// from nothing.
+#[test]
+fn stop_detaches_and_unpins_everything() {
+    let server = Server::start("127.0.0.1:0");
+    let cg = Cgroup::new("stop");
+    let policy = budget_policy("s", &cg.rel, "enforce", &server.addr, 1);
+    let d = Daemon::start(&policy);
+    let held = cg.hold(&server.addr, 1, 1);
+    let out = d.cli(&["stop"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!std::path::Path::new("/sys/fs/bpf/connguard/v1").exists());
+    assert_eq!(
+        connguard_tests::attached_programs(&cg.path, connguard_tests::BPF_CGROUP_INET4_CONNECT),
+        Some(0)
+    );
+    // Nothing is governed: a second connection passes.
+    let out = cg.probe(&["connect", &server.addr.to_string(), "1", "1"]);
+    assert_eq!(out.ok, 1, "{out:?}");
+    drop(held);
+    d.exit_keeping_state(libc::SIGTERM);
+}
+
+/// An upgrade to a daemon of another state layout: the old layout's programs are
+/// detached and its state unpinned once the new daemon's programs are attached; the
+/// new one counts from zero (connections of before are not carried over).
+#[test]
+fn a_daemon_of_another_state_layout_replaces_the_old_state() {
+    let server = Server::start("127.0.0.1:0");
+    let cg = Cgroup::new("layout");
+    let policy = budget_policy("u", &cg.rel, "enforce", &server.addr, 2);
+    let d = Daemon::start(&policy);
+    let held = cg.hold(&server.addr, 2, 2);
+    assert_eq!(held.outcome.ok, 2, "{:?}", held.outcome);
+    d.exit_keeping_state(libc::SIGTERM);
+    let old = format!("/sys/fs/bpf/connguard/v{}", guard_common::STATE_LAYOUT);
+    assert!(std::path::Path::new(&old).exists());
+
+    let layout = (guard_common::STATE_LAYOUT + 1).to_string();
+    let d = Daemon::start_adopting(&policy, &["--state-layout", &layout]);
+    assert!(
+        !std::path::Path::new(&old).exists(),
+        "{old} was not removed"
+    );
+    assert!(
+        d.log
+            .lock()
+            .unwrap()
+            .contains("removed the state of another layout")
+    );
+    // One program of each kind on the cgroup: the old layout's are detached.
+    assert_eq!(
+        connguard_tests::attached_programs(&cg.path, connguard_tests::BPF_CGROUP_INET4_CONNECT),
+        Some(1)
+    );
+    let s = d.scope("u");
+    assert_eq!(n(&s, "active"), 0, "not carried over: {s}");
+    let more = cg.hold(&server.addr, 3, 3);
+    assert_eq!(
+        more.outcome.ok, 2,
+        "the new daemon's budget: {:?}",
+        more.outcome
+    );
+    drop((held, more));
+    let s = d.wait_scope("u", WAIT, |s| n(s, "active") == 0);
+    assert_eq!(n(&s, "active"), 0, "{s}");
+}
