@@ -35,6 +35,31 @@ pub const STAT_COUNT: u32 = 2;
 /// any change to them.
 pub const STATE_LAYOUT: u32 = 1;
 
+/// setsockopt(2) level and option name of a seeding request: the daemon, at a start with
+/// no pinned state, asks the `seed` program (attached for that moment) to count a
+/// connection that existed before, through a copy of its socket's fd (pidfd_getfd), with
+/// a [`SeedRequest`] as the option value. The program answers 0 (seeded) or EPERM (the
+/// socket has storage already, or no scope), and the kernel's own setsockopt never sees
+/// the option.
+pub const SOL_CONNGUARD: i32 = 0x636e_6775;
+pub const SEED_SOCKET: i32 = 1;
+
+/// The option value of a seeding request, from the socket table (sock_diag).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SeedRequest {
+    /// cgroup v2 id of the selected cgroup whose scope governs the socket.
+    pub cgroup_id: u64,
+    /// Cookie of the socket's network namespace (0 when the kernel cannot name it).
+    pub netns: u64,
+    /// Local and remote addresses, network order, IPv4 IPv4-mapped.
+    pub src: [u8; 16],
+    pub dst: [u8; 16],
+    /// Remote port, host byte order.
+    pub dport: u16,
+    pub _pad: [u8; 6],
+}
+
 /// Key of `IDS`: a scope name (`kind` ID_SCOPE), or a scope name, a NUL and a rule name
 /// (`kind` ID_RULE), NUL-padded. Value: the id (u32). Names are at most
 /// [`MAX_ID_NAME`] bytes together.

@@ -76,6 +76,8 @@ pub mod program {
     pub const SOCK_SET_STATE_TRACEPOINT: &str = "inet_sock_set_state";
     /// tc ingress of listener guards.
     pub const LISTENER_SHED: &str = "listener_shed";
+    /// cgroup setsockopt: counts a connection that existed before the first start.
+    pub const SEED: &str = "seed";
     /// Every program of the object.
     pub const ALL: &[&str] = &[
         CONNECT4,
@@ -85,5 +87,6 @@ pub mod program {
         SOCK_STATE,
         SOCK_SET_STATE,
         LISTENER_SHED,
+        SEED,
     ];
 }

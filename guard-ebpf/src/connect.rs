@@ -9,7 +9,7 @@ use aya_ebpf::{
 };
 use guard_common::{
     CgroupKey, Counter, CounterKey, MAX_CANDIDATES, MODE_ENFORCE, NO_RULE, PortUseKey,
-    RULE_KEY_FIXED_BITS, RuleAddrKey, RuleRef, STAT_INTERNAL_ERRORS, STAT_LEASE_EXPIRED,
+    RULE_KEY_FIXED_BITS, RuleAddrKey, RuleRef, STAT_INTERNAL_ERRORS, STAT_LEASE_EXPIRED, SockState,
     linux::IPPROTO_TCP,
 };
 
@@ -99,6 +99,40 @@ fn admit(ctx: &SockAddrContext, addr: [u8; 16], port: u16) -> i32 {
     // A reconnect after a failure that no release path saw (the route lookup failed, or
     // another cgroup program refused the first attempt): release the old admission.
     let _ = release(state);
+    let netns = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
+    match charge(state, gen_, addr, port, netns, true) {
+        Charge::Shed(errno) => {
+            if unsafe { core::ptr::read_volatile(&HAS_SET_RETVAL) } != 0 {
+                set_errno(errno);
+            }
+            DENY
+        }
+        Charge::NoScope | Charge::Admitted => ALLOW,
+    }
+}
+
+/// What `charge` did.
+pub enum Charge {
+    /// The socket's cgroup has no scope in generation `gen_`.
+    NoScope,
+    Admitted,
+    /// Refused, with this errno.
+    Shed(u32),
+}
+
+/// Admits the socket whose storage is `state` (its `cgroup_id` set, nothing admitted)
+/// toward `addr` (the maps' form) and `port` (host order), in network namespace
+/// `netns`, or sheds it when a budget is spent, `may_shed` and the daemon's lease
+/// holds.
+#[inline(always)]
+pub fn charge(
+    state: *mut SockState,
+    gen_: u32,
+    addr: [u8; 16],
+    port: u16,
+    netns: u64,
+    may_shed: bool,
+) -> Charge {
     let cgroup_id = unsafe { (*state).cgroup_id };
     let Some(scope) = (unsafe {
         SCOPES.get(&CgroupKey {
@@ -107,7 +141,7 @@ fn admit(ctx: &SockAddrContext, addr: [u8; 16], port: u16) -> i32 {
             cgroup_id,
         })
     }) else {
-        return ALLOW;
+        return Charge::NoScope;
     };
     let scope = *scope;
 
@@ -132,7 +166,6 @@ fn admit(ctx: &SockAddrContext, addr: [u8; 16], port: u16) -> i32 {
     };
     // Ports held toward the destination past the watermark (the daemon keeps PORT_USE
     // current): shed like a spent budget, keeping the rest of the range for others.
-    let netns = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
     let ports_over = watermark != 0 && {
         let key = PortUseKey {
             netns,
@@ -190,17 +223,14 @@ fn admit(ctx: &SockAddrContext, addr: [u8; 16], port: u16) -> i32 {
             }
         }
     }
-    if over && scope.mode == MODE_ENFORCE && !lease_held() {
+    if over && scope.mode == MODE_ENFORCE && may_shed && !lease_held() {
         internal_error(STAT_LEASE_EXPIRED);
-    } else if over && scope.mode == MODE_ENFORCE {
+    } else if over && scope.mode == MODE_ENFORCE && may_shed {
         for &c in counters.iter().filter(|c| !c.is_null()) {
             add(unsafe { &raw mut (*c).active }, u64::MAX);
             add(unsafe { &raw mut (*c).shed }, 1);
         }
-        if unsafe { core::ptr::read_volatile(&HAS_SET_RETVAL) } != 0 {
-            set_errno(scope.errno);
-        }
-        return DENY;
+        return Charge::Shed(scope.errno);
     }
     unsafe {
         (*state).dst = dst;
@@ -218,13 +248,13 @@ fn admit(ctx: &SockAddrContext, addr: [u8; 16], port: u16) -> i32 {
         let c = counters[i];
         if !c.is_null() {
             add(unsafe { &raw mut (*c).admitted }, 1);
-            if over {
+            if over && may_shed {
                 add(unsafe { &raw mut (*c).would_shed }, 1);
             }
             raise_peak(unsafe { &raw mut (*c).peak }, olds[i] + 1);
         }
     }
-    ALLOW
+    Charge::Admitted
 }
 
 /// Makes the refused connect() fail with `errno` (bpf_set_retval(-errno)). The verifier

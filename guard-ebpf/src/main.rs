@@ -17,6 +17,7 @@ mod maps;
 mod net;
 mod release;
 mod scope;
+mod seed;
 mod set_state;
 mod sock_create;
 

@@ -29,6 +29,7 @@ use crate::{
         lease::{self, Lease},
         port_watch::{self, PortWatch},
         scopes::{self, Tree},
+        seed,
     },
     host::{cgroup, cgroup_watch::CgroupWatch, mounts},
     kernel::{
@@ -286,6 +287,47 @@ impl Daemon {
         }
     }
 
+    /// Counts the connections that existed before this start, with no pinned state to
+    /// adopt; logs how many per scope. A failure leaves them uncounted (fail-open).
+    fn seed(&self) {
+        let g = lock(&self.generations);
+        let (governed, tops) = g.governed();
+        let result = seed::seed(&mut lock(&self.ebpf), governed, tops);
+        let names: Vec<String> = g
+            .policy()
+            .map(|p| p.scopes.iter().map(|s| s.name.clone()).collect())
+            .unwrap_or_default();
+        drop(g);
+        match result {
+            Ok(s) => {
+                let per_scope: Vec<String> = s
+                    .by_scope
+                    .iter()
+                    .map(|(i, n)| format!("{} {n}", names.get(*i).map_or("?", |s| s.as_str())))
+                    .collect();
+                log::info!(
+                    "seeded the connections that existed before the start, from the socket table: {}{}",
+                    if per_scope.is_empty() {
+                        "none".into()
+                    } else {
+                        per_scope.join(", ")
+                    },
+                    if s.missed > 0 {
+                        format!(
+                            "; {} left uncounted (held by no process, or their fd could not be copied)",
+                            s.missed
+                        )
+                    } else {
+                        String::new()
+                    }
+                );
+            }
+            Err(e) => log::warn!(
+                "seeding from the socket table failed, connections of before the start are not counted: {e:#}"
+            ),
+        }
+    }
+
     /// Starts the periodic jobs.
     fn spawn_jobs(self: &Arc<Self>, forget_idle: Duration) {
         let d = self.clone();
@@ -517,6 +559,9 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
     });
     daemon.apply(policy, tree)?;
     daemon.log_adoption(adopted_links);
+    if !daemon.state.adopted {
+        daemon.seed();
+    }
     let (governed, attached) = {
         let g = lock(&daemon.generations);
         (g.governed_cgroups(), g.attached_dirs())

@@ -144,14 +144,14 @@ fn stop_detaches_and_unpins_everything() {
     d.exit_keeping_state(libc::SIGTERM);
 }
 
-/// An upgrade to a daemon of another state layout: the old layout's programs are
-/// detached and its state unpinned once the new daemon's programs are attached; the
-/// new one counts from zero (connections of before are not carried over).
+/// An upgrade to a daemon of another state layout: it seeds its counts from the socket
+/// table instead of adopting, and the old layout's programs are detached and its state
+/// unpinned once the new daemon's programs are attached.
 #[test]
-fn a_daemon_of_another_state_layout_replaces_the_old_state() {
+fn a_daemon_of_another_state_layout_seeds_and_replaces_the_old_state() {
     let server = Server::start("127.0.0.1:0");
     let cg = Cgroup::new("layout");
-    let policy = budget_policy("u", &cg.rel, "enforce", &server.addr, 2);
+    let policy = budget_policy("u", &cg.rel, "enforce", &server.addr, 3);
     let d = Daemon::start(&policy);
     let held = cg.hold(&server.addr, 2, 2);
     assert_eq!(held.outcome.ok, 2, "{:?}", held.outcome);
@@ -165,26 +165,55 @@ fn a_daemon_of_another_state_layout_replaces_the_old_state() {
         !std::path::Path::new(&old).exists(),
         "{old} was not removed"
     );
-    assert!(
-        d.log
-            .lock()
-            .unwrap()
-            .contains("removed the state of another layout")
-    );
+    let log = d.log.lock().unwrap().clone();
+    assert!(log.contains("removed the state of another layout"), "{log}");
+    assert!(log.contains("from the socket table: u 2"), "{log}");
     // One program of each kind on the cgroup: the old layout's are detached.
     assert_eq!(
         connguard_tests::attached_programs(&cg.path, connguard_tests::BPF_CGROUP_INET4_CONNECT),
         Some(1)
     );
     let s = d.scope("u");
-    assert_eq!(n(&s, "active"), 0, "not carried over: {s}");
+    assert_eq!((n(&s, "active"), n(&s, "admitted")), (2, 2), "seeded: {s}");
     let more = cg.hold(&server.addr, 3, 3);
-    assert_eq!(
-        more.outcome.ok, 2,
-        "the new daemon's budget: {:?}",
-        more.outcome
-    );
+    assert_eq!(more.outcome.ok, 1, "the budget holds: {:?}", more.outcome);
     drop((held, more));
     let s = d.wait_scope("u", WAIT, |s| n(s, "active") == 0);
+    assert_eq!(n(&s, "active"), 0, "{s}");
+}
+
+/// Connections opened before the daemon's first start (no pinned state) are counted
+/// from the socket table, hold their budget, and are released exactly once; an
+/// accepted connection in the governed cgroup (the server side) is not counted.
+#[test]
+fn connections_opened_before_the_first_start_are_seeded_and_released_once() {
+    let server = Server::start("127.0.0.1:0");
+    let cg = Cgroup::new("seed");
+    connguard_tests::remove_pinned_state();
+    let held = cg.hold(&server.addr, 5, 5);
+    assert_eq!(held.outcome.ok, 5, "{:?}", held.outcome);
+    // A listener in the cgroup with a connection accepted from outside it: its server
+    // side is not seeded.
+    let port = connguard_tests::free_port().to_string();
+    let listen = format!("127.0.0.1:{port}");
+    let inner = cg.hold_args(&["listen", "/proc/self/ns/net", &listen, "16", "0"]);
+    let _accepted = std::net::TcpStream::connect(&listen).expect("connect to the listener");
+    let policy = budget_policy("s", &cg.rel, "enforce", &server.addr, 5);
+    let d = Daemon::start(&policy);
+    let log = d.log.lock().unwrap().clone();
+    assert!(log.contains("from the socket table: s 5"), "{log}");
+    let s = d.scope("s");
+    assert_eq!((n(&s, "active"), n(&s, "admitted")), (5, 5), "{s}");
+    let out = cg.probe(&["connect", &server.addr.to_string(), "3", "3"]);
+    assert_eq!((out.ok, out.errors("ECONNREFUSED")), (0, 3), "{out:?}");
+    drop(held);
+    let s = d.wait_scope("s", WAIT, |s| n(s, "active") == 0);
+    assert_eq!(n(&s, "active"), 0, "released once: {s}");
+    let again = cg.hold(&server.addr, 5, 5);
+    assert_eq!(again.outcome.ok, 5, "{:?}", again.outcome);
+    let s = d.scope("s");
+    assert_eq!((n(&s, "active"), n(&s, "admitted")), (5, 10), "{s}");
+    drop((again, inner));
+    let s = d.wait_scope("s", WAIT, |s| n(s, "active") == 0);
     assert_eq!(n(&s, "active"), 0, "{s}");
 }

@@ -319,6 +319,7 @@ mod tests {
             recv_queue: 0,
             send_queue: 0,
             inode: 0,
+            cgroup_id: 0,
         }
     }
 

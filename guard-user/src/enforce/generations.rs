@@ -384,6 +384,11 @@ impl Generations {
     pub fn governed_cgroups(&self) -> usize {
         self.governed.len()
     }
+
+    /// Every governed cgroup, as of the last walk, and the top-most ones.
+    pub fn governed(&self) -> (&BTreeMap<u64, Governed>, &BTreeMap<u64, PathBuf>) {
+        (&self.governed, &self.tops)
+    }
 }
 
 fn scope_key(gen_: u32, cgroup_id: u64) -> CgroupKey {

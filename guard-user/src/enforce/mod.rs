@@ -7,3 +7,4 @@ pub mod ids;
 pub mod lease;
 pub mod port_watch;
 pub mod scopes;
+pub mod seed;

@@ -1,6 +1,10 @@
-//! /proc: which process holds a socket, a process's cgroup, and a namespace's TcpExt
-//! counters.
-use std::{collections::BTreeMap, path::Path};
+//! /proc: which process holds a socket (and a copy of it), a process's cgroup, and a
+//! namespace's TcpExt counters.
+use std::{
+    collections::BTreeMap,
+    os::fd::{AsRawFd, FromRawFd, OwnedFd},
+    path::Path,
+};
 
 use anyhow::Context;
 
@@ -15,8 +19,49 @@ pub struct Owner {
 /// Socket inode -> the first process holding it (from /proc/PID/fd, as `ss -p` does).
 pub fn socket_owners() -> BTreeMap<u32, Owner> {
     let mut out = BTreeMap::new();
+    each_socket_fd(|proc_dir, pid, _fd, inode| {
+        out.entry(inode).or_insert_with(|| Owner {
+            pid,
+            comm: std::fs::read_to_string(proc_dir.join("comm"))
+                .map(|c| c.trim().to_string())
+                .unwrap_or_default(),
+            cgroup: cgroup_of(proc_dir),
+        });
+    });
+    out
+}
+
+/// Socket inode -> a process holding it and the number of its fd there.
+pub fn socket_fds() -> BTreeMap<u32, (u32, i32)> {
+    let mut out = BTreeMap::new();
+    each_socket_fd(|_, pid, fd, inode| {
+        out.entry(inode).or_insert((pid, fd));
+    });
+    out
+}
+
+/// A copy of process `pid`'s file descriptor `fd` (pidfd_open and pidfd_getfd, Linux
+/// 5.6; needs CAP_SYS_PTRACE over the process).
+pub fn fd_of(pid: u32, fd: i32) -> std::io::Result<OwnedFd> {
+    // SAFETY: plain syscalls; each returns a new fd or -1.
+    let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    if pidfd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a new fd, owned from here.
+    let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd as i32) };
+    let copy = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), fd, 0) };
+    if copy < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: as above.
+    Ok(unsafe { OwnedFd::from_raw_fd(copy as i32) })
+}
+
+/// Calls `f(/proc/PID, PID, fd, socket inode)` for every socket fd of every process.
+fn each_socket_fd(mut f: impl FnMut(&Path, u32, i32, u32)) {
     let Ok(procs) = std::fs::read_dir("/proc") else {
-        return out;
+        return;
     };
     for entry in procs.flatten() {
         let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
@@ -26,29 +71,23 @@ pub fn socket_owners() -> BTreeMap<u32, Owner> {
             continue;
         };
         for fd in fds.flatten() {
+            let Ok(n) = fd.file_name().to_string_lossy().parse::<i32>() else {
+                continue;
+            };
             let Ok(link) = std::fs::read_link(fd.path()) else {
                 continue;
             };
             let link = link.to_string_lossy();
-            let Some(inode) = link
+            let Some(Ok(inode)) = link
                 .strip_prefix("socket:[")
                 .and_then(|s| s.strip_suffix(']'))
+                .map(str::parse::<u32>)
             else {
                 continue;
             };
-            let Ok(inode) = inode.parse::<u32>() else {
-                continue;
-            };
-            out.entry(inode).or_insert_with(|| Owner {
-                pid,
-                comm: std::fs::read_to_string(entry.path().join("comm"))
-                    .map(|c| c.trim().to_string())
-                    .unwrap_or_default(),
-                cgroup: cgroup_of(&entry.path()),
-            });
+            f(&entry.path(), pid, n, inode);
         }
     }
-    out
 }
 
 /// The cgroup v2 path of a process, from /proc/PID/cgroup ("0::/path").

@@ -6,12 +6,13 @@ use std::{
 };
 
 use anyhow::{Context, bail};
+use netlink_packet_core::Nla as _;
 use netlink_packet_core::{
     NLM_F_DUMP, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload,
 };
 use netlink_packet_sock_diag::{
     AF_INET, AF_INET6, IPPROTO_TCP, SockDiagMessage,
-    inet::{ExtensionFlags, InetRequest, SocketId, StateFlags},
+    inet::{ExtensionFlags, InetRequest, SocketId, StateFlags, nlas::Nla},
 };
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_SOCK_DIAG};
 
@@ -38,6 +39,26 @@ pub struct TcpSocket {
     pub send_queue: u32,
     /// Inode of the socket (0 for TIME_WAIT and SYN_RECV entries).
     pub inode: u32,
+    /// cgroup v2 id of the cgroup the socket was created in (INET_DIAG_CGROUP_ID); 0 when
+    /// the kernel does not say.
+    pub cgroup_id: u64,
+}
+
+/// `INET_DIAG_CGROUP_ID` (linux/inet_diag.h): a u64, host byte order.
+const INET_DIAG_CGROUP_ID: u16 = 21;
+
+/// The INET_DIAG_CGROUP_ID attribute of a response, or 0.
+fn cgroup_id(nlas: &[Nla]) -> u64 {
+    nlas.iter()
+        .find_map(|nla| match nla {
+            Nla::Other(o) if o.kind() == INET_DIAG_CGROUP_ID && o.value_len() == 8 => {
+                let mut value = [0u8; 8];
+                o.emit_value(&mut value);
+                Some(u64::from_ne_bytes(value))
+            }
+            _ => None,
+        })
+        .unwrap_or(0)
 }
 
 /// Every TCP socket of the current network namespace, IPv4 and IPv6, in every state
@@ -158,6 +179,7 @@ fn dump(family: u8, states: StateFlags, out: &mut Vec<TcpSocket>) -> anyhow::Res
                         recv_queue: r.header.recv_queue,
                         send_queue: r.header.send_queue,
                         inode: r.header.inode,
+                        cgroup_id: cgroup_id(&r.nlas),
                     });
                 }
                 NetlinkPayload::Done(_) => return Ok(()),

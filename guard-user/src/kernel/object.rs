@@ -3,7 +3,8 @@ use anyhow::{Context, bail};
 use aya::{
     Btf, Ebpf, EbpfLoader,
     programs::{
-        BtfTracePoint, CgroupSock, CgroupSockAddr, SchedClassifier, SockOps, TcAttachType,
+        BtfTracePoint, CgroupSock, CgroupSockAddr, CgroupSockopt, SchedClassifier, SockOps,
+        TcAttachType,
         links::{FdLink, LinkOrder},
         tc::{NlOptions, SchedClassifierLink, TcAttachOptions},
     },
@@ -64,6 +65,9 @@ pub fn load(features: &Features, state: &State) -> anyhow::Result<(Ebpf, Pin)> {
     }
     let name = program::LISTENER_SHED;
     let prog: &mut SchedClassifier = program(&mut ebpf, name)?.try_into()?;
+    prog.load().with_context(|| format!("loading {name}"))?;
+    let name = program::SEED;
+    let prog: &mut CgroupSockopt = program(&mut ebpf, name)?.try_into()?;
     prog.load().with_context(|| format!("loading {name}"))?;
     let btf = Btf::from_sys_fs().context("reading kernel BTF from /sys/kernel/btf/vmlinux")?;
     let (name, tracepoint) = TP_BTF;

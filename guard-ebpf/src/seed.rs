@@ -1,0 +1,64 @@
+//! cgroup setsockopt: count a connection that existed before the daemon's first start
+//! (guard_common::SeedRequest). Attached to the governed cgroups only while the daemon
+//! seeds; every other setsockopt passes untouched.
+use aya_ebpf::{macros::cgroup_sockopt, programs::SockoptContext};
+use guard_common::{
+    SEED_SOCKET, SOL_CONNGUARD, STAT_INTERNAL_ERRORS, SeedRequest,
+    linux::{TCP_CLOSE, TCP_LISTEN},
+};
+
+use crate::{
+    accounting::internal_error,
+    connect::{Charge, charge},
+    maps::{ACTIVE_GEN, storage},
+};
+
+/// The kernel goes on with the option (ours: skips it, as optlen is -1).
+const PASS: i32 = 1;
+/// setsockopt() fails with EPERM.
+const REFUSE: i32 = 0;
+
+#[cgroup_sockopt(setsockopt)]
+pub fn seed(ctx: SockoptContext) -> i32 {
+    let so = unsafe { &mut *ctx.sockopt };
+    if so.level != SOL_CONNGUARD || so.optname != SEED_SOCKET {
+        return PASS;
+    }
+    // Not for the kernel's own setsockopt (Documentation/bpf/prog_cgroup_sockopt.rst).
+    so.optlen = -1;
+    let start = unsafe { so.__bindgen_anon_2.optval } as *const u8;
+    let end = unsafe { so.__bindgen_anon_3.optval_end } as *const u8;
+    if unsafe { start.add(core::mem::size_of::<SeedRequest>()) } > end {
+        return REFUSE;
+    }
+    let req = unsafe { &*start.cast::<SeedRequest>() };
+    let sk = unsafe { so.__bindgen_anon_1.sk };
+    if sk.is_null() {
+        return REFUSE;
+    }
+    let tcp_state = unsafe { (*sk).state };
+    // Storage already there: the socket was created, or connected, since the programs
+    // were attached, and is theirs.
+    if tcp_state == TCP_CLOSE || tcp_state == TCP_LISTEN || !storage(sk, false).is_null() {
+        return REFUSE;
+    }
+    let state = storage(sk, true);
+    if state.is_null() {
+        internal_error(STAT_INTERNAL_ERRORS);
+        return REFUSE;
+    }
+    unsafe { (*state).cgroup_id = req.cgroup_id };
+    let gen_ = ACTIVE_GEN.get(0).copied().unwrap_or(0);
+    match charge(state, gen_, req.dst, req.dport, req.netns, false) {
+        Charge::Admitted => {
+            // Released when it reaches TCP_CLOSE, by the state tracepoint (its state
+            // callback was never asked for).
+            unsafe {
+                (*state).src = req.src;
+                (*state).armed = 1;
+            }
+            PASS
+        }
+        Charge::NoScope | Charge::Shed(_) => REFUSE,
+    }
+}
