@@ -48,6 +48,9 @@ pub const SEED_SOCKET: i32 = 1;
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SeedRequest {
+    /// The value the daemon put in `SEED_KEY` for this seeding (random, never 0): a
+    /// request from any other process is refused.
+    pub key: u64,
     /// cgroup v2 id of the selected cgroup whose scope governs the socket.
     pub cgroup_id: u64,
     /// Cookie of the socket's network namespace (0 when the kernel cannot name it).
@@ -58,6 +61,21 @@ pub struct SeedRequest {
     /// Remote port, host byte order.
     pub dport: u16,
     pub _pad: [u8; 6],
+}
+
+/// A correction of the daemon's audit, given to the `adjust` program as the data of a
+/// BPF_PROG_TEST_RUN after a 14-byte Ethernet header: `delta` added to `active` of one
+/// counter, stopping at 0, with the programs' own atomics.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Adjustment {
+    /// The destination counter's key; at rule level its `rule_id`, at scope level its
+    /// `scope_id`, is the one read.
+    pub key: CounterKey,
+    /// 0 destination, 1 rule, 2 scope.
+    pub level: u32,
+    /// Connections, signed.
+    pub delta: i64,
 }
 
 /// Key of `IDS`: a scope name (`kind` ID_SCOPE), or a scope name, a NUL and a rule name
@@ -300,6 +318,18 @@ pub struct ListenerShed {
     pub listener_id: u32,
     /// MODE_OBSERVE or MODE_ENFORCE.
     pub mode: u32,
+}
+
+/// CLOCK_MONOTONIC in ns: the clock of the programs' bpf_ktime_get_ns (the lease's).
+#[cfg(feature = "user")]
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes the timespec it is given.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
 #[cfg(feature = "user")]

@@ -23,6 +23,7 @@ pub mod map {
     pub const STATS: &str = "STATS";
     pub const IDS: &str = "IDS";
     pub const LEASE: &str = "LEASE";
+    pub const SEED_KEY: &str = "SEED_KEY";
     /// The maps pinned in the state directory, which outlive the daemon: what the
     /// programs count, the sockets' own state, and the names the counts are kept by.
     /// The policy maps are not: a daemon writes its own, and programs of the daemon
@@ -58,6 +59,7 @@ pub mod map {
         STATS,
         IDS,
         LEASE,
+        SEED_KEY,
     ];
 }
 
@@ -78,6 +80,8 @@ pub mod program {
     pub const LISTENER_SHED: &str = "listener_shed";
     /// cgroup setsockopt: counts a connection that existed before the first start.
     pub const SEED: &str = "seed";
+    /// tc, never attached: run by BPF_PROG_TEST_RUN to apply an audit's correction.
+    pub const ADJUST: &str = "adjust";
     /// Every program of the object.
     pub const ALL: &[&str] = &[
         CONNECT4,
@@ -88,5 +92,6 @@ pub mod program {
         SOCK_SET_STATE,
         LISTENER_SHED,
         SEED,
+        ADJUST,
     ];
 }

@@ -11,6 +11,7 @@
 #![allow(internal_features)]
 
 mod accounting;
+mod adjust;
 mod connect;
 mod listener;
 mod maps;

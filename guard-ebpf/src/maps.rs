@@ -96,9 +96,14 @@ pub static IDS: HashMap<IdKey, u32> =
 
 /// Element 0: until when (bpf_ktime_get_ns, CLOCK_MONOTONIC ns) the daemon holds its
 /// lease, renewed every second. Past it, nothing is shed (fail-open): the daemon is
-/// gone or stuck, and the programs it left attached only count.
+/// gone or stuck, and the programs it left attached only count. Element 1: 1 once the
+/// connections that existed before this state was created were seeded into it.
 #[map]
-pub static LEASE: Array<u64> = Array::with_max_entries(1, 0);
+pub static LEASE: Array<u64> = Array::with_max_entries(2, 0);
+
+/// Element 0: the key of the seeding under way (guard_common::SeedRequest), 0 when none.
+#[map]
+pub static SEED_KEY: Array<u64> = Array::with_max_entries(1, 0);
 
 /// Whether the daemon's lease holds (see `LEASE`).
 #[inline(always)]

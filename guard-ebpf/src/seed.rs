@@ -4,17 +4,19 @@
 use aya_ebpf::{macros::cgroup_sockopt, programs::SockoptContext};
 use guard_common::{
     SEED_SOCKET, SOL_CONNGUARD, STAT_INTERNAL_ERRORS, SeedRequest,
-    linux::{TCP_CLOSE, TCP_LISTEN},
+    linux::{IPPROTO_TCP, TCP_CLOSE, TCP_LISTEN},
 };
 
 use crate::{
     accounting::internal_error,
     connect::{Charge, charge},
-    maps::{ACTIVE_GEN, storage},
+    maps::{ACTIVE_GEN, SEED_KEY, storage},
 };
 
 /// The kernel goes on with the option (ours: skips it, as optlen is -1).
 const PASS: i32 = 1;
+/// The most of an option value a program sees (PAGE_SIZE on x86-64 and arm64).
+const OPTVAL_SEEN: i32 = 4096;
 /// setsockopt() fails with EPERM.
 const REFUSE: i32 = 0;
 
@@ -22,6 +24,11 @@ const REFUSE: i32 = 0;
 pub fn seed(ctx: SockoptContext) -> i32 {
     let so = unsafe { &mut *ctx.sockopt };
     if so.level != SOL_CONNGUARD || so.optname != SEED_SOCKET {
+        // A longer value than the program sees must be handed back whole (optlen 0),
+        // or the kernel fails the call with EFAULT (before Linux 6.5).
+        if so.optlen > OPTVAL_SEEN {
+            so.optlen = 0;
+        }
         return PASS;
     }
     // Not for the kernel's own setsockopt (Documentation/bpf/prog_cgroup_sockopt.rst).
@@ -32,8 +39,12 @@ pub fn seed(ctx: SockoptContext) -> i32 {
         return REFUSE;
     }
     let req = unsafe { &*start.cast::<SeedRequest>() };
+    let key = SEED_KEY.get(0).copied().unwrap_or(0);
+    if key == 0 || req.key != key {
+        return REFUSE;
+    }
     let sk = unsafe { so.__bindgen_anon_1.sk };
-    if sk.is_null() {
+    if sk.is_null() || unsafe { (*sk).protocol } != IPPROTO_TCP {
         return REFUSE;
     }
     let tcp_state = unsafe { (*sk).state };

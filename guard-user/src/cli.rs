@@ -65,6 +65,9 @@ pub enum Command {
         /// (renewed every second): how long a restart may take with no budget lifted.
         #[arg(long, value_name = "SECS", default_value_t = 5, value_parser = clap::value_parser!(u64).range(2..))]
         lease: u64,
+        /// Seconds between audits of the counters against the live sockets.
+        #[arg(long, value_name = "SECS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
+        audit: u64,
         /// On SIGTERM/SIGINT, detach the programs and unpin the state, as `connguard
         /// stop` does.
         #[arg(long)]

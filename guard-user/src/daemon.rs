@@ -6,6 +6,7 @@
 mod jobs;
 
 use std::{
+    os::fd::AsFd,
     path::{Path, PathBuf},
     sync::{Arc, Mutex, MutexGuard, PoisonError},
     time::{Duration, Instant},
@@ -24,6 +25,7 @@ use crate::{
     },
     diagnose::attribution::{TimeWaitRates, daemon_ports, eaddrnotavail_counts},
     enforce::{
+        audit::{Audit, Correction, Key},
         counters::Counters,
         generations::Generations,
         lease::{self, Lease},
@@ -38,6 +40,7 @@ use crate::{
         maps::Maps,
         object,
         state::{self, Pin, State},
+        syscall,
     },
     listen::{self, ListenerGuard},
     policy::{self, ListenerPolicy, Policy},
@@ -67,6 +70,8 @@ pub struct Options {
     pub detach_on_exit: bool,
     /// The pinned state's layout version (guard_common::STATE_LAYOUT but in tests).
     pub state_layout: u32,
+    /// How often the counters are audited against the live sockets.
+    pub audit: Duration,
 }
 
 /// The daemon's state, one lock per owner.
@@ -89,6 +94,7 @@ struct Daemon {
     /// What the kernel offers, probed at start.
     features: Features,
     lease: Mutex<Lease>,
+    audit: Mutex<Audit>,
     /// Notified by a `stop` request.
     stop: tokio::sync::Notify,
     /// The pinned state, and the tracepoint's link in it.
@@ -233,11 +239,13 @@ impl Daemon {
         let scope_name = |id| ids.scope_name(id).unwrap_or("?").to_string();
         let eaddrnotavail = eaddrnotavail_counts(&dump.eaddrnotavail, scope_name);
         let (internal_errors, lease_expired) = (dump.internal_errors, dump.lease_expired);
+        let audit_corrections = lock(&self.audit).corrections;
         Snapshot {
             policy: status,
             scopes: policy.map_or_else(Vec::new, |p| snapshot::scopes(&p, &ids, dump, top)),
             internal_errors,
             lease_expired,
+            audit_corrections,
             programs,
             eaddrnotavail,
             watched_ports,
@@ -248,8 +256,7 @@ impl Daemon {
     }
 
     /// Says what the start took over: the pinned state of a daemon before this one
-    /// (`adopted_links` cgroups' links), or none; and removes the state of other
-    /// layouts, now that this daemon's programs are attached.
+    /// (`adopted_links` cgroups' links), or none.
     fn log_adoption(&self, adopted_links: usize) {
         let snap = self.snapshot(Some(0));
         let active: Vec<String> = snap
@@ -274,8 +281,16 @@ impl Daemon {
                 );
             }
         } else {
-            log::info!("no pinned state of this layout: counting starts from zero");
+            log::info!(
+                "no pinned state of this layout: new state pinned in {}",
+                state::ROOT
+            );
         }
+    }
+
+    /// Removes the state of other layouts, once this daemon's programs are attached and
+    /// its counts seeded.
+    fn remove_other_layouts(&self) {
         for dir in self.state.other_layouts() {
             match state::remove_pins(&dir) {
                 Ok(n) => log::info!(
@@ -328,8 +343,39 @@ impl Daemon {
         }
     }
 
+    /// Recounts the active connections from the live sockets, and corrects a counter
+    /// that differs for two audits in a row (see `enforce::audit`).
+    fn audit(&self) -> anyhow::Result<()> {
+        let ids = lock(&self.generations).ids();
+        let before = lock(&self.counters).dump(ids.counts());
+        let live = lock(&self.audit).recount(&before)?;
+        let after = lock(&self.counters).dump(ids.counts());
+        let made = lock(&self.audit).compare(&before, &live, &after);
+        let rules = ids.rule_names();
+        let scope = |id| ids.scope_name(id).unwrap_or("?").to_string();
+        let rule = |id| rules.get(&id).copied().unwrap_or("(no rule)").to_string();
+        for Correction { key, counted, live } in made {
+            let what = match key {
+                Key::Scope(id) => format!("scope {}", scope(id)),
+                Key::Rule(id) => format!("rule {}", rule(id)),
+                Key::Destination(k) => format!(
+                    "scope {} rule {} destination {}",
+                    scope(k.scope_id),
+                    rule(k.rule_id),
+                    guard_common::addr::endpoint(guard_common::addr::unmapped(k.addr), k.port)
+                ),
+            };
+            log::warn!(
+                "audit: {what} counted {counted} active connection(s), the sockets hold {live}: corrected (a bug: please report it)"
+            );
+        }
+        Ok(())
+    }
+
     /// Starts the periodic jobs.
-    fn spawn_jobs(self: &Arc<Self>, forget_idle: Duration) {
+    fn spawn_jobs(self: &Arc<Self>, forget_idle: Duration, audit: Duration) {
+        let d = self.clone();
+        self.jobs.spawn("audit", audit, Arc::new(move || d.audit()));
         let d = self.clone();
         self.jobs.spawn(
             "lease",
@@ -473,8 +519,9 @@ impl Drop for RemovedOnDrop {
 }
 
 pub fn run(opts: Options) -> anyhow::Result<()> {
-    // A panic anywhere ends the process, so the kernel detaches the programs and traffic
-    // flows (fail-open), instead of one task dying while the daemon looks alive.
+    // A panic anywhere ends the process, instead of one task dying while the daemon
+    // looks alive: the pinned programs then shed until the lease runs out, and only
+    // count after it (fail-open), until the next start adopts them.
     let report = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
         report(info);
@@ -522,6 +569,14 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
     // first connect they see.
     let mut lease = Lease::new(maps.lease, opts.lease);
     lease.renew()?;
+    let audit = Audit::new(
+        syscall::obj_get(&state.map_path(guard_common::names::map::SOCKS))
+            .context("opening the pinned SOCKS map")?,
+        object::program(&mut ebpf, guard_common::names::program::ADJUST)?
+            .fd()?
+            .as_fd()
+            .try_clone_to_owned()?,
+    );
     let generations = Generations::new(maps.policy, root.clone(), state.links_dir())?;
     let adopted_links = generations.adopted_links();
     let what = policy::describe(&policy);
@@ -553,15 +608,19 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
         jobs: Jobs::default(),
         features,
         lease: Mutex::new(lease),
+        audit: Mutex::new(audit),
         stop: tokio::sync::Notify::new(),
         state,
         _tracepoint: tracepoint,
     });
     daemon.apply(policy, tree)?;
+    object::remove_old_tracepoints(&daemon.state, &daemon._tracepoint)?;
     daemon.log_adoption(adopted_links);
-    if !daemon.state.adopted {
+    if !lock(&daemon.lease).seeded()? {
         daemon.seed();
+        lock(&daemon.lease).mark_seeded()?;
     }
+    daemon.remove_other_layouts();
     let (governed, attached) = {
         let g = lock(&daemon.generations);
         (g.governed_cgroups(), g.attached_dirs())
@@ -591,7 +650,7 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
                 }
             });
         }
-        daemon.spawn_jobs(opts.forget_idle);
+        daemon.spawn_jobs(opts.forget_idle, opts.audit);
         let mut hup = signal(SignalKind::hangup())?;
         let mut term = signal(SignalKind::terminate())?;
         let mut int = signal(SignalKind::interrupt())?;
@@ -627,7 +686,10 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
     // Tasks still running (a client being served) end with the runtime.
     runtime.shutdown_timeout(Duration::from_secs(1));
     if served? {
+        // Held to the end: no walk or event attaches (and pins) meanwhile.
+        let generations = lock(&daemon.generations);
         let n = daemon.state.remove()?;
+        std::mem::forget(generations);
         log::info!("stopping: programs detached, {n} pin(s) removed; exiting");
     } else {
         log::info!(

@@ -56,6 +56,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             lease,
             detach_on_exit,
             state_layout,
+            audit,
         } => {
             let metrics = (metrics != "off").then_some(metrics);
             let forget_idle = std::time::Duration::from_secs(forget_idle.max(1));
@@ -68,6 +69,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 lease: std::time::Duration::from_secs(lease),
                 detach_on_exit,
                 state_layout,
+                audit: std::time::Duration::from_secs(audit),
             })?;
         }
         Command::Check { file } => match policy::load_file(&file) {

@@ -256,6 +256,9 @@ impl Drop for Holder {
 /// started with `start_adopting`.
 pub struct Daemon {
     keep_state: bool,
+    /// Audit corrections the test makes happen; any other is a failure, checked on drop
+    /// (every daemon audits every second).
+    pub expected_corrections: u64,
     child: Child,
     pub policy: PathBuf,
     pub socket: PathBuf,
@@ -310,6 +313,9 @@ impl Daemon {
     /// Sends `signal` and waits for the daemon to exit, leaving its pinned state for
     /// the next daemon (`start_adopting`).
     pub fn exit_keeping_state(mut self, signal: i32) {
+        if let Some(e) = self.audit_error() {
+            panic!("{e}");
+        }
         self.keep_state = true;
         unsafe { libc::kill(self.pid(), signal) };
         let until = Instant::now() + Duration::from_secs(10);
@@ -400,6 +406,11 @@ impl Daemon {
             } else {
                 &["--metrics", "off"][..]
             })
+            .args(if extra.contains(&"--audit") {
+                &[][..]
+            } else {
+                &["--audit", "1"][..]
+            })
             .args(extra)
             .env("CONNGUARD_WITHOUT", without)
             .stderr(Stdio::piped())
@@ -421,6 +432,7 @@ impl Daemon {
         });
         let mut d = Daemon {
             keep_state: false,
+            expected_corrections: 0,
             child,
             policy: policy_path,
             socket,
@@ -428,7 +440,8 @@ impl Daemon {
             log,
             metrics: None,
         };
-        if rx.recv_timeout(Duration::from_secs(30)).is_err() {
+        // Generous: a policy on `/` with 50,000 cgroups walks them for 25 s in a TCG guest.
+        if rx.recv_timeout(Duration::from_secs(60)).is_err() {
             let status = d.child.try_wait();
             panic!(
                 "connguard did not get ready ({status:?}):\n{}",
@@ -498,8 +511,29 @@ impl Daemon {
     }
 }
 
+impl Daemon {
+    /// Unless the audit corrected exactly what the test expected (at rest: nothing),
+    /// what it did; asked of a running daemon.
+    fn audit_error(&mut self) -> Option<String> {
+        if thread::panicking() || !matches!(self.child.try_wait(), Ok(None)) {
+            return None;
+        }
+        let out = self.cli(&["stats", "--json"]);
+        let stats = serde_json::from_slice::<Value>(&out.stdout).ok()?;
+        let corrections = stats["audit_corrections"].as_u64().unwrap_or(0);
+        (corrections != self.expected_corrections).then(|| {
+            format!(
+                "the audit made {corrections} correction(s), {} expected: a count drifted\n{}",
+                self.expected_corrections,
+                self.log.lock().unwrap()
+            )
+        })
+    }
+}
+
 impl Drop for Daemon {
     fn drop(&mut self) {
+        let audit = self.audit_error();
         // Signal only a child not yet reaped (a reaped pid may belong to someone else).
         if let Ok(None) = self.child.try_wait() {
             unsafe { libc::kill(self.pid(), libc::SIGTERM) };
@@ -515,6 +549,9 @@ impl Drop for Daemon {
         let _ = std::fs::remove_dir_all(&self.dir);
         if !self.keep_state {
             remove_pinned_state();
+        }
+        if let Some(e) = audit {
+            panic!("{e}");
         }
     }
 }
@@ -616,6 +653,28 @@ impl Netns {
     }
 
     /// Runs `cmd args` inside the namespace; panics on failure.
+    /// A namespace with `lo` up, and a veth pair that swallows whatever is sent to
+    /// 192.0.2.2: bh0 has the address and a static neighbour entry, its peer bh1 has
+    /// no address and forwarding is off, so SYNs there are dropped and never answered
+    /// (what `guard-probe mixed` times out against).
+    pub fn with_blackhole(prefix: &str) -> Netns {
+        let ns = Netns::new(prefix);
+        ns.exec("ip", &["link", "set", "lo", "up"]);
+        ns.exec(
+            "ip",
+            &["link", "add", "bh0", "type", "veth", "peer", "name", "bh1"],
+        );
+        ns.exec("ip", &["addr", "add", "192.0.2.1/24", "dev", "bh0"]);
+        ns.exec("ip", &["link", "set", "bh0", "up"]);
+        ns.exec("ip", &["link", "set", "bh1", "up"]);
+        let neigh = ["neigh", "add", "192.0.2.2", "lladdr", "02:00:00:00:00:02"];
+        ns.exec(
+            "ip",
+            &[&neigh[..], &["dev", "bh0", "nud", "permanent"]].concat(),
+        );
+        ns
+    }
+
     pub fn exec(&self, cmd: &str, args: &[&str]) {
         let mut all = vec!["netns", "exec", &self.name, cmd];
         all.extend_from_slice(args);
@@ -665,6 +724,16 @@ pub fn run(cmd: &str, args: &[&str]) {
 }
 
 /// Numeric field of a JSON object.
+/// The destinations of a scope (from `stats --json`) with connections still active.
+pub fn active_destinations(scope: &Value) -> Vec<&Value> {
+    scope["destinations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|d| n(d, "active") != 0)
+        .collect()
+}
+
 pub fn n(v: &Value, field: &str) -> u64 {
     v[field]
         .as_u64()

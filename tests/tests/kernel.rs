@@ -175,10 +175,10 @@ fn tc_filters(ns: &Netns) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-/// A daemon with a listener guard, stopped with SIGTERM, leaves none of the programs it
-/// loaded, no link, no pin, and no tc filter on the guarded interface (the clsact qdisc
-/// it added stays, empty, as `tc` leaves one). The guard is a tcx link when `tcx`, else
-/// a clsact filter (which outlives a process that does not remove it).
+/// A daemon with a listener guard, stopped with `connguard stop`, leaves none of the
+/// programs it loaded, no link, no pin, and no tc filter on the guarded interface (the
+/// clsact qdisc it added stays, empty, as `tc` leaves one). The guard is a tcx link when
+/// `tcx`, else a clsact filter (which outlives a process that does not remove it).
 fn clean_stop_leaves_nothing(tcx: bool) {
     let _turn = loads();
     let ns = Netns::new("cgstop");
@@ -217,6 +217,12 @@ fn clean_stop_leaves_nothing(tcx: bool) {
         filters.contains("listener_shed"),
         !tcx,
         "tc filters while running: {filters}"
+    );
+    let out = d.cli(&["stop"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
     );
     drop(d);
     // The kernel frees a program after its last reference goes, from deferred work (a
@@ -344,6 +350,7 @@ fn without_optional_features_counts_stay_exact_and_sheds_fail_with_eperm() {
     assert_eq!(
         jobs,
         [
+            "audit",
             "lease",
             "cgroup_rescan",
             "time_wait_rates",

@@ -9,32 +9,7 @@ use connguard_tests::{
 /// client SIGKILLed while holding connections: afterwards every count is exactly 0.
 #[test]
 fn ten_thousand_mixed_outcomes_leave_every_count_at_zero() {
-    let ns = Netns::new("cgmix");
-    ns.exec("ip", &["link", "set", "lo", "up"]);
-    // A veth pair swallows whatever is sent to 192.0.2.2: bh0 has the address and a
-    // static neighbour entry, its peer bh1 has no address and forwarding is off, so
-    // SYNs there are dropped and never answered.
-    ns.exec(
-        "ip",
-        &["link", "add", "bh0", "type", "veth", "peer", "name", "bh1"],
-    );
-    ns.exec("ip", &["addr", "add", "192.0.2.1/24", "dev", "bh0"]);
-    ns.exec("ip", &["link", "set", "bh0", "up"]);
-    ns.exec("ip", &["link", "set", "bh1", "up"]);
-    ns.exec(
-        "ip",
-        &[
-            "neigh",
-            "add",
-            "192.0.2.2",
-            "lladdr",
-            "02:00:00:00:00:02",
-            "dev",
-            "bh0",
-            "nud",
-            "permanent",
-        ],
-    );
+    let ns = Netns::with_blackhole("cgmix");
     let cg = Cgroup::new("b");
     let d = Daemon::start(&format!(
         "[[scope]]\nname = \"b\"\ncgroup = \"{}\"\nmax_connections = 100000\n",
@@ -83,12 +58,7 @@ fn ten_thousand_mixed_outcomes_leave_every_count_at_zero() {
         "every attempt admitted exactly once: {s}"
     );
     assert_eq!(n(&s, "shed"), 0, "{s}");
-    let busy: Vec<_> = s["destinations"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|d| n(d, "active") != 0)
-        .collect();
+    let busy = connguard_tests::active_destinations(&s);
     assert!(
         busy.is_empty() && n(&s, "active") == 0,
         "keys still active: {busy:?}"

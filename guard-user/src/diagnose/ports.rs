@@ -320,6 +320,7 @@ mod tests {
             send_queue: 0,
             inode: 0,
             cgroup_id: 0,
+            storage: Vec::new(),
         }
     }
 

@@ -136,8 +136,6 @@ impl Generations {
         // Ids are assigned on a copy: a refused policy takes none.
         let mut ids = Ids::clone(&self.ids);
         ids.assign(&policy)?;
-        // Kept where the next daemon finds them before any count is keyed by them.
-        ids.persist(&self.ids, &mut self.maps.ids)?;
         let confs = scope_confs(&ids, &policy)?;
         let (scopes, levels) = selected(&governed, &confs);
         let tops = tops(&governed);
@@ -151,7 +149,10 @@ impl Generations {
             }
         }
         let mut rule_keys = Vec::new();
+        let mut persisted = Vec::new();
         let result = (|| -> anyhow::Result<()> {
+            // Kept where the next daemon finds them before any count is keyed by them.
+            persisted = ids.persist(&self.ids, &mut self.maps.ids)?;
             for (id, conf) in &scopes {
                 self.maps.scopes.insert(scope_key(next, *id), conf, 0)?;
             }
@@ -187,6 +188,9 @@ impl Generations {
             }
             for key in &rule_keys {
                 let _ = self.maps.rules.remove(key);
+            }
+            for key in &persisted {
+                let _ = self.maps.ids.remove(key);
             }
             return Err(e.context("writing the policy into the kernel maps"));
         }

@@ -15,6 +15,9 @@ use crate::{kernel::maps::Hashed, policy::Policy};
 pub struct Ids {
     scopes: HashMap<String, u32>,
     rules: HashMap<(String, String), u32>,
+    /// The next ids to give: above every id given (restored ones may leave gaps).
+    next_scope: u32,
+    next_rule: u32,
 }
 
 impl Ids {
@@ -33,33 +36,36 @@ impl Ids {
             .flat_map(|s| s.rules.iter().map(|r| (s.name.as_str(), r.name.as_str())))
             .filter(|(s, r)| !self.rules.contains_key(&(s.to_string(), r.to_string())))
             .collect();
-        if self.scopes.len() + new_scopes.len() > MAX_SCOPE_IDS as usize {
+        if self.next_scope as usize + new_scopes.len() > MAX_SCOPE_IDS as usize {
             bail!(
-                "too many scope names: {} used since the daemon started and {} new, at most \
-                 {MAX_SCOPE_IDS} (counts are kept by name for the daemon's life; restart it to \
-                 start over)",
-                self.scopes.len(),
+                "too many scope names: {} used since the pinned state was created and {} new, \
+                 at most {MAX_SCOPE_IDS} (counts are kept by name; `connguard stop`, then a \
+                 start, starts over)",
+                self.next_scope,
                 new_scopes.len()
             );
         }
-        if self.rules.len() + new_rules.len() > MAX_RULE_IDS as usize {
+        if self.next_rule as usize + new_rules.len() > MAX_RULE_IDS as usize {
             bail!(
-                "too many rule names: {} (scope, rule) pairs used since the daemon started and \
-                 {} new, at most {MAX_RULE_IDS} (counts are kept by name for the daemon's life; \
-                 restart it to start over)",
-                self.rules.len(),
+                "too many rule names: {} (scope, rule) pairs used since the pinned state was \
+                 created and {} new, at most {MAX_RULE_IDS} (counts are kept by name; \
+                 `connguard stop`, then a start, starts over)",
+                self.next_rule,
                 new_rules.len()
             );
         }
         // In policy order, so ids follow the file on a first start.
         for s in &policy.scopes {
-            let next = self.scopes.len() as u32;
-            self.scopes.entry(s.name.clone()).or_insert(next);
+            if !self.scopes.contains_key(&s.name) {
+                self.scopes.insert(s.name.clone(), self.next_scope);
+                self.next_scope += 1;
+            }
             for r in &s.rules {
-                let next = self.rules.len() as u32;
-                self.rules
-                    .entry((s.name.clone(), r.name.clone()))
-                    .or_insert(next);
+                let pair = (s.name.clone(), r.name.clone());
+                if !self.rules.contains_key(&pair) {
+                    self.rules.insert(pair, self.next_rule);
+                    self.next_rule += 1;
+                }
             }
         }
         Ok(())
@@ -85,24 +91,39 @@ impl Ids {
                 ids.rules.insert((name, rule), id);
             }
         }
+        ids.next_scope = ids.scopes.values().max().map_or(0, |m| m + 1);
+        ids.next_rule = ids.rules.values().max().map_or(0, |m| m + 1);
         Ok(ids)
     }
 
-    /// Writes into `map` the ids this holds and `before` did not.
-    pub fn persist(&self, before: &Ids, map: &mut Hashed<IdKey, u32>) -> anyhow::Result<()> {
-        for (name, id) in &self.scopes {
-            if !before.scopes.contains_key(name) {
-                map.insert(id_key(ID_SCOPE, &[name]), id, 0)
-                    .context("writing IDS")?;
+    /// Writes into `map` the ids this holds and `before` did not; returns their keys
+    /// (to be removed again if the policy that took them is refused).
+    pub fn persist(
+        &self,
+        before: &Ids,
+        map: &mut Hashed<IdKey, u32>,
+    ) -> anyhow::Result<Vec<IdKey>> {
+        let scopes = self
+            .scopes
+            .iter()
+            .filter(|(name, _)| !before.scopes.contains_key(*name))
+            .map(|(name, id)| (id_key(ID_SCOPE, &[name]), *id));
+        let rules = self
+            .rules
+            .iter()
+            .filter(|(pair, _)| !before.rules.contains_key(*pair))
+            .map(|((scope, rule), id)| (id_key(ID_RULE, &[scope, rule]), *id));
+        let mut written = Vec::new();
+        for (key, id) in scopes.chain(rules) {
+            if let Err(e) = map.insert(key, id, 0) {
+                for k in &written {
+                    let _ = map.remove(k);
+                }
+                return Err(anyhow::Error::from(e).context("writing IDS"));
             }
+            written.push(key);
         }
-        for ((scope, rule), id) in &self.rules {
-            if !before.rules.contains_key(&(scope.clone(), rule.clone())) {
-                map.insert(id_key(ID_RULE, &[scope, rule]), id, 0)
-                    .context("writing IDS")?;
-            }
-        }
-        Ok(())
+        Ok(written)
     }
 
     /// The id of a scope name, once assigned.
@@ -117,9 +138,9 @@ impl Ids {
             .copied()
     }
 
-    /// How many scope ids and rule ids are assigned (ids are below these).
+    /// Bounds of the scope ids and rule ids assigned (ids are below these).
     pub fn counts(&self) -> (u32, u32) {
-        (self.scopes.len() as u32, self.rules.len() as u32)
+        (self.next_scope, self.next_rule)
     }
 
     pub fn scope_name(&self, id: u32) -> Option<&str> {

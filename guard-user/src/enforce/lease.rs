@@ -20,22 +20,21 @@ impl Lease {
         Lease { map, length }
     }
 
+    /// Whether the connections that existed before the pinned state was created have
+    /// been seeded into it (element 1 of LEASE; 0 when a first start died first).
+    pub fn seeded(&self) -> anyhow::Result<bool> {
+        Ok(self.map.get(&1, 0).context("reading LEASE")? != 0)
+    }
+
+    pub fn mark_seeded(&mut self) -> anyhow::Result<()> {
+        self.map.set(1, 1, 0).context("writing LEASE")
+    }
+
     /// Holds the lease for its length from now.
     pub fn renew(&mut self) -> anyhow::Result<()> {
-        let until = monotonic_ns().saturating_add(self.length.as_nanos() as u64);
+        let until = guard_common::monotonic_ns().saturating_add(self.length.as_nanos() as u64);
         self.map
             .set(0, until, 0)
             .context("renewing the lease (LEASE)")
     }
-}
-
-/// CLOCK_MONOTONIC in ns: the clock of the programs' bpf_ktime_get_ns.
-fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime writes the timespec it is given.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }

@@ -1,6 +1,7 @@
 //! Enforcement: which cgroups each scope governs, the policy generations in the kernel
 //! and their atomic switch, the counters the programs keep, port watermarks, and the
 //! lease the programs shed under.
+pub mod audit;
 pub mod counters;
 pub mod generations;
 pub mod ids;

@@ -3,8 +3,7 @@
 //! governed cgroups are counted, so that a pool opened before the start holds its share
 //! of the budget.
 //!
-//! The kernel's socket table (sock_diag, in each network namespace of the governed
-//! cgroups' processes) gives each socket's cgroup (INET_DIAG_CGROUP_ID), state and
+//! The kernel's socket table (sock_diag, in each network namespace of the host) gives each socket's cgroup (INET_DIAG_CGROUP_ID), state and
 //! addresses; /proc gives a process holding it, and pidfd_getfd a copy of its fd. A
 //! setsockopt on that copy runs the `seed` program, attached to the top-most governed
 //! cgroups for this moment only, which admits the socket in the kernel, with the same
@@ -23,6 +22,7 @@ use std::{
 use anyhow::Context;
 use aya::{
     Ebpf,
+    maps::{Array, MapData},
     programs::{CgroupAttachMode, CgroupSockopt, cgroup_sockopt::CgroupSockoptLink},
 };
 use guard_common::{
@@ -32,12 +32,12 @@ use guard_common::{
         TCP_CLOSE_WAIT, TCP_CLOSING, TCP_ESTABLISHED, TCP_FIN_WAIT1, TCP_FIN_WAIT2, TCP_LAST_ACK,
         TCP_LISTEN, TCP_SYN_SENT,
     },
-    names::program::SEED,
+    names::{map::SEED_KEY, program::SEED},
 };
 
 use super::scopes::Governed;
 use crate::{
-    host::{cgroup, netns, procfs, sockdiag},
+    host::{netns, procfs, sockdiag},
     kernel::object::program,
 };
 
@@ -85,12 +85,21 @@ pub fn seed(
     if candidates.is_empty() {
         return Ok(seeded);
     }
+    let key = random_key()?;
+    let mut keys: Array<&mut MapData, u64> = Array::try_from(
+        ebpf.map_mut(SEED_KEY)
+            .with_context(|| format!("map {SEED_KEY} missing"))?,
+    )?;
+    keys.set(0, key, 0).context("writing SEED_KEY")?;
     let _links = attach(ebpf, tops)?;
     let fds = procfs::socket_fds();
-    for c in candidates {
+    for mut c in candidates {
+        c.request.key = key;
+        // The fd, copied, must still be that socket (not a number reused since).
         let copy = fds
             .get(&c.inode)
-            .and_then(|(pid, fd)| procfs::fd_of(*pid, *fd).ok());
+            .and_then(|(pid, fd)| procfs::fd_of(*pid, *fd).ok())
+            .filter(|fd| inode_of(fd) == Some(u64::from(c.inode)));
         match copy.map(|fd| ask(&fd, &c.request)) {
             Some(Ok(true)) => *seeded.by_scope.entry(c.scope).or_default() += 1,
             // Connected or closed since the dump: not ours to count.
@@ -98,7 +107,32 @@ pub fn seed(
             Some(Err(_)) | None => seeded.missed += 1,
         }
     }
+    let mut keys: Array<&mut MapData, u64> = Array::try_from(
+        ebpf.map_mut(SEED_KEY)
+            .with_context(|| format!("map {SEED_KEY} missing"))?,
+    )?;
+    keys.set(0, 0, 0).context("writing SEED_KEY")?;
     Ok(seeded)
+}
+
+/// The inode of an open file (a socket's is its sock_diag inode).
+fn inode_of(fd: &OwnedFd) -> Option<u64> {
+    // SAFETY: fstat writes the stat it is given.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    (unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } == 0).then_some(st.st_ino)
+}
+
+/// A random key, never 0 (getrandom(2)).
+fn random_key() -> anyhow::Result<u64> {
+    let mut key = 0u64;
+    while key == 0 {
+        // SAFETY: getrandom writes at most 8 bytes into `key`.
+        let n = unsafe { libc::getrandom((&raw mut key).cast(), 8, 0) };
+        if n != 8 {
+            anyhow::bail!("getrandom: {}", std::io::Error::last_os_error());
+        }
+    }
+    Ok(key)
 }
 
 /// The selected cgroup whose scope governs each governed cgroup: itself, or its nearest
@@ -119,32 +153,19 @@ fn nearest_selected(governed: &BTreeMap<u64, Governed>) -> BTreeMap<u64, u64> {
 }
 
 /// The outbound connections of governed cgroups, from the socket table of each network
-/// namespace their processes are in (and the daemon's own).
+/// namespace of the host.
 fn candidates(
     governed: &BTreeMap<u64, Governed>,
     selected: &BTreeMap<u64, u64>,
 ) -> anyhow::Result<Vec<Candidate>> {
-    let dirs = governed.values().map(|g| g.dir.as_path());
-    let mut namespaces: Vec<Option<PathBuf>> = vec![None];
-    let own = std::fs::metadata("/proc/self/ns/net").ok();
-    for path in cgroup::netns_of(dirs) {
-        let same = own
-            .as_ref()
-            .zip(std::fs::metadata(&path).ok())
-            .is_some_and(|(a, b)| {
-                use std::os::unix::fs::MetadataExt;
-                (a.dev(), a.ino()) == (b.dev(), b.ino())
-            });
-        if !same {
-            namespaces.push(Some(path));
-        }
-    }
     let mut out = Vec::new();
-    for ns in namespaces {
-        let (sockets, cookie) = netns::within(ns.as_deref(), || {
+    // Every namespace of the host, from one pass over /proc: reading cgroup.procs of
+    // each governed cgroup instead takes seconds with a policy on `/` and 50,000 cgroups.
+    for ns in netns::all() {
+        let (sockets, cookie) = netns::within(Some(&ns), || {
             Ok((sockdiag::tcp_sockets()?, netns::cookie().unwrap_or(0)))
         })
-        .with_context(|| format!("reading the socket table of {ns:?}"))?;
+        .with_context(|| format!("reading the socket table of {}", ns.display()))?;
         // An accepted connection shares its local port with a listener: the server side
         // of a connection is not counted.
         let listening: BTreeSet<(IpAddr, u16)> = sockets
@@ -171,6 +192,7 @@ fn candidates(
                 scope: governed[&s.cgroup_id].scope,
                 inode: s.inode,
                 request: SeedRequest {
+                    key: 0,
                     cgroup_id: *sel,
                     netns: cookie,
                     src: mapped(s.src),

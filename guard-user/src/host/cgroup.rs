@@ -45,21 +45,12 @@ pub fn walk<T: Copy>(
 /// The network namespaces of the processes in these cgroups, one `/proc/PID/ns/net`
 /// path per namespace.
 pub fn netns_of<'a>(dirs: impl IntoIterator<Item = &'a Path>) -> Vec<PathBuf> {
-    let mut seen = std::collections::BTreeSet::new();
-    let mut out = Vec::new();
-    for dir in dirs {
-        let Ok(procs) = std::fs::read_to_string(dir.join("cgroup.procs")) else {
-            continue;
-        };
-        for pid in procs.lines() {
-            let path = PathBuf::from(format!("/proc/{pid}/ns/net"));
-            // A process that exited meanwhile is skipped.
-            if let Ok(meta) = std::fs::metadata(&path)
-                && seen.insert((meta.dev(), meta.ino()))
-            {
-                out.push(path);
-            }
-        }
-    }
-    out
+    let paths = dirs.into_iter().flat_map(|dir| {
+        let procs = std::fs::read_to_string(dir.join("cgroup.procs")).unwrap_or_default();
+        procs
+            .lines()
+            .map(|pid| PathBuf::from(format!("/proc/{pid}/ns/net")))
+            .collect::<Vec<_>>()
+    });
+    super::netns::distinct(paths)
 }

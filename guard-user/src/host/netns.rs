@@ -1,5 +1,9 @@
 //! Network namespaces: entering one, working inside one, its cookie and interfaces.
-use std::{fs::File, os::fd::AsRawFd, path::Path};
+use std::{
+    fs::File,
+    os::fd::AsRawFd,
+    path::{Path, PathBuf},
+};
 
 use anyhow::{Context, bail};
 
@@ -62,6 +66,43 @@ pub fn cookie() -> std::io::Result<u64> {
         return Err(err);
     }
     Ok(cookie)
+}
+
+/// `paths` (of network namespaces: /proc/PID/ns/net, bind mounts) with one per
+/// namespace, in order; a path that cannot be read (a process that exited) is skipped.
+pub fn distinct(paths: impl IntoIterator<Item = PathBuf>) -> Vec<PathBuf> {
+    use std::os::unix::fs::MetadataExt;
+    let mut seen = std::collections::BTreeSet::new();
+    paths
+        .into_iter()
+        .filter(|p| std::fs::metadata(p).is_ok_and(|m| seen.insert((m.dev(), m.ino()))))
+        .collect()
+}
+
+/// Every network namespace of the host that a process is in or that is bind-mounted in
+/// /run/netns, the daemon's own first.
+pub fn all() -> Vec<PathBuf> {
+    let procs = std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .bytes()
+                .all(|b| b.is_ascii_digit())
+        })
+        .map(|e| e.path().join("ns/net"));
+    let mounted = std::fs::read_dir("/run/netns")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path());
+    distinct(
+        std::iter::once(PathBuf::from("/proc/self/ns/net"))
+            .chain(procs)
+            .chain(mounted),
+    )
 }
 
 /// The interfaces of the calling thread's network namespace.

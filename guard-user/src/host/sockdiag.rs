@@ -42,10 +42,84 @@ pub struct TcpSocket {
     /// cgroup v2 id of the cgroup the socket was created in (INET_DIAG_CGROUP_ID); 0 when
     /// the kernel does not say.
     pub cgroup_id: u64,
+    /// The socket's value in the socket storage map asked for (`tcp_storages`); empty
+    /// when it has none, or none was asked for.
+    pub storage: Vec<u8>,
+}
+
+/// linux/inet_diag.h and linux/sock_diag.h: the request attribute asking for socket
+/// storage values, its map fd, and the reply's attributes holding them.
+const INET_DIAG_REQ_SK_BPF_STORAGES: u16 = 2;
+const SK_DIAG_BPF_STORAGE_REQ_MAP_FD: u16 = 1;
+const INET_DIAG_SK_BPF_STORAGES: u16 = 20;
+const SK_DIAG_BPF_STORAGE: u16 = 1;
+const SK_DIAG_BPF_STORAGE_MAP_VALUE: u16 = 3;
+const NLA_F_NESTED: u16 = 0x8000;
+/// The type bits of nla_type (NLA_TYPE_MASK).
+const NLA_TYPE_MASK: u16 = 0x3fff;
+
+/// The sockets of the current network namespace that have a value in the socket
+/// storage map `map` (BPF_MAP_TYPE_SK_STORAGE), with it: sock_diag dumps it
+/// (bpf_sk_storage_diag_put(), net/core/bpf_sk_storage.c; CAP_SYS_ADMIN).
+pub fn tcp_storages(map: std::os::fd::BorrowedFd<'_>) -> anyhow::Result<Vec<TcpSocket>> {
+    use std::os::fd::AsRawFd;
+    let mut attr = Vec::with_capacity(12);
+    attr.extend_from_slice(&12u16.to_ne_bytes());
+    attr.extend_from_slice(&(INET_DIAG_REQ_SK_BPF_STORAGES | NLA_F_NESTED).to_ne_bytes());
+    attr.extend_from_slice(&8u16.to_ne_bytes());
+    attr.extend_from_slice(&SK_DIAG_BPF_STORAGE_REQ_MAP_FD.to_ne_bytes());
+    attr.extend_from_slice(&(map.as_raw_fd() as u32).to_ne_bytes());
+    let mut out = Vec::new();
+    for family in [AF_INET, AF_INET6] {
+        dump_with(family, StateFlags::all(), &attr, &mut out)?;
+    }
+    out.retain(|s| !s.storage.is_empty());
+    Ok(out)
+}
+
+/// The first map value in an INET_DIAG_SK_BPF_STORAGES attribute's payload.
+fn storage_value(nested: &[u8]) -> Option<Vec<u8>> {
+    let storage = attributes(nested)
+        .find(|(kind, _)| *kind == SK_DIAG_BPF_STORAGE)?
+        .1;
+    attributes(storage)
+        .find(|(kind, _)| *kind == SK_DIAG_BPF_STORAGE_MAP_VALUE)
+        .map(|(_, value)| value.to_vec())
+}
+
+/// The (type, payload) of each netlink attribute in `buf` (struct nlattr, 4-aligned).
+fn attributes(mut buf: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
+    std::iter::from_fn(move || {
+        if buf.len() < 4 {
+            return None;
+        }
+        let len = u16::from_ne_bytes([buf[0], buf[1]]) as usize;
+        let kind = u16::from_ne_bytes([buf[2], buf[3]]) & NLA_TYPE_MASK;
+        if len < 4 || len > buf.len() {
+            return None;
+        }
+        let payload = &buf[4..len];
+        buf = &buf[((len + 3) & !3).min(buf.len())..];
+        Some((kind, payload))
+    })
 }
 
 /// `INET_DIAG_CGROUP_ID` (linux/inet_diag.h): a u64, host byte order.
 const INET_DIAG_CGROUP_ID: u16 = 21;
+
+/// The socket storage value of a response (INET_DIAG_SK_BPF_STORAGES), or none.
+fn storage(nlas: &[Nla]) -> Vec<u8> {
+    nlas.iter()
+        .find_map(|nla| match nla {
+            Nla::Other(o) if o.kind() & NLA_TYPE_MASK == INET_DIAG_SK_BPF_STORAGES => {
+                let mut value = vec![0u8; o.value_len()];
+                o.emit_value(&mut value);
+                storage_value(&value)
+            }
+            _ => None,
+        })
+        .unwrap_or_default()
+}
 
 /// The INET_DIAG_CGROUP_ID attribute of a response, or 0.
 fn cgroup_id(nlas: &[Nla]) -> u64 {
@@ -130,6 +204,16 @@ fn tcp_sockets_in(states: StateFlags) -> anyhow::Result<Vec<TcpSocket>> {
 }
 
 fn dump(family: u8, states: StateFlags, out: &mut Vec<TcpSocket>) -> anyhow::Result<()> {
+    dump_with(family, states, &[], out)
+}
+
+/// `dump`, with `attrs` (netlink attributes) after the request.
+fn dump_with(
+    family: u8,
+    states: StateFlags,
+    attrs: &[u8],
+    out: &mut Vec<TcpSocket>,
+) -> anyhow::Result<()> {
     let mut socket =
         Socket::new(NETLINK_SOCK_DIAG).context("opening a sock_diag netlink socket")?;
     socket.bind_auto()?;
@@ -154,6 +238,10 @@ fn dump(family: u8, states: StateFlags, out: &mut Vec<TcpSocket>) -> anyhow::Res
     request.finalize();
     let mut buf = vec![0; request.buffer_len()];
     request.serialize(&mut buf);
+    buf.extend_from_slice(attrs);
+    // nlmsg_len, the header's first field, covers the attributes.
+    let len = buf.len() as u32;
+    buf[..4].copy_from_slice(&len.to_ne_bytes());
     socket
         .send(&buf, 0)
         .context("sending the sock_diag request")?;
@@ -180,6 +268,7 @@ fn dump(family: u8, states: StateFlags, out: &mut Vec<TcpSocket>) -> anyhow::Res
                         send_queue: r.header.send_queue,
                         inode: r.header.inode,
                         cgroup_id: cgroup_id(&r.nlas),
+                        storage: storage(&r.nlas),
                     });
                 }
                 NetlinkPayload::Done(_) => return Ok(()),

@@ -23,7 +23,11 @@ use aya::{
 };
 use guard_common::names::program::{CONNECT4, CONNECT6, SOCK_CREATE, SOCK_RELEASE, SOCK_STATE};
 
-use super::{object::program, state::Pin, syscall::link_cgroup_id};
+use super::{
+    object::program,
+    state::{Detaching, Pin},
+    syscall::link_cgroup_id,
+};
 
 /// The admitting programs, in the order they are attached, and the releasing ones.
 const ADMITTING: [&str; 3] = [CONNECT4, CONNECT6, SOCK_CREATE];
@@ -48,11 +52,14 @@ struct Attachment {
     release_id: u32,
 }
 
-/// Links taken out by `detach_others`, detached on drop.
-#[must_use]
-pub struct Detached {
-    _links: Vec<Pin>,
-    _attachments: Vec<Attachment>,
+/// Links taken out, detached on drop.
+pub type Detached = Detaching;
+
+impl Attachment {
+    /// Every link of the attachment, to be detached.
+    fn into_pins(self) -> impl Iterator<Item = Pin> {
+        self.admit.into_iter().chain(self.release)
+    }
 }
 
 /// The cgroups the connection programs are attached to.
@@ -91,18 +98,16 @@ impl Removed {
             .partition(|(_, a)| link_cgroup_id(a.release_id).map_or(true, |id| id != 0));
         (
             Removed(kept),
-            Detached {
-                _links: Vec::new(),
-                _attachments: done.into_values().collect(),
-            },
+            Detaching(done.into_values().flat_map(Attachment::into_pins).collect()),
         )
     }
 }
 
 impl CgroupLinks {
-    /// Links pinned in `dir`; those a daemon before this one left there are adopted.
-    /// A cgroup's links are adopted when all are there; a partial set (a daemon that
-    /// died attaching) is removed, and attached again.
+    /// Links pinned in `dir`; those a daemon before this one left there are adopted: a
+    /// cgroup's releasing links, with its admitting ones or (a cgroup it no longer
+    /// wanted) without. A set missing a releasing link (a daemon that died attaching)
+    /// is removed, and attached again if wanted.
     pub fn new(dir: PathBuf) -> CgroupLinks {
         let mut pins: BTreeMap<u64, Vec<(String, Pin)>> = BTreeMap::new();
         for path in std::fs::read_dir(&dir)
@@ -133,18 +138,21 @@ impl CgroupLinks {
             };
             let admit: Option<Vec<Pin>> = ADMITTING.iter().map(|n| take(n)).collect();
             let release: Option<Vec<Pin>> = RELEASING.iter().map(|n| take(n)).collect();
-            if let (Some(admit), Some(release)) = (admit, release) {
-                let release_id = release[0].id;
-                adopted.insert(
-                    id,
-                    Attachment {
+            let rest = Detaching(found.into_iter().map(|(_, p)| p).collect());
+            match release {
+                Some(release) => {
+                    let release_id = release[0].id;
+                    let attachment = Attachment {
                         dir: PathBuf::new(),
-                        admit,
+                        admit: admit.unwrap_or_default(),
                         release,
                         release_id,
-                    },
-                );
+                    };
+                    adopted.insert(id, attachment);
+                }
+                None => drop(Detaching(admit.into_iter().flatten().collect())),
             }
+            drop(rest);
         }
         CgroupLinks {
             dir,
@@ -160,30 +168,42 @@ impl CgroupLinks {
         self.adopted.len()
     }
 
-    /// Moves the adopted links of the cgroups in `wanted` to this daemon's programs,
-    /// once its policy is in force (until then they run the programs of the daemon
-    /// before, with its policy). Those of other cgroups lose their admitting links and
-    /// keep their releasing ones, as for a cgroup a reload stops selecting.
+    /// Moves the adopted links to this daemon's programs, once its policy is in force
+    /// (until then they run the programs of the daemon before, with its policy). Those
+    /// of cgroups not in `wanted` lose their admitting links and keep their releasing
+    /// ones, as for a cgroup a reload stops selecting; a wanted cgroup adopted without
+    /// admitting links gets them. A cgroup whose link cannot be moved is detached and
+    /// attached again at the next walk, rather than left running the old policy.
     pub fn finish_adoption(&mut self, ebpf: &mut Ebpf, wanted: &BTreeMap<u64, PathBuf>) {
         for (id, mut a) in std::mem::take(&mut self.adopted) {
+            let names = ADMITTING.iter().take(a.admit.len()).chain(&RELEASING);
+            let pins = a.admit.iter().chain(&a.release);
+            let moved = names.zip(pins).try_for_each(|(name, pin)| {
+                let fd = program(ebpf, name)?.fd()?.as_fd().try_clone_to_owned()?;
+                pin.update(fd.as_fd())
+                    .with_context(|| format!("moving the {name} link"))
+            });
+            if let Err(e) = moved {
+                log::warn!("cgroup {id}: {e:#}; its links are detached, attached again if wanted");
+                drop(Detaching(a.into_pins().collect()));
+                self.failed.insert(id);
+                continue;
+            }
             let Some(dir) = wanted.get(&id) else {
-                a.admit.clear();
+                drop(Detaching(std::mem::take(&mut a.admit)));
                 self.removed.insert(id, a);
                 continue;
             };
-            let names = ADMITTING.iter().chain(&RELEASING);
-            for (name, pin) in names.zip(a.admit.iter().chain(&a.release)) {
-                let updated = program(ebpf, name)
-                    .and_then(|p| Ok(p.fd()?.as_fd().try_clone_to_owned()?))
-                    .and_then(|fd| Ok(pin.update(fd.as_fd())?));
-                if let Err(e) = updated {
-                    log::warn!(
-                        "{} keeps the {name} program of the daemon before: moving its link failed: {e:#}",
-                        dir.display()
-                    );
+            a.dir = dir.clone();
+            if a.admit.is_empty() {
+                match open(id, dir).and_then(|cgroup| admitting(ebpf, &self.dir, id, &cgroup)) {
+                    Ok(links) => a.admit = links,
+                    Err(e) => {
+                        log::warn!("{}: attaching the admitting programs: {e:#}", dir.display());
+                        self.failed.insert(id);
+                    }
                 }
             }
-            a.dir = dir.clone();
             self.attached.insert(id, a);
         }
     }
@@ -253,10 +273,7 @@ impl CgroupLinks {
                 }
             }
         }
-        Detached {
-            _links: links,
-            _attachments: Vec::new(),
-        }
+        Detaching(links)
     }
 
     /// The attachments of removed cgroups, taken out (see `Removed::reap`).
@@ -298,31 +315,23 @@ fn open(id: u64, dir: &Path) -> anyhow::Result<File> {
 /// none.
 fn attach(ebpf: &mut Ebpf, pins: &Path, id: u64, dir: &Path) -> anyhow::Result<Attachment> {
     let cgroup = open(id, dir)?;
-    let admit = admitting(ebpf, pins, id, &cgroup)?;
-    let mode = CgroupAttachMode::Single;
     // On an error, what was attached is detached (dropped).
-    let mut release = Vec::new();
+    let mut admit = Detaching(admitting(ebpf, pins, id, &cgroup)?);
+    let mut release = Detaching::default();
+    let mode = CgroupAttachMode::Single;
     let prog: &mut SockOps = program(ebpf, SOCK_STATE)?.try_into()?;
     let link = prog.attach(&cgroup, mode).context(SOCK_STATE)?;
-    release.push(pin(
-        prog.take_link(link)?.try_into()?,
-        pins,
-        id,
-        SOCK_STATE,
-    )?);
+    let link = prog.take_link(link)?.try_into()?;
+    release.0.push(pin(link, pins, id, SOCK_STATE)?);
     let prog: &mut CgroupSock = program(ebpf, SOCK_RELEASE)?.try_into()?;
     let link = prog.attach(&cgroup, mode).context(SOCK_RELEASE)?;
-    release.push(pin(
-        prog.take_link(link)?.try_into()?,
-        pins,
-        id,
-        SOCK_RELEASE,
-    )?);
-    let release_id = release[0].id;
+    let link = prog.take_link(link)?.try_into()?;
+    release.0.push(pin(link, pins, id, SOCK_RELEASE)?);
+    let release_id = release.0[0].id;
     Ok(Attachment {
         dir: dir.to_path_buf(),
-        admit,
-        release,
+        admit: std::mem::take(&mut admit.0),
+        release: std::mem::take(&mut release.0),
         release_id,
     })
 }
@@ -330,21 +339,19 @@ fn attach(ebpf: &mut Ebpf, pins: &Path, id: u64, dir: &Path) -> anyhow::Result<A
 /// The admitting programs' links to `cgroup` (cgroup `id`), in `ADMITTING` order.
 fn admitting(ebpf: &mut Ebpf, pins: &Path, id: u64, cgroup: &File) -> anyhow::Result<Vec<Pin>> {
     let mode = CgroupAttachMode::Single;
-    let mut links = Vec::new();
+    // On an error, what was attached is detached (dropped).
+    let mut links = Detaching::default();
     for name in [CONNECT4, CONNECT6] {
         let prog: &mut CgroupSockAddr = program(ebpf, name)?.try_into()?;
         let link = prog.attach(cgroup, mode).context(name)?;
-        links.push(pin(prog.take_link(link)?.try_into()?, pins, id, name)?);
+        let link = prog.take_link(link)?.try_into()?;
+        links.0.push(pin(link, pins, id, name)?);
     }
     let prog: &mut CgroupSock = program(ebpf, SOCK_CREATE)?.try_into()?;
     let link = prog.attach(cgroup, mode).context(SOCK_CREATE)?;
-    links.push(pin(
-        prog.take_link(link)?.try_into()?,
-        pins,
-        id,
-        SOCK_CREATE,
-    )?);
-    Ok(links)
+    let link = prog.take_link(link)?.try_into()?;
+    links.0.push(pin(link, pins, id, SOCK_CREATE)?);
+    Ok(std::mem::take(&mut links.0))
 }
 
 /// Pins program `name`'s link to cgroup `id` in `pins`.

@@ -39,9 +39,7 @@ pub fn require_root() -> anyhow::Result<()> {
 
 /// Loads every program, with the pinned maps of `state` (adopted, or created and
 /// pinned), and attaches the host-wide one (the state tracepoint), pinned; the
-/// connection programs are attached to cgroups by `cgroup_links`. The tracepoint link
-/// pinned by a daemon before is removed once this one is attached: for that moment
-/// both run, and the release each makes is a swap only one wins. `features` must have
+/// connection programs are attached to cgroups by `cgroup_links`. `features` must have
 /// passed `require`.
 pub fn load(features: &Features, state: &State) -> anyhow::Result<(Ebpf, Pin)> {
     let has_set_retval = u8::from(features.has(Feature::SetRetval));
@@ -66,6 +64,9 @@ pub fn load(features: &Features, state: &State) -> anyhow::Result<(Ebpf, Pin)> {
     let name = program::LISTENER_SHED;
     let prog: &mut SchedClassifier = program(&mut ebpf, name)?.try_into()?;
     prog.load().with_context(|| format!("loading {name}"))?;
+    let name = program::ADJUST;
+    let prog: &mut SchedClassifier = program(&mut ebpf, name)?.try_into()?;
+    prog.load().with_context(|| format!("loading {name}"))?;
     let name = program::SEED;
     let prog: &mut CgroupSockopt = program(&mut ebpf, name)?.try_into()?;
     prog.load().with_context(|| format!("loading {name}"))?;
@@ -80,16 +81,22 @@ pub fn load(features: &Features, state: &State) -> anyhow::Result<(Ebpf, Pin)> {
     let link: FdLink = prog.take_link(link)?.into();
     let id = link.info()?.id();
     let pinned = Pin::new(link, state.links_dir().join(format!("{name}-{id}")))?;
-    let prefix = format!("{name}-");
+    Ok((ebpf, pinned))
+}
+
+/// Detaches the tracepoint links pinned by daemons before this one, whose is `ours`:
+/// once this daemon's policy is in force. Until then both run, and the release each
+/// makes is a swap only one wins.
+pub fn remove_old_tracepoints(state: &State, ours: &Pin) -> anyhow::Result<()> {
+    let prefix = format!("{}-", TP_BTF.0);
     for old in std::fs::read_dir(state.links_dir())?.flatten() {
         let path = old.path();
-        let file = old.file_name();
-        if file.to_string_lossy().starts_with(&prefix) && path != pinned.path() {
+        if old.file_name().to_string_lossy().starts_with(&prefix) && path != ours.path() {
             std::fs::remove_file(&path)
                 .with_context(|| format!("removing the old tracepoint link {}", path.display()))?;
         }
     }
-    Ok((ebpf, pinned))
+    Ok(())
 }
 
 /// Attaches the loaded listener program to an interface's ingress, in the calling

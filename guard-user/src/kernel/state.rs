@@ -101,24 +101,30 @@ pub fn remove_left() -> anyhow::Result<usize> {
     Ok(n)
 }
 
-/// Removes every pin below `dir`, and the directories; returns how many pins.
+/// Removes every pin below `dir`, and the directories; returns how many pins. A pin
+/// removed meanwhile (a link the kernel detached, reaped) is not an error.
 pub fn remove_pins(dir: &Path) -> io::Result<usize> {
+    let gone = |r: io::Result<()>| match r {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
+        _ => Ok(()),
+    };
     let mut n = 0;
     for entry in std::fs::read_dir(dir)? {
         let path = entry?.path();
         if path.is_dir() {
             n += remove_pins(&path)?;
         } else {
-            std::fs::remove_file(&path)?;
+            gone(std::fs::remove_file(&path))?;
             n += 1;
         }
     }
-    std::fs::remove_dir(dir)?;
+    gone(std::fs::remove_dir(dir))?;
     Ok(n)
 }
 
-/// A bpf_link held by its pin, detached when this is dropped (its pin removed), unless
-/// the daemon exits keeping its state.
+/// A bpf_link held by its pin. Dropping it keeps the pin, so that a daemon that exits
+/// or fails, however it does, leaves its programs attached; only `unpin` (or dropping a
+/// `Detaching` holding it) detaches it.
 pub struct Pin {
     path: PathBuf,
     /// The kernel's id of the link.
@@ -151,14 +157,26 @@ impl Pin {
         let fd = obj_get(&self.path)?;
         link_update(fd.as_fd(), prog)
     }
-}
 
-impl Drop for Pin {
-    fn drop(&mut self) {
+    /// Removes the pin, which detaches the link (no fd holds it).
+    pub fn unpin(self) {
         if let Err(e) = std::fs::remove_file(&self.path)
             && e.kind() != io::ErrorKind::NotFound
         {
             log::warn!("removing the pin {}: {e}", self.path.display());
+        }
+    }
+}
+
+/// Links to detach: their pins are removed when this is dropped.
+#[derive(Default)]
+#[must_use]
+pub struct Detaching(pub Vec<Pin>);
+
+impl Drop for Detaching {
+    fn drop(&mut self) {
+        for pin in self.0.drain(..) {
+            pin.unpin();
         }
     }
 }

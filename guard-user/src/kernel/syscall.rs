@@ -11,6 +11,7 @@ pub const BPF_PROG_QUERY: libc::c_long = 16;
 pub const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
 pub const BPF_LINK_CREATE: libc::c_long = 28;
 const BPF_OBJ_GET: libc::c_long = 7;
+const BPF_PROG_TEST_RUN: libc::c_long = 10;
 const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
 const BPF_LINK_UPDATE: libc::c_long = 29;
 const BPF_LINK_GET_FD_BY_ID: libc::c_long = 30;
@@ -60,6 +61,36 @@ pub fn obj_get(path: &std::path::Path) -> io::Result<OwnedFd> {
     let fd = unsafe { bpf(BPF_OBJ_GET, &mut attr) }?;
     // SAFETY: the kernel returned a new fd, ours to close.
     Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// Runs program `prog` once on `data` (BPF_PROG_TEST_RUN; its `test` member: prog_fd,
+/// retval, data_size_in, data_size_out, data_in, data_out, repeat, duration); returns
+/// what the program returned.
+pub fn prog_test_run(prog: BorrowedFd<'_>, data: &[u8]) -> io::Result<u32> {
+    #[repr(C)]
+    struct TestRun {
+        prog_fd: u32,
+        retval: u32,
+        data_size_in: u32,
+        data_size_out: u32,
+        data_in: u64,
+        data_out: u64,
+        repeat: u32,
+        duration: u32,
+    }
+    let mut attr = TestRun {
+        prog_fd: prog.as_raw_fd() as u32,
+        retval: 0,
+        data_size_in: data.len() as u32,
+        data_size_out: 0,
+        data_in: data.as_ptr() as u64,
+        data_out: 0,
+        repeat: 1,
+        duration: 0,
+    };
+    // SAFETY: `data` is valid for `data_size_in` bytes; no output buffer is given.
+    unsafe { bpf(BPF_PROG_TEST_RUN, &mut attr) }?;
+    Ok(attr.retval)
 }
 
 /// Moves link `link` to program `prog` (BPF_LINK_UPDATE: link_fd, new_prog_fd, flags,

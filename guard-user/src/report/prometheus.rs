@@ -86,6 +86,12 @@ pub fn render(snap: &Snapshot) -> String {
         "Connections let through over a budget because no daemon held the lease",
         lease_expired.clone(),
     );
+    let audit_corrections = PromCounter::<u64>::default();
+    reg.register(
+        "audit_corrections",
+        "Counters the audit found different from the live sockets and corrected (0 but for a bug)",
+        audit_corrections.clone(),
+    );
     let generation = Gauge::<i64>::default();
     reg.register(
         "policy_generation",
@@ -239,6 +245,7 @@ pub fn render(snap: &Snapshot) -> String {
     }
     internal.inc_by(snap.internal_errors);
     lease_expired.inc_by(snap.lease_expired);
+    audit_corrections.inc_by(snap.audit_corrections);
     for (name, present) in snap.kernel.iter().flat_map(|k| &k.features) {
         feature
             .get_or_create(&vec![("feature", name.clone())])
@@ -297,6 +304,7 @@ mod tests {
             scopes: vec![scope],
             internal_errors: 0,
             lease_expired: 0,
+            audit_corrections: 0,
             programs: Vec::new(),
             eaddrnotavail: Vec::new(),
             watched_ports: Vec::new(),

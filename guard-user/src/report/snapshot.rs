@@ -28,6 +28,10 @@ pub struct Snapshot {
     /// (absent from the answers of older daemons).
     #[serde(default)]
     pub lease_expired: u64,
+    /// Counters the audit found different from the live sockets and corrected, since
+    /// the daemon started: 0 but for a bug (absent from the answers of older daemons).
+    #[serde(default)]
+    pub audit_corrections: u64,
     /// Per-program cost from the kernel's bpf_stats (`connguard run --bpf-stats`).
     pub programs: Vec<ProgramCost>,
     /// connect() failures with EADDRNOTAVAIL, per scope and process name.

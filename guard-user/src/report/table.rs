@@ -15,6 +15,13 @@ pub fn stats(snap: &Snapshot) -> String {
         );
     }
     let _ = writeln!(out, "internal errors (fail-open): {}", snap.internal_errors);
+    if snap.audit_corrections > 0 {
+        let _ = writeln!(
+            out,
+            "counters corrected by the audit (a bug, see the log): {}",
+            snap.audit_corrections
+        );
+    }
     if snap.lease_expired > 0 {
         let _ = writeln!(
             out,

@@ -1,0 +1,217 @@
+//! The audit: every `--audit` seconds the active counts are recounted from the live
+//! sockets and compared with the counters; a difference that holds still over two
+//! audits is corrected, logged with its key, and counted (`audit_corrections`). At rest
+//! it finds nothing: a correction is a bug report.
+//!
+//! The recount reads every TCP socket's storage through sock_diag
+//! (INET_DIAG_REQ_SK_BPF_STORAGES), in every network namespace of the host: a socket
+//! holding an admission counts at each level it charged, and at destination level only
+//! while the entry it charged is the one there (same epoch). A key whose counter moved
+//! while the sockets were read is left for the next audit, and so is one whose difference
+//! is new: a connect between its reservation and the storage write, or a release between
+//! the two, differs for an instant, never for two audits. The correction is applied by
+//! the `adjust` program (BPF_PROG_TEST_RUN), with the programs' own atomics.
+use std::{
+    collections::HashMap,
+    os::fd::{AsFd, OwnedFd},
+};
+
+use anyhow::Context;
+use guard_common::{Adjustment, Counter, CounterKey, NO_RULE, SockState};
+
+use super::counters::CounterDump;
+use crate::{
+    host::{netns, sockdiag},
+    kernel::syscall::prog_test_run,
+};
+
+/// A counter, by level.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Key {
+    Destination(CounterKey),
+    Rule(u32),
+    Scope(u32),
+}
+
+/// A difference: the counter's active and admitted, and the live count.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Seen {
+    active: u64,
+    admitted: u64,
+    live: u64,
+}
+
+/// A correction made.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Correction {
+    pub key: Key,
+    pub counted: u64,
+    pub live: u64,
+}
+
+pub struct Audit {
+    /// The socket storage map (SOCKS) and the adjust program.
+    socks: OwnedFd,
+    adjust: OwnedFd,
+    /// Differences found by the last audit.
+    seen: HashMap<Key, Seen>,
+    /// Corrections made since the daemon started.
+    pub corrections: u64,
+}
+
+impl Audit {
+    pub fn new(socks: OwnedFd, adjust: OwnedFd) -> Audit {
+        Audit {
+            socks,
+            adjust,
+            seen: HashMap::new(),
+            corrections: 0,
+        }
+    }
+
+    /// Live admissions by counter, from every socket's storage in every network
+    /// namespace; `before` gives the destination entries' epochs.
+    pub fn recount(&self, before: &CounterDump) -> anyhow::Result<HashMap<Key, u64>> {
+        let epochs: HashMap<CounterKey, u64> = before
+            .destinations
+            .iter()
+            .map(|(k, c)| (*k, c.epoch))
+            .collect();
+        let mut live = HashMap::new();
+        for ns in netns::all() {
+            let sockets = netns::within(Some(&ns), || sockdiag::tcp_storages(self.socks.as_fd()));
+            // A namespace gone meanwhile has no sockets left to count.
+            let Ok(sockets) = sockets else { continue };
+            for s in sockets {
+                let Some(state) = sock_state(&s.storage) else {
+                    continue;
+                };
+                for key in charged(&state, &epochs) {
+                    *live.entry(key).or_default() += 1;
+                }
+            }
+        }
+        Ok(live)
+    }
+
+    /// Compares `live` with the counters read `before` and `after` it, and corrects the
+    /// differences this audit and the one before found alike.
+    pub fn compare(
+        &mut self,
+        before: &CounterDump,
+        live: &HashMap<Key, u64>,
+        after: &CounterDump,
+    ) -> Vec<Correction> {
+        let b = counters(before);
+        let a = counters(after);
+        let mut keys: Vec<Key> = b.keys().chain(live.keys()).copied().collect();
+        keys.sort();
+        keys.dedup();
+        let mut seen = HashMap::new();
+        let mut made = Vec::new();
+        for key in keys {
+            let zero = Counter::default();
+            let (cb, ca) = (b.get(&key).unwrap_or(&zero), a.get(&key).unwrap_or(&zero));
+            let now = Seen {
+                active: cb.active,
+                admitted: cb.admitted,
+                live: live.get(&key).copied().unwrap_or(0),
+            };
+            if (cb.active, cb.admitted) != (ca.active, ca.admitted) || now.live == now.active {
+                continue;
+            }
+            if self.seen.get(&key) != Some(&now) {
+                seen.insert(key, now);
+                continue;
+            }
+            match self.apply(key, now.live as i64 - now.active as i64) {
+                Ok(()) => {
+                    self.corrections += 1;
+                    made.push(Correction {
+                        key,
+                        counted: now.active,
+                        live: now.live,
+                    });
+                }
+                Err(e) => log::warn!("audit: correcting {key:?}: {e:#}"),
+            }
+        }
+        self.seen = seen;
+        made
+    }
+
+    /// Adds `delta` to the active count of `key`, in the kernel.
+    fn apply(&self, key: Key, delta: i64) -> anyhow::Result<()> {
+        let (key, level) = match key {
+            Key::Destination(k) => (k, 0),
+            Key::Rule(id) => (
+                CounterKey {
+                    rule_id: id,
+                    ..Default::default()
+                },
+                1,
+            ),
+            Key::Scope(id) => (
+                CounterKey {
+                    scope_id: id,
+                    ..Default::default()
+                },
+                2,
+            ),
+        };
+        let adjustment = Adjustment { key, level, delta };
+        // A 14-byte Ethernet header, then the correction (see the adjust program).
+        let mut data = vec![0u8; 14];
+        // SAFETY: Adjustment is repr(C) with no padding; its bytes are plain data.
+        data.extend_from_slice(unsafe {
+            std::slice::from_raw_parts(
+                (&raw const adjustment).cast::<u8>(),
+                std::mem::size_of::<Adjustment>(),
+            )
+        });
+        match prog_test_run(self.adjust.as_fd(), &data).context("running adjust")? {
+            0 => Ok(()),
+            _ => anyhow::bail!("no such counter"),
+        }
+    }
+}
+
+/// The socket's state from its storage value, when it holds an admission.
+fn sock_state(value: &[u8]) -> Option<SockState> {
+    if value.len() != std::mem::size_of::<SockState>() {
+        return None;
+    }
+    // SAFETY: the length is checked; SockState is repr(C) plain data, read unaligned.
+    let state: SockState = unsafe { std::ptr::read_unaligned(value.as_ptr().cast()) };
+    (state.admitted == 1).then_some(state)
+}
+
+/// The counters an admission holds (connect's charged bits: 0 destination, 1 rule, 2
+/// scope); the destination only while its entry is the one it charged.
+fn charged(state: &SockState, epochs: &HashMap<CounterKey, u64>) -> Vec<Key> {
+    let dst = state.dst;
+    let mut keys = Vec::with_capacity(3);
+    if state.charged & 1 != 0 && epochs.get(&dst) == Some(&state.dst_epoch) {
+        keys.push(Key::Destination(dst));
+    }
+    if state.charged & 2 != 0 && dst.rule_id != NO_RULE {
+        keys.push(Key::Rule(dst.rule_id));
+    }
+    if state.charged & 4 != 0 {
+        keys.push(Key::Scope(dst.scope_id));
+    }
+    keys
+}
+
+/// Every counter of a dump, by key.
+fn counters(dump: &CounterDump) -> HashMap<Key, Counter> {
+    let destinations = dump
+        .destinations
+        .iter()
+        .map(|(k, c)| (Key::Destination(*k), *c));
+    let rules = (0u32..).zip(&dump.rules).map(|(id, c)| (Key::Rule(id), *c));
+    let scopes = (0u32..)
+        .zip(&dump.scopes)
+        .map(|(id, c)| (Key::Scope(id), *c));
+    destinations.chain(rules).chain(scopes).collect()
+}
