@@ -33,7 +33,7 @@ pub const STAT_COUNT: u32 = 2;
 /// Version of the layout of the pinned maps (`names::map::PINNED`): their types, keys,
 /// values and sizes. A daemon adopts pinned state of its own layout only; bump this with
 /// any change to them.
-pub const STATE_LAYOUT: u32 = 1;
+pub const STATE_LAYOUT: u32 = 2;
 
 /// setsockopt(2) level and option name of a seeding request: the daemon, at a start with
 /// no pinned state, asks the `seed` program (attached for that moment) to count a
@@ -64,8 +64,9 @@ pub struct SeedRequest {
 }
 
 /// A correction of the daemon's audit, given to the `adjust` program as the data of a
-/// BPF_PROG_TEST_RUN after a 14-byte Ethernet header: `delta` added to `active` of one
-/// counter, stopping at 0, with the programs' own atomics.
+/// BPF_PROG_TEST_RUN after a 14-byte Ethernet header: `active` of one counter set from
+/// `expected` to `target` with a compare-and-swap, so that a concurrent update is never
+/// lost (the correction waits for the next audit instead).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Adjustment {
@@ -74,8 +75,9 @@ pub struct Adjustment {
     pub key: CounterKey,
     /// 0 destination, 1 rule, 2 scope.
     pub level: u32,
-    /// Connections, signed.
-    pub delta: i64,
+    /// Connections (`active` is two's complement: see [`Counter`]).
+    pub expected: u64,
+    pub target: u64,
 }
 
 /// Key of `IDS`: a scope name (`kind` ID_SCOPE), or a scope name, a NUL and a rule name
@@ -225,7 +227,10 @@ pub struct CounterKey {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Counter {
-    /// Admitted and not yet in TCP_CLOSE.
+    /// Admitted and not yet in TCP_CLOSE. Read as signed (two's complement): a release
+    /// after an audit's correction of an admission it could not see (a socket no table
+    /// lists) takes it below 0 until the next audits correct it back; no budget is
+    /// spent then.
     pub active: u64,
     /// Highest `active` seen.
     pub peak: u64,

@@ -22,42 +22,11 @@ pub fn add(field: *mut u64, delta: u64) -> u64 {
     unsafe { atomic_xadd::<u64, u64, { SeqCst }>(field, delta) }
 }
 
-/// Subtracts 1 from a count of active connections unless it is 0, so that it never
-/// wraps: the daemon's audit may have lowered it already (a leak it corrected). After 8
-/// lost races the decrement is dropped, and the count stays one high until an audit.
+/// Sets `field` from `expected` to `target` if it still holds `expected`: an audit's
+/// correction, which a concurrent update makes wait for the next audit.
 #[inline(always)]
-pub fn decrement(field: *mut u64) {
-    let mut seen = unsafe { core::ptr::read_volatile(field) };
-    for _ in 0..8 {
-        if seen == 0 {
-            return;
-        }
-        let (now, ok) =
-            unsafe { atomic_cxchg::<u64, { SeqCst }, { SeqCst }>(field, seen, seen - 1) };
-        if ok {
-            return;
-        }
-        seen = now;
-    }
-}
-
-/// Adds `delta` (two's complement) to a count of active connections, stopping at 0: a
-/// correction of the daemon's audit.
-#[inline(always)]
-pub fn adjust(field: *mut u64, delta: i64) {
-    let mut seen = unsafe { core::ptr::read_volatile(field) };
-    for _ in 0..8 {
-        let next = if delta < 0 {
-            seen.saturating_sub(delta.unsigned_abs())
-        } else {
-            seen.saturating_add(delta as u64)
-        };
-        let (now, ok) = unsafe { atomic_cxchg::<u64, { SeqCst }, { SeqCst }>(field, seen, next) };
-        if ok {
-            return;
-        }
-        seen = now;
-    }
+pub fn replace(field: *mut u64, expected: u64, target: u64) -> bool {
+    unsafe { atomic_cxchg::<u64, { SeqCst }, { SeqCst }>(field, expected, target) }.1
 }
 
 /// Raises `peak` to `value` unless a concurrent update already went higher.
@@ -146,7 +115,7 @@ pub fn release(state: *mut SockState) -> bool {
         // admission does not hold it.
         && unsafe { (*c).epoch } == dst_epoch
     {
-        decrement(unsafe { &raw mut (*c).active });
+        add(unsafe { &raw mut (*c).active }, u64::MAX);
     }
     let above = [
         if charged & 2 != 0 {
@@ -162,7 +131,7 @@ pub fn release(state: *mut SockState) -> bool {
     ];
     for c in above {
         if !c.is_null() {
-            decrement(unsafe { &raw mut (*c).active });
+            add(unsafe { &raw mut (*c).active }, u64::MAX);
         }
     }
     true

@@ -6,7 +6,7 @@ use aya_ebpf::{macros::classifier, programs::TcContext};
 use guard_common::Adjustment;
 
 use crate::{
-    accounting::{adjust as add_to, rule_counter, scope_counter},
+    accounting::{replace, rule_counter, scope_counter},
     maps::COUNTERS,
 };
 
@@ -14,7 +14,8 @@ use crate::{
 /// BPF_PROG_TEST_RUN requires of a tc program's data.
 const AT: usize = 14;
 
-/// 0: applied; 1: no such counter, or no correction in the data.
+/// 0: applied; 1: no such counter, or no correction in the data; 2: the count is no
+/// longer `expected`.
 #[classifier]
 pub fn adjust(ctx: TcContext) -> i32 {
     let Ok(a) = ctx.load::<Adjustment>(AT) else {
@@ -31,6 +32,9 @@ pub fn adjust(ctx: TcContext) -> i32 {
     if c.is_null() {
         return 1;
     }
-    add_to(unsafe { &raw mut (*c).active }, a.delta);
-    0
+    if replace(unsafe { &raw mut (*c).active }, a.expected, a.target) {
+        0
+    } else {
+        2
+    }
 }

@@ -218,7 +218,8 @@ pub fn charge(
         let c = counters[i];
         if !c.is_null() {
             olds[i] = add(unsafe { &raw mut (*c).active }, 1);
-            if maxes[i] != 0 && olds[i] >= maxes[i] {
+            // Signed: a count below 0 (see guard_common::Counter) spends no budget.
+            if maxes[i] != 0 && olds[i] as i64 >= maxes[i] as i64 {
                 over = true;
             }
         }
@@ -251,7 +252,9 @@ pub fn charge(
             if over && may_shed {
                 add(unsafe { &raw mut (*c).would_shed }, 1);
             }
-            raise_peak(unsafe { &raw mut (*c).peak }, olds[i] + 1);
+            if (olds[i] as i64) >= 0 {
+                raise_peak(unsafe { &raw mut (*c).peak }, olds[i] + 1);
+            }
         }
     }
     Charge::Admitted

@@ -94,7 +94,7 @@ struct Daemon {
     /// What the kernel offers, probed at start.
     features: Features,
     lease: Mutex<Lease>,
-    audit: Mutex<Audit>,
+    audit: Audit,
     /// Notified by a `stop` request.
     stop: tokio::sync::Notify,
     /// The pinned state, and the tracepoint's link in it.
@@ -239,7 +239,7 @@ impl Daemon {
         let scope_name = |id| ids.scope_name(id).unwrap_or("?").to_string();
         let eaddrnotavail = eaddrnotavail_counts(&dump.eaddrnotavail, scope_name);
         let (internal_errors, lease_expired) = (dump.internal_errors, dump.lease_expired);
-        let audit_corrections = lock(&self.audit).corrections;
+        let audit_corrections = self.audit.corrections();
         Snapshot {
             policy: status,
             scopes: policy.map_or_else(Vec::new, |p| snapshot::scopes(&p, &ids, dump, top)),
@@ -303,8 +303,9 @@ impl Daemon {
     }
 
     /// Counts the connections that existed before this start, with no pinned state to
-    /// adopt; logs how many per scope. A failure leaves them uncounted (fail-open).
-    fn seed(&self) {
+    /// adopt; logs how many per scope. A failure leaves them uncounted (fail-open), and
+    /// the next start seeds again (false).
+    fn seed(&self) -> bool {
         let g = lock(&self.generations);
         let (governed, tops) = g.governed();
         let result = seed::seed(&mut lock(&self.ebpf), governed, tops);
@@ -336,10 +337,14 @@ impl Daemon {
                         String::new()
                     }
                 );
+                true
             }
-            Err(e) => log::warn!(
-                "seeding from the socket table failed, connections of before the start are not counted: {e:#}"
-            ),
+            Err(e) => {
+                log::warn!(
+                    "seeding from the socket table failed, connections of before the start are not counted (the next start tries again): {e:#}"
+                );
+                false
+            }
         }
     }
 
@@ -348,9 +353,9 @@ impl Daemon {
     fn audit(&self) -> anyhow::Result<()> {
         let ids = lock(&self.generations).ids();
         let before = lock(&self.counters).dump(ids.counts());
-        let live = lock(&self.audit).recount(&before)?;
+        let live = self.audit.recount(&before)?;
         let after = lock(&self.counters).dump(ids.counts());
-        let made = lock(&self.audit).compare(&before, &live, &after);
+        let made = self.audit.compare(&before, &live, &after);
         let rules = ids.rule_names();
         let scope = |id| ids.scope_name(id).unwrap_or("?").to_string();
         let rule = |id| rules.get(&id).copied().unwrap_or("(no rule)").to_string();
@@ -608,7 +613,7 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
         jobs: Jobs::default(),
         features,
         lease: Mutex::new(lease),
-        audit: Mutex::new(audit),
+        audit,
         stop: tokio::sync::Notify::new(),
         state,
         _tracepoint: tracepoint,
@@ -616,8 +621,7 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
     daemon.apply(policy, tree)?;
     object::remove_old_tracepoints(&daemon.state, &daemon._tracepoint)?;
     daemon.log_adoption(adopted_links);
-    if !lock(&daemon.lease).seeded()? {
-        daemon.seed();
+    if !lock(&daemon.lease).seeded()? && daemon.seed() {
         lock(&daemon.lease).mark_seeded()?;
     }
     daemon.remove_other_layouts();

@@ -165,7 +165,8 @@ fn stop_detaches_and_unpins_everything() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(!std::path::Path::new("/sys/fs/bpf/connguard/v1").exists());
+    let dir = format!("/sys/fs/bpf/connguard/v{}", guard_common::STATE_LAYOUT);
+    assert!(!std::path::Path::new(&dir).exists());
     assert_eq!(
         connguard_tests::attached_programs(&cg.path, connguard_tests::BPF_CGROUP_INET4_CONNECT),
         Some(0)

@@ -3,17 +3,23 @@
 //! audits is corrected, logged with its key, and counted (`audit_corrections`). At rest
 //! it finds nothing: a correction is a bug report.
 //!
-//! The recount reads every TCP socket's storage through sock_diag
+//! The recount reads every TCP connection's storage through sock_diag
 //! (INET_DIAG_REQ_SK_BPF_STORAGES), in every network namespace of the host: a socket
 //! holding an admission counts at each level it charged, and at destination level only
 //! while the entry it charged is the one there (same epoch). A key whose counter moved
 //! while the sockets were read is left for the next audit, and so is one whose difference
 //! is new: a connect between its reservation and the storage write, or a release between
-//! the two, differs for an instant, never for two audits. The correction is applied by
-//! the `adjust` program (BPF_PROG_TEST_RUN), with the programs' own atomics.
+//! the two, differs for an instant, never for two audits. A namespace whose table cannot
+//! be read ends the audit, with nothing corrected. The correction is applied by the
+//! `adjust` program (BPF_PROG_TEST_RUN) as a compare-and-swap from the count the audit
+//! saw, so a concurrent update is never lost: the correction waits instead.
 use std::{
     collections::HashMap,
     os::fd::{AsFd, OwnedFd},
+    sync::{
+        Mutex, PoisonError,
+        atomic::{AtomicU64, Ordering},
+    },
 };
 
 use anyhow::Context;
@@ -49,14 +55,15 @@ pub struct Correction {
     pub live: u64,
 }
 
+/// The audit's state; its recount takes no lock, so `stats` never waits for one.
 pub struct Audit {
     /// The socket storage map (SOCKS) and the adjust program.
     socks: OwnedFd,
     adjust: OwnedFd,
     /// Differences found by the last audit.
-    seen: HashMap<Key, Seen>,
+    seen: Mutex<HashMap<Key, Seen>>,
     /// Corrections made since the daemon started.
-    pub corrections: u64,
+    corrections: AtomicU64,
 }
 
 impl Audit {
@@ -64,9 +71,14 @@ impl Audit {
         Audit {
             socks,
             adjust,
-            seen: HashMap::new(),
-            corrections: 0,
+            seen: Mutex::default(),
+            corrections: AtomicU64::new(0),
         }
+    }
+
+    /// Corrections made since the daemon started.
+    pub fn corrections(&self) -> u64 {
+        self.corrections.load(Ordering::Relaxed)
     }
 
     /// Live admissions by counter, from every socket's storage in every network
@@ -79,9 +91,8 @@ impl Audit {
             .collect();
         let mut live = HashMap::new();
         for ns in netns::all() {
-            let sockets = netns::within(Some(&ns), || sockdiag::tcp_storages(self.socks.as_fd()));
-            // A namespace gone meanwhile has no sockets left to count.
-            let Ok(sockets) = sockets else { continue };
+            let sockets = netns::within_open(&ns, || sockdiag::tcp_storages(self.socks.as_fd()))
+                .inspect_err(|_| self.forget())?;
             for s in sockets {
                 let Some(state) = sock_state(&s.storage) else {
                     continue;
@@ -97,11 +108,12 @@ impl Audit {
     /// Compares `live` with the counters read `before` and `after` it, and corrects the
     /// differences this audit and the one before found alike.
     pub fn compare(
-        &mut self,
+        &self,
         before: &CounterDump,
         live: &HashMap<Key, u64>,
         after: &CounterDump,
     ) -> Vec<Correction> {
+        let mut last = self.seen.lock().unwrap_or_else(PoisonError::into_inner);
         let b = counters(before);
         let a = counters(after);
         let mut keys: Vec<Key> = b.keys().chain(live.keys()).copied().collect();
@@ -120,28 +132,39 @@ impl Audit {
             if (cb.active, cb.admitted) != (ca.active, ca.admitted) || now.live == now.active {
                 continue;
             }
-            if self.seen.get(&key) != Some(&now) {
+            if last.get(&key) != Some(&now) {
                 seen.insert(key, now);
                 continue;
             }
-            match self.apply(key, now.live as i64 - now.active as i64) {
-                Ok(()) => {
-                    self.corrections += 1;
+            match self.apply(key, now.active, now.live) {
+                Ok(true) => {
+                    self.corrections.fetch_add(1, Ordering::Relaxed);
                     made.push(Correction {
                         key,
                         counted: now.active,
                         live: now.live,
                     });
                 }
+                // Moved since read: the next audits look again.
+                Ok(false) => {}
                 Err(e) => log::warn!("audit: correcting {key:?}: {e:#}"),
             }
         }
-        self.seen = seen;
+        *last = seen;
         made
     }
 
-    /// Adds `delta` to the active count of `key`, in the kernel.
-    fn apply(&self, key: Key, delta: i64) -> anyhow::Result<()> {
+    /// Forgets the differences seen, after an audit that could not read everything.
+    fn forget(&self) {
+        self.seen
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clear();
+    }
+
+    /// Sets the active count of `key` from `expected` to `target`, in the kernel;
+    /// false when it no longer held `expected`.
+    fn apply(&self, key: Key, expected: u64, target: u64) -> anyhow::Result<bool> {
         let (key, level) = match key {
             Key::Destination(k) => (k, 0),
             Key::Rule(id) => (
@@ -159,7 +182,12 @@ impl Audit {
                 2,
             ),
         };
-        let adjustment = Adjustment { key, level, delta };
+        let adjustment = Adjustment {
+            key,
+            level,
+            expected,
+            target,
+        };
         // A 14-byte Ethernet header, then the correction (see the adjust program).
         let mut data = vec![0u8; 14];
         // SAFETY: Adjustment is repr(C) with no padding; its bytes are plain data.
@@ -170,7 +198,8 @@ impl Audit {
             )
         });
         match prog_test_run(self.adjust.as_fd(), &data).context("running adjust")? {
-            0 => Ok(()),
+            0 => Ok(true),
+            2 => Ok(false),
             _ => anyhow::bail!("no such counter"),
         }
     }

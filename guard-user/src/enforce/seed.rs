@@ -28,10 +28,7 @@ use aya::{
 use guard_common::{
     SEED_SOCKET, SOL_CONNGUARD, SeedRequest,
     addr::mapped,
-    linux::{
-        TCP_CLOSE_WAIT, TCP_CLOSING, TCP_ESTABLISHED, TCP_FIN_WAIT1, TCP_FIN_WAIT2, TCP_LAST_ACK,
-        TCP_LISTEN, TCP_SYN_SENT,
-    },
+    linux::TCP_LISTEN,
     names::{map::SEED_KEY, program::SEED},
 };
 
@@ -40,17 +37,6 @@ use crate::{
     host::{netns, procfs, sockdiag},
     kernel::object::program,
 };
-
-/// The states of a connection connguard counts as active (admitted, not yet TCP_CLOSE).
-const ACTIVE_STATES: [u32; 7] = [
-    TCP_SYN_SENT,
-    TCP_ESTABLISHED,
-    TCP_FIN_WAIT1,
-    TCP_FIN_WAIT2,
-    TCP_CLOSE_WAIT,
-    TCP_LAST_ACK,
-    TCP_CLOSING,
-];
 
 /// What seeding counted.
 #[derive(Debug, Default)]
@@ -162,10 +148,13 @@ fn candidates(
     // Every namespace of the host, from one pass over /proc: reading cgroup.procs of
     // each governed cgroup instead takes seconds with a policy on `/` and 50,000 cgroups.
     for ns in netns::all() {
-        let (sockets, cookie) = netns::within(Some(&ns), || {
-            Ok((sockdiag::tcp_sockets()?, netns::cookie().unwrap_or(0)))
+        let (sockets, cookie) = netns::within_open(&ns, || {
+            Ok((
+                sockdiag::connections_and_listeners()?,
+                netns::cookie().unwrap_or(0),
+            ))
         })
-        .with_context(|| format!("reading the socket table of {}", ns.display()))?;
+        .context("reading a socket table")?;
         // An accepted connection shares its local port with a listener: the server side
         // of a connection is not counted.
         let listening: BTreeSet<(IpAddr, u16)> = sockets
@@ -182,7 +171,7 @@ fn candidates(
             } else {
                 IpAddr::from([0u8; 16])
             };
-            if !ACTIVE_STATES.contains(&s.state)
+            if !sockdiag::CONNECTION_STATES.contains(&s.state)
                 || listening.contains(&(s.src, s.sport))
                 || listening.contains(&(unspecified, s.sport))
             {

@@ -5,7 +5,7 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use anyhow::{Context, bail};
+use anyhow::Context;
 
 /// Moves the calling thread into the network namespace at `path` (a bind mount such as
 /// /run/netns/NAME, or /proc/PID/ns/net). Sockets created afterwards, netlink included,
@@ -13,14 +13,31 @@ use anyhow::{Context, bail};
 pub fn enter(path: &Path) -> anyhow::Result<()> {
     let ns = File::open(path)
         .with_context(|| format!("opening network namespace {}", path.display()))?;
+    enter_open(&ns).with_context(|| format!("entering network namespace {}", path.display()))
+}
+
+/// Moves the calling thread into the network namespace open as `ns`.
+fn enter_open(ns: &File) -> std::io::Result<()> {
     if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-        bail!(
-            "entering network namespace {}: {}",
-            path.display(),
-            std::io::Error::last_os_error()
-        );
+        return Err(std::io::Error::last_os_error());
     }
     Ok(())
+}
+
+/// Runs `f` in the network namespace open as `ns`, on a thread of its own (see
+/// `within`).
+pub fn within_open<T: Send>(
+    ns: &File,
+    f: impl FnOnce() -> anyhow::Result<T> + Send,
+) -> anyhow::Result<T> {
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            enter_open(ns).context("entering a network namespace")?;
+            f()
+        })
+        .join()
+        .map_err(|_| anyhow::anyhow!("work in a network namespace panicked"))?
+    })
 }
 
 /// Runs `f` in the network namespace at `path` (None: the caller's own), on a thread of
@@ -79,30 +96,41 @@ pub fn distinct(paths: impl IntoIterator<Item = PathBuf>) -> Vec<PathBuf> {
         .collect()
 }
 
-/// Every network namespace of the host that a process is in or that is bind-mounted in
-/// /run/netns, the daemon's own first.
-pub fn all() -> Vec<PathBuf> {
-    let procs = std::fs::read_dir("/proc")
+/// Every network namespace of the host that a thread is in or that is bind-mounted in
+/// /run/netns, opened (an open namespace stays, whoever leaves it), one per namespace,
+/// the daemon's own first. A thread that exits meanwhile is skipped.
+pub fn all() -> Vec<File> {
+    use std::os::unix::fs::MetadataExt;
+    let numbered = |path: &Path| -> Vec<PathBuf> {
+        std::fs::read_dir(path)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter(|e| {
+                e.file_name()
+                    .to_string_lossy()
+                    .bytes()
+                    .all(|b| b.is_ascii_digit())
+            })
+            .map(|e| e.path())
+            .collect()
+    };
+    let threads = numbered(Path::new("/proc"))
         .into_iter()
-        .flatten()
-        .flatten()
-        .filter(|e| {
-            e.file_name()
-                .to_string_lossy()
-                .bytes()
-                .all(|b| b.is_ascii_digit())
-        })
-        .map(|e| e.path().join("ns/net"));
+        .flat_map(|p| numbered(&p.join("task")))
+        .map(|t| t.join("ns/net"));
     let mounted = std::fs::read_dir("/run/netns")
         .into_iter()
         .flatten()
         .flatten()
         .map(|e| e.path());
-    distinct(
-        std::iter::once(PathBuf::from("/proc/self/ns/net"))
-            .chain(procs)
-            .chain(mounted),
-    )
+    let mut seen = std::collections::BTreeSet::new();
+    std::iter::once(PathBuf::from("/proc/self/ns/net"))
+        .chain(threads)
+        .chain(mounted)
+        .filter_map(|p| File::open(p).ok())
+        .filter(|f| f.metadata().is_ok_and(|m| seen.insert((m.dev(), m.ino()))))
+        .collect()
 }
 
 /// The interfaces of the calling thread's network namespace.

@@ -58,9 +58,31 @@ const NLA_F_NESTED: u16 = 0x8000;
 /// The type bits of nla_type (NLA_TYPE_MASK).
 const NLA_TYPE_MASK: u16 = 0x3fff;
 
-/// The sockets of the current network namespace that have a value in the socket
-/// storage map `map` (BPF_MAP_TYPE_SK_STORAGE), with it: sock_diag dumps it
-/// (bpf_sk_storage_diag_put(), net/core/bpf_sk_storage.c; CAP_SYS_ADMIN).
+/// The states of a connection that can hold an admission (connguard's "active"): from
+/// SYN_SENT to CLOSING. TCP_CLOSE sockets are in no table sock_diag walks.
+pub const CONNECTION_STATES: [u32; 7] = [
+    TCP_SYN_SENT,
+    TCP_ESTABLISHED,
+    TCP_FIN_WAIT1,
+    TCP_FIN_WAIT2,
+    TCP_CLOSE_WAIT,
+    TCP_LAST_ACK,
+    TCP_CLOSING,
+];
+
+fn state_flags(states: &[u32]) -> StateFlags {
+    StateFlags::from_bits_retain(states.iter().fold(0, |bits, s| bits | 1 << s))
+}
+
+/// The connections (`CONNECTION_STATES`) and listeners of the current network
+/// namespace.
+pub fn connections_and_listeners() -> anyhow::Result<Vec<TcpSocket>> {
+    tcp_sockets_in(state_flags(&CONNECTION_STATES) | state_flags(&[TCP_LISTEN]))
+}
+
+/// The connections (`CONNECTION_STATES`) of the current network namespace that have a
+/// value in the socket storage map `map` (BPF_MAP_TYPE_SK_STORAGE), with it: sock_diag
+/// dumps it (bpf_sk_storage_diag_put(), net/core/bpf_sk_storage.c; CAP_SYS_ADMIN).
 pub fn tcp_storages(map: std::os::fd::BorrowedFd<'_>) -> anyhow::Result<Vec<TcpSocket>> {
     use std::os::fd::AsRawFd;
     let mut attr = Vec::with_capacity(12);
@@ -71,7 +93,7 @@ pub fn tcp_storages(map: std::os::fd::BorrowedFd<'_>) -> anyhow::Result<Vec<TcpS
     attr.extend_from_slice(&(map.as_raw_fd() as u32).to_ne_bytes());
     let mut out = Vec::new();
     for family in [AF_INET, AF_INET6] {
-        dump_with(family, StateFlags::all(), &attr, &mut out)?;
+        dump_with(family, state_flags(&CONNECTION_STATES), &attr, &mut out)?;
     }
     out.retain(|s| !s.storage.is_empty());
     Ok(out)

@@ -136,23 +136,31 @@ impl CgroupLinks {
                 let i = found.iter().position(|(p, _)| p == name)?;
                 Some(found.swap_remove(i).1)
             };
-            let admit: Option<Vec<Pin>> = ADMITTING.iter().map(|n| take(n)).collect();
-            let release: Option<Vec<Pin>> = RELEASING.iter().map(|n| take(n)).collect();
-            let rest = Detaching(found.into_iter().map(|(_, p)| p).collect());
-            match release {
-                Some(release) => {
-                    let release_id = release[0].id;
-                    let attachment = Attachment {
-                        dir: PathBuf::new(),
-                        admit: admit.unwrap_or_default(),
-                        release,
-                        release_id,
-                    };
-                    adopted.insert(id, attachment);
-                }
-                None => drop(Detaching(admit.into_iter().flatten().collect())),
+            let admit: Vec<Option<Pin>> = ADMITTING.iter().map(|n| take(n)).collect();
+            let release: Vec<Option<Pin>> = RELEASING.iter().map(|n| take(n)).collect();
+            // Pins of no program this daemon knows, and incomplete sets, are detached.
+            let mut detach = Detaching(found.into_iter().map(|(_, p)| p).collect());
+            let complete = |set: &[Option<Pin>]| set.iter().all(Option::is_some);
+            let all = |set: Vec<Option<Pin>>| set.into_iter().flatten().collect::<Vec<_>>();
+            if !complete(&release) {
+                detach.0.extend(all(release).into_iter().chain(all(admit)));
+                continue;
             }
-            drop(rest);
+            let admit = if complete(&admit) {
+                all(admit)
+            } else {
+                detach.0.extend(all(admit));
+                Vec::new()
+            };
+            let release = all(release);
+            let release_id = release[0].id;
+            let attachment = Attachment {
+                dir: PathBuf::new(),
+                admit,
+                release,
+                release_id,
+            };
+            adopted.insert(id, attachment);
         }
         CgroupLinks {
             dir,

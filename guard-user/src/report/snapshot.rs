@@ -104,7 +104,8 @@ impl Counts {
 impl From<&Counter> for Counts {
     fn from(c: &Counter) -> Self {
         Counts {
-            active: c.active,
+            // Below 0 for a moment after a correction (guard_common::Counter): none.
+            active: (c.active as i64).max(0) as u64,
             peak: c.peak,
             admitted: c.admitted,
             shed: c.shed,
