@@ -99,7 +99,7 @@ struct Daemon {
     stop: tokio::sync::Notify,
     /// The pinned state, and the tracepoint's link in it.
     state: State,
-    _tracepoint: Pin,
+    tracepoint: Pin,
 }
 
 /// With a panic hook that aborts, a lock is never left poisoned; this only spares the
@@ -616,10 +616,10 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
         audit,
         stop: tokio::sync::Notify::new(),
         state,
-        _tracepoint: tracepoint,
+        tracepoint,
     });
     daemon.apply(policy, tree)?;
-    object::remove_old_tracepoints(&daemon.state, &daemon._tracepoint)?;
+    object::remove_old_tracepoints(&daemon.state, &daemon.tracepoint)?;
     daemon.log_adoption(adopted_links);
     if !lock(&daemon.lease).seeded()? && daemon.seed() {
         lock(&daemon.lease).mark_seeded()?;
