@@ -24,16 +24,22 @@ pub const MAX_PORT_RANGES: usize = 8;
 pub const MODE_OBSERVE: u32 = 0;
 pub const MODE_ENFORCE: u32 = 1;
 
-/// Indices into the `STATS` per-CPU array of internal counters.
+// Indices into the `STATS` per-CPU array of internal counters.
+
+/// Fail-open admissions: connections let through uncounted at a level (a full counter
+/// map) or at all (no socket storage).
 pub const STAT_INTERNAL_ERRORS: u32 = 0;
 /// Connections let through over a budget because the daemon's lease had run out.
 pub const STAT_LEASE_EXPIRED: u32 = 1;
-pub const STAT_COUNT: u32 = 2;
+/// Diagnostic events lost to a full map: TIME_WAIT births, EADDRNOTAVAIL failures,
+/// listener RSTs. No connection is let through or refused because of them.
+pub const STAT_LOST_EVENTS: u32 = 2;
+pub const STAT_COUNT: u32 = 3;
 
 /// Version of the layout of the pinned maps (`names::map::PINNED`): their types, keys,
 /// values and sizes. A daemon adopts pinned state of its own layout only; bump this with
-/// any change to them.
-pub const STATE_LAYOUT: u32 = 2;
+/// any change to them. 3: `STATS` grew (STAT_LOST_EVENTS).
+pub const STATE_LAYOUT: u32 = 3;
 
 /// setsockopt(2) level and option name of a seeding request: the daemon, at a start with
 /// no pinned state, asks the `seed` program (attached for that moment) to count a
@@ -302,27 +308,67 @@ pub struct EaddrKey {
     pub comm: [u8; 16],
 }
 
-/// Key of `LISTENERS_SHED`: a listening socket as the kernel's lookup finds it for a
-/// SYN: its bound port (host byte order) and bound address (network order, IPv4
-/// IPv4-mapped; all zeros for 0.0.0.0 or ::). The key has no network namespace: in tc,
-/// bpf_get_netns_cookie() reports the namespace of the socket that sent the packet (the
-/// client's, across a veth), not the listener's; so guarded namespaces share keys.
+/// Key of `LISTENERS`: a guarded listening socket as the kernel's lookup finds it for a
+/// SYN: the inode number of its network namespace (as `stat` of /proc/PID/ns/net shows
+/// it; 0 where the tc program cannot read it, and then guarded namespaces share keys),
+/// its bound port (host byte order) and bound address (network order, IPv4
+/// IPv4-mapped; all zeros for 0.0.0.0 or ::). The namespace is the listener's own:
+/// bpf_get_netns_cookie() in tc would report the sending socket's, across a veth the
+/// client's.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ListenerKey {
+    pub netns: u32,
     pub port: u16,
     pub _pad: u16,
     pub addr: [u8; 16],
 }
 
-/// Value of `LISTENERS_SHED`: present while the listener's queue is past its watermark.
+/// Value of `LISTENERS`: a guarded listener's policy, written by the daemon at every
+/// reading of the listeners (every 50 ms; removed when its namespace cannot be read).
+/// Nothing is shed `LISTENER_TTL_NS` after the daemon's last heartbeat (per SYN) or
+/// the entry's last reading (polled): a daemon that died or hangs never leaves a
+/// listener refusing SYNs.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct ListenerShed {
+pub struct ListenerEntry {
     /// Index of the listener policy; keys RST_SHED and WOULD_RST.
     pub listener_id: u32,
     /// MODE_OBSERVE or MODE_ENFORCE.
     pub mode: u32,
+    /// Shed while the accept queue holds at least this many thousandths of the
+    /// effective backlog (0: no such limit).
+    pub accept_queue_permille: u32,
+    /// Shed while the listener has at least this many half-open (SYN_RECV) requests
+    /// (0: no such limit).
+    pub max_syn_recv: u32,
+    /// The daemon's own decision from its reading, used only by the polled program
+    /// (kernels where the per-SYN one cannot read the socket): 1 to shed.
+    pub shed: u32,
+    pub _pad: u32,
+    /// CLOCK_MONOTONIC (bpf_ktime_get_ns), ns, of the last renewal.
+    pub renewed_ns: u64,
+}
+
+/// How long listener guards shed without renewal: 5 heartbeats, 10 readings.
+pub const LISTENER_TTL_NS: u64 = 500_000_000;
+
+/// Byte offsets in the running kernel's struct tcp_sock (and struct net) of what the
+/// per-SYN listener program reads, from kernel BTF at start: Rust eBPF has no CO-RE.
+/// A read-only global, so the verifier checks each access against the kernel's BTF.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SockOffsets {
+    /// sk_ack_backlog (u32): connections in the accept queue.
+    pub ack_backlog: u32,
+    /// sk_max_ack_backlog (u32): the effective backlog.
+    pub max_ack_backlog: u32,
+    /// icsk_accept_queue.qlen (atomic_t): half-open requests (SYN_RECV).
+    pub syn_queue: u32,
+    /// __sk_common.skc_net (possible_net_t: struct net *).
+    pub net: u32,
+    /// ns.inum (unsigned int), in struct net.
+    pub net_inum: u32,
 }
 
 /// CLOCK_MONOTONIC in ns: the clock of the programs' bpf_ktime_get_ns (the lease's).
@@ -349,7 +395,8 @@ mod pod {
     unsafe impl aya::Pod for TimeWaitKey {}
     unsafe impl aya::Pod for PortUseKey {}
     unsafe impl aya::Pod for ListenerKey {}
-    unsafe impl aya::Pod for ListenerShed {}
+    unsafe impl aya::Pod for ListenerEntry {}
+    unsafe impl aya::Pod for SockOffsets {}
     unsafe impl aya::Pod for EaddrKey {}
     unsafe impl aya::Pod for IdKey {}
 }

@@ -16,7 +16,8 @@ pub mod map {
     pub const TIME_WAITS: &str = "TIME_WAITS";
     pub const EADDRNOTAVAIL: &str = "EADDRNOTAVAIL";
     pub const PORT_USE: &str = "PORT_USE";
-    pub const LISTENERS_SHED: &str = "LISTENERS_SHED";
+    pub const LISTENERS: &str = "LISTENERS";
+    pub const LISTENER_HEARTBEAT: &str = "LISTENER_HEARTBEAT";
     pub const RST_SHED: &str = "RST_SHED";
     pub const WOULD_RST: &str = "WOULD_RST";
     pub const SOCKS: &str = "SOCKS";
@@ -52,7 +53,8 @@ pub mod map {
         TIME_WAITS,
         EADDRNOTAVAIL,
         PORT_USE,
-        LISTENERS_SHED,
+        LISTENERS,
+        LISTENER_HEARTBEAT,
         RST_SHED,
         WOULD_RST,
         SOCKS,
@@ -76,8 +78,10 @@ pub mod program {
     /// tp_btf on [`SOCK_SET_STATE_TRACEPOINT`]: counts EADDRNOTAVAIL.
     pub const SOCK_SET_STATE: &str = "sock_set_state";
     pub const SOCK_SET_STATE_TRACEPOINT: &str = "inet_sock_set_state";
-    /// tc ingress of listener guards.
+    /// tc ingress of listener guards, deciding per SYN from the listener's queues.
     pub const LISTENER_SHED: &str = "listener_shed";
+    /// The same, deciding from the daemon's reading (where the kernel refuses the first).
+    pub const LISTENER_SHED_POLLED: &str = "listener_shed_polled";
     /// cgroup setsockopt: counts a connection that existed before the first start.
     pub const SEED: &str = "seed";
     /// tc, never attached: run by BPF_PROG_TEST_RUN to apply an audit's correction.
@@ -91,6 +95,7 @@ pub mod program {
         SOCK_STATE,
         SOCK_SET_STATE,
         LISTENER_SHED,
+        LISTENER_SHED_POLLED,
         SEED,
         ADJUST,
     ];

@@ -45,7 +45,8 @@ pub fn raise_peak(peak: *mut u64, value: u64) {
     }
 }
 
-pub fn internal_error(index: u32) {
+/// Adds 1 to the internal counter `index` (guard_common::STAT_*) of this CPU.
+pub fn count_stat(index: u32) {
     if let Some(p) = STATS.get_ptr_mut(index) {
         unsafe { *p += 1 };
     }
@@ -138,7 +139,8 @@ pub fn release(state: *mut SockState) -> bool {
 }
 
 /// Adds 1 to the count under `key`, creating it at 1. A full map loses the event (these
-/// counts feed diagnosis, not admission) and counts an internal error.
+/// counts feed diagnosis, not admission), which is counted as a lost event, not as an
+/// internal error: no connection went uncounted.
 #[inline(always)]
 pub fn bump<K>(map: &aya_ebpf::maps::HashMap<K, u64>, key: &K) {
     if let Some(p) = map.get_ptr_mut(key) {
@@ -153,6 +155,6 @@ pub fn bump<K>(map: &aya_ebpf::maps::HashMap<K, u64>, key: &K) {
         Some(p) => {
             add(p, 1);
         }
-        None => internal_error(guard_common::STAT_INTERNAL_ERRORS),
+        None => count_stat(guard_common::STAT_LOST_EVENTS),
     }
 }

@@ -14,7 +14,7 @@ use guard_common::{
 };
 
 use crate::{
-    accounting::{add, counter, internal_error, raise_peak, release, rule_counter, scope_counter},
+    accounting::{add, count_stat, counter, raise_peak, release, rule_counter, scope_counter},
     maps::{ACTIVE_GEN, PORT_USE, RULES, SCOPES, lease_held, storage},
     net::{ipv4_mapped, opaque_zero, words_addr},
     scope::{current_in_root, nearest_selected},
@@ -91,7 +91,7 @@ fn admit(ctx: &SockAddrContext, addr: [u8; 16], port: u16) -> i32 {
         }
         state = storage(sk, true);
         if state.is_null() {
-            internal_error(STAT_INTERNAL_ERRORS);
+            count_stat(STAT_INTERNAL_ERRORS);
             return ALLOW;
         }
         unsafe { (*state).cgroup_id = selected };
@@ -206,7 +206,7 @@ pub fn charge(
         if !counters[i].is_null() {
             charged |= 1 << i;
         } else if i != 1 || rule_id != NO_RULE {
-            internal_error(STAT_INTERNAL_ERRORS);
+            count_stat(STAT_INTERNAL_ERRORS);
         }
     }
 
@@ -225,7 +225,7 @@ pub fn charge(
         }
     }
     if over && scope.mode == MODE_ENFORCE && may_shed && !lease_held() {
-        internal_error(STAT_LEASE_EXPIRED);
+        count_stat(STAT_LEASE_EXPIRED);
     } else if over && scope.mode == MODE_ENFORCE && may_shed {
         for &c in counters.iter().filter(|c| !c.is_null()) {
             add(unsafe { &raw mut (*c).active }, u64::MAX);

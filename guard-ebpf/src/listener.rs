@@ -1,11 +1,21 @@
-//! tc ingress on a listener guard's interfaces: a SYN for a listener whose accept queue
-//! is past its watermark (LISTENERS_SHED, kept by the daemon) is turned into a RST+ACK
-//! and sent back out of the interface it came in on, so the client's connect() fails at
-//! once with ECONNREFUSED instead of waiting on SYN retransmits. Everything else passes.
+//! tc ingress on a listener guard's interfaces: a SYN for a guarded listener (LISTENERS,
+//! renewed by the daemon) whose accept queue is past its watermark, or whose half-open
+//! requests reach their limit, is turned into a RST+ACK and sent back out of the
+//! interface it came in on, so the client's connect() fails at once with ECONNREFUSED
+//! instead of waiting on SYN retransmits. Everything else passes.
 //!
 //! The listener is the one the kernel itself would pick: bpf_skc_lookup_tcp() on the
-//! SYN's 4-tuple in the interface's namespace. So forwarded traffic and a specific
-//! listener shadowing a wildcard one are told apart.
+//! SYN's 4-tuple in the interface's namespace, which applies the SO_REUSEPORT hash of
+//! the SYN's own path (inet_lhash2_lookup, net/ipv4/inet_hashtables.c). So forwarded
+//! traffic and a specific listener shadowing a wildcard one are told apart, and in a
+//! reuseport group only SYNs for the member past its watermark are shed.
+//!
+//! `listener_shed` decides per SYN from that socket's own queues (sk_ack_backlog,
+//! sk_max_ack_backlog, icsk_accept_queue.qlen), read through bpf_skc_to_tcp_sock() at
+//! the offsets of SOCK_OFFSETS; `listener_shed_polled`, for kernels that refuse it,
+//! applies the daemon's decision from its reading. Both shed nothing LISTENER_TTL_NS
+//! after the daemon stops renewing them: the per-SYN one after its last heartbeat
+//! (LISTENER_HEARTBEAT, every 100 ms), the polled one after the reading of its entry.
 //!
 //! The reply: RST+ACK with seq 0 and ack = SYN's seq + 1 + its data (RFC 9293 3.10.7.1,
 //! segment without ACK). It keeps the SYN's IP and TCP options, TTL and hop limit.
@@ -16,19 +26,32 @@
 use aya_ebpf::{
     EbpfContext,
     bindings::{BPF_F_CURRENT_NETNS, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT, bpf_sock},
-    helpers::generated::{bpf_redirect, bpf_sk_release, bpf_skc_lookup_tcp},
+    helpers::generated::{
+        bpf_ktime_get_ns, bpf_redirect, bpf_sk_release, bpf_skc_lookup_tcp, bpf_skc_to_tcp_sock,
+    },
     macros::classifier,
     programs::TcContext,
 };
 use guard_common::{
-    ListenerKey, MODE_ENFORCE,
+    LISTENER_TTL_NS, ListenerEntry, ListenerKey, MODE_ENFORCE, SockOffsets,
     linux::{AF_INET, IPPROTO_TCP, TCP_LISTEN},
 };
 
 use crate::{
     accounting::bump,
-    maps::{LISTENERS_SHED, RST_SHED, WOULD_RST},
+    maps::{LISTENER_HEARTBEAT, LISTENERS, RST_SHED, WOULD_RST},
     net::{ipv4_mapped, words_addr},
+};
+
+/// Set by the daemon from kernel BTF before the object is loaded (read-only data: the
+/// verifier sees the values, and checks each read against the kernel's BTF).
+#[unsafe(no_mangle)]
+static SOCK_OFFSETS: SockOffsets = SockOffsets {
+    ack_backlog: 0,
+    max_ack_backlog: 0,
+    syn_queue: 0,
+    net: 0,
+    net_inum: 0,
 };
 
 const ETH_HLEN: usize = 14;
@@ -40,7 +63,12 @@ const TCP_ACK: u8 = 0x10;
 
 #[classifier]
 pub fn listener_shed(ctx: TcContext) -> i32 {
-    shed(&ctx).unwrap_or(TC_ACT_OK)
+    shed::<true>(&ctx).unwrap_or(TC_ACT_OK)
+}
+
+#[classifier]
+pub fn listener_shed_polled(ctx: TcContext) -> i32 {
+    shed::<false>(&ctx).unwrap_or(TC_ACT_OK)
 }
 
 /// Where the TCP header is, and the SYN's addresses and length.
@@ -95,12 +123,30 @@ fn parse(ctx: &TcContext) -> Option<Syn> {
 }
 
 #[inline(always)]
-fn shed(ctx: &TcContext) -> Option<i32> {
+fn shed<const PER_SYN: bool>(ctx: &TcContext) -> Option<i32> {
     let syn = parse(ctx)?;
-    let key = listener_of(ctx, &syn)?;
-    let found = *unsafe { LISTENERS_SHED.get(&key) }?;
-    if found.mode != MODE_ENFORCE {
-        bump(&WOULD_RST, &found.listener_id);
+    let (key, queues) = listener_of::<PER_SYN>(ctx, &syn)?;
+    let entry = *unsafe { LISTENERS.get(&key) }?;
+    // Per SYN, the decision is the socket's own and the entry only says it is guarded:
+    // it holds while the daemon lives. The polled decision is as old as its reading.
+    let renewed = if PER_SYN {
+        LISTENER_HEARTBEAT.get(0).copied().unwrap_or(0)
+    } else {
+        entry.renewed_ns
+    };
+    if unsafe { bpf_ktime_get_ns() }.saturating_sub(renewed) > LISTENER_TTL_NS {
+        return None;
+    }
+    let over = if PER_SYN {
+        past_limits(&entry, &queues)
+    } else {
+        entry.shed != 0
+    };
+    if !over {
+        return None;
+    }
+    if entry.mode != MODE_ENFORCE {
+        bump(&WOULD_RST, &entry.listener_id);
         return None;
     }
     // From here the packet is being rewritten: if a step fails, drop it rather than let
@@ -108,7 +154,7 @@ fn shed(ctx: &TcContext) -> Option<i32> {
     if reply_rst(ctx, &syn).is_none() {
         return Some(TC_ACT_SHOT);
     }
-    bump(&RST_SHED, &found.listener_id);
+    bump(&RST_SHED, &entry.listener_id);
     let ifindex = unsafe { (*ctx.skb.skb).ifindex };
     let action = unsafe { bpf_redirect(ifindex, 0) };
     Some(if action == TC_ACT_REDIRECT as i64 {
@@ -118,9 +164,28 @@ fn shed(ctx: &TcContext) -> Option<i32> {
     })
 }
 
-/// The listening socket the kernel would give this SYN to, as a LISTENERS_SHED key.
+/// A listener's queues, units: connections.
+#[derive(Default)]
+struct Queues {
+    accept_queue: u32,
+    backlog: u32,
+    syn_recv: u32,
+}
+
+/// Whether `q` is at or past a limit of `entry`. A backlog of 0 still queues one
+/// connection: compare against 1.
 #[inline(always)]
-fn listener_of(ctx: &TcContext, syn: &Syn) -> Option<ListenerKey> {
+fn past_limits(entry: &ListenerEntry, q: &Queues) -> bool {
+    let backlog = if q.backlog == 0 { 1 } else { q.backlog as u64 };
+    (entry.accept_queue_permille != 0
+        && q.accept_queue as u64 * 1000 >= entry.accept_queue_permille as u64 * backlog)
+        || (entry.max_syn_recv != 0 && q.syn_recv >= entry.max_syn_recv)
+}
+
+/// The listening socket the kernel would give this SYN to, as a LISTENERS key, and
+/// (per SYN) its queues.
+#[inline(always)]
+fn listener_of<const PER_SYN: bool>(ctx: &TcContext, syn: &Syn) -> Option<(ListenerKey, Queues)> {
     // struct bpf_sock_tuple: saddr, daddr, sport, dport, all network order.
     let mut tuple = [0u8; 36];
     let size = if syn.addr_len == 4 {
@@ -162,8 +227,13 @@ fn listener_of(ctx: &TcContext, syn: &Syn) -> Option<ListenerKey> {
             read(&raw const (*s).src_ip6[3]),
         ]
     };
+    let (netns, queues) = if PER_SYN && state == TCP_LISTEN {
+        own_queues(sk.cast())
+    } else {
+        (0, Queues::default())
+    };
     unsafe { bpf_sk_release(sk.cast()) };
-    if state != TCP_LISTEN {
+    if state != TCP_LISTEN || (PER_SYN && netns == 0) {
         return None;
     }
     // A wildcard listener (0.0.0.0 or ::) is keyed all zeros.
@@ -174,11 +244,45 @@ fn listener_of(ctx: &TcContext, syn: &Syn) -> Option<ListenerKey> {
     } else {
         ipv4_mapped(v4)
     };
-    Some(ListenerKey {
-        port: port as u16,
-        _pad: 0,
-        addr,
-    })
+    Some((
+        ListenerKey {
+            netns,
+            port: port as u16,
+            _pad: 0,
+            addr,
+        },
+        queues,
+    ))
+}
+
+/// A listening socket's network namespace (inode number; 0 when it cannot be read) and
+/// queues, read from its struct tcp_sock at SOCK_OFFSETS. The loads are BTF-checked
+/// (PTR_TO_BTF_ID) and fault-safe.
+#[inline(always)]
+fn own_queues(sk: *mut core::ffi::c_void) -> (u32, Queues) {
+    let tp = unsafe { bpf_skc_to_tcp_sock(sk) } as *const u8;
+    if tp.is_null() {
+        return (0, Queues::default());
+    }
+    let o = &raw const SOCK_OFFSETS;
+    let at = |off: u32| unsafe { tp.add(off as usize) };
+    unsafe {
+        let u32_at = |p: *const u8| core::ptr::read_volatile(p.cast::<u32>());
+        let queues = Queues {
+            accept_queue: u32_at(at(core::ptr::read_volatile(&raw const (*o).ack_backlog))),
+            backlog: u32_at(at(core::ptr::read_volatile(
+                &raw const (*o).max_ack_backlog,
+            ))),
+            syn_recv: u32_at(at(core::ptr::read_volatile(&raw const (*o).syn_queue))),
+        };
+        let net: *const u8 =
+            core::ptr::read_volatile(at(core::ptr::read_volatile(&raw const (*o).net)).cast());
+        if net.is_null() {
+            return (0, queues);
+        }
+        let inum = u32_at(net.add(core::ptr::read_volatile(&raw const (*o).net_inum) as usize));
+        (inum, queues)
+    }
 }
 
 /// Rewrites the SYN in place into its RST+ACK answer.

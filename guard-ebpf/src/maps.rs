@@ -10,7 +10,7 @@ use aya_ebpf::{
     maps::{Array, HashMap, LpmTrie, PerCpuArray},
 };
 use guard_common::{
-    Candidates, CgroupKey, Counter, CounterKey, EaddrKey, IdKey, ListenerKey, ListenerShed,
+    Candidates, CgroupKey, Counter, CounterKey, EaddrKey, IdKey, ListenerEntry, ListenerKey,
     MAX_RULE_IDS, MAX_SCOPE_IDS, PortUseKey, RuleAddrKey, STAT_COUNT, ScopeConf, SockState,
     TimeWaitKey,
 };
@@ -68,9 +68,14 @@ pub static EADDRNOTAVAIL: HashMap<EaddrKey, u64> =
 #[map]
 pub static PORT_USE: HashMap<PortUseKey, u32> = HashMap::with_max_entries(65536, BPF_F_NO_PREALLOC);
 
-/// Listeners whose accept queue is past its watermark, kept by the daemon.
+/// CLOCK_MONOTONIC (ns) of the daemon's last heartbeat, every 100 ms: the per-SYN
+/// listener program sheds nothing LISTENER_TTL_NS after it.
 #[map]
-pub static LISTENERS_SHED: HashMap<ListenerKey, ListenerShed> =
+pub static LISTENER_HEARTBEAT: Array<u64> = Array::with_max_entries(1, 0);
+
+/// Guarded listeners and their policies, renewed by the daemon.
+#[map]
+pub static LISTENERS: HashMap<ListenerKey, ListenerEntry> =
     HashMap::with_max_entries(4096, BPF_F_NO_PREALLOC);
 
 /// SYNs answered with RST, and SYNs observe mode would have answered, per listener id.

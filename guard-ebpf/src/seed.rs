@@ -8,7 +8,7 @@ use guard_common::{
 };
 
 use crate::{
-    accounting::internal_error,
+    accounting::count_stat,
     connect::{Charge, charge},
     maps::{ACTIVE_GEN, SEED_KEY, storage},
 };
@@ -55,7 +55,7 @@ pub fn seed(ctx: SockoptContext) -> i32 {
     }
     let state = storage(sk, true);
     if state.is_null() {
-        internal_error(STAT_INTERNAL_ERRORS);
+        count_stat(STAT_INTERNAL_ERRORS);
         return REFUSE;
     }
     unsafe { (*state).cgroup_id = req.cgroup_id };

@@ -5,7 +5,7 @@ use aya_ebpf::{macros::cgroup_sock, programs::SockContext};
 use guard_common::{STAT_INTERNAL_ERRORS, SockState, linux::IPPROTO_TCP};
 
 use crate::{
-    accounting::internal_error,
+    accounting::count_stat,
     maps::{ACTIVE_GEN, storage},
     scope::nearest_selected,
 };
@@ -24,7 +24,7 @@ pub fn sock_create(ctx: SockContext) -> i32 {
     let state: *mut SockState = storage(ctx.sock, true);
     if state.is_null() {
         // Fail-open: without storage the socket passes connect() unguarded.
-        internal_error(STAT_INTERNAL_ERRORS);
+        count_stat(STAT_INTERNAL_ERRORS);
     } else {
         unsafe { (*state).cgroup_id = selected };
     }

@@ -23,7 +23,7 @@ use crate::{
         protocol::{ReloadReply, Reply, Request, ScopeReply, StopReply},
         server::Handler,
     },
-    diagnose::attribution::{TimeWaitRates, daemon_ports, eaddrnotavail_counts},
+    diagnose::attribution::{SAMPLE_EVERY, TimeWaitRates, daemon_ports, eaddrnotavail_counts},
     enforce::{
         audit::{Audit, Correction, Key},
         counters::Counters,
@@ -56,6 +56,12 @@ const RESCAN: Duration = Duration::from_millis(500);
 /// How often listener queues are read: shedding starts and stops within this (plus the
 /// read).
 const LISTENER_POLL: Duration = Duration::from_millis(50);
+/// How often the per-SYN listener program is told the daemon lives: it sheds nothing
+/// 500 ms (LISTENER_TTL_NS) after the last time.
+const LISTENER_HEARTBEAT: Duration = Duration::from_millis(100);
+/// How often guarded namespaces are checked for new interfaces and for a namespace
+/// file bound to a new namespace.
+const LISTENER_RESCAN: Duration = Duration::from_secs(1);
 
 pub struct Options {
     pub policy: Option<PathBuf>,
@@ -83,6 +89,9 @@ struct Daemon {
     /// Creations of cgroups where a new one may be selected.
     cgroup_watch: CgroupWatch,
     counters: Mutex<Counters>,
+    /// What /metrics exported, so that its counters never go down. Taken before every
+    /// lock a snapshot takes.
+    exported: Mutex<prometheus::Exported>,
     port_watch: Mutex<PortWatch>,
     listeners: Mutex<ListenerGuard>,
     tw_rates: Mutex<TimeWaitRates>,
@@ -238,12 +247,14 @@ impl Daemon {
         let listeners = lock(&self.listeners).stats();
         let scope_name = |id| ids.scope_name(id).unwrap_or("?").to_string();
         let eaddrnotavail = eaddrnotavail_counts(&dump.eaddrnotavail, scope_name);
-        let (internal_errors, lease_expired) = (dump.internal_errors, dump.lease_expired);
+        let (internal_errors, lease_expired, lost_events) =
+            (dump.internal_errors, dump.lease_expired, dump.lost_events);
         let audit_corrections = self.audit.corrections();
         Snapshot {
             policy: status,
             scopes: policy.map_or_else(Vec::new, |p| snapshot::scopes(&p, &ids, dump, top)),
             internal_errors,
+            lost_events,
             lease_expired,
             audit_corrections,
             programs,
@@ -253,6 +264,14 @@ impl Daemon {
             jobs: self.jobs.stats(),
             kernel: Some(self.features.clone()),
         }
+    }
+
+    /// The text of a scrape of /metrics.
+    fn metrics(&self) -> String {
+        // Held across the snapshot: the destinations it lists are kept from forget_idle
+        // from the moment they are read.
+        let mut exported = lock(&self.exported);
+        prometheus::render(&self.snapshot(Some(METRIC_TOP_DESTINATIONS)), &mut exported)
     }
 
     /// Says what the start took over: the pinned state of a daemon before this one
@@ -411,7 +430,7 @@ impl Daemon {
         let d = self.clone();
         self.jobs.spawn(
             "time_wait_rates",
-            RESCAN,
+            SAMPLE_EVERY,
             Arc::new(move || {
                 let counts = lock(&d.counters).time_waits();
                 lock(&d.tw_rates).sample(Instant::now(), counts);
@@ -438,13 +457,30 @@ impl Daemon {
             );
         }
         let d = self.clone();
+        let reader = Mutex::new(listen::Reader::default());
         self.jobs.spawn(
             "listener_watch",
             LISTENER_POLL,
             Arc::new(move || {
-                let policies = lock(&d.listeners).to_read();
-                let reading = listen::read(&policies);
+                let (policies, per_syn) = lock(&d.listeners).to_read();
+                let reading = lock(&reader).read(&policies, per_syn);
                 lock(&d.listeners).apply(reading)
+            }),
+        );
+        let d = self.clone();
+        self.jobs.spawn(
+            "listener_heartbeat",
+            LISTENER_HEARTBEAT,
+            Arc::new(move || lock(&d.listeners).heartbeat()),
+        );
+        let d = self.clone();
+        self.jobs.spawn(
+            "listener_attach",
+            LISTENER_RESCAN,
+            Arc::new(move || {
+                let mut ebpf = lock(&d.ebpf);
+                lock(&d.listeners).rescan(&mut ebpf);
+                Ok(())
             }),
         );
         let d = self.clone();
@@ -452,7 +488,8 @@ impl Daemon {
             "forget_idle",
             forget_idle,
             Arc::new(move || {
-                let n = lock(&d.counters).forget_idle();
+                let exported = lock(&d.exported);
+                let n = lock(&d.counters).forget_idle(|key| exported.lists(key));
                 if n > 0 {
                     log::info!("forgot {n} idle destination(s)");
                 }
@@ -469,11 +506,11 @@ impl Handler for Daemon {
             Request::Reload => Reply::Reload(self.reload()),
             Request::Ports { netns } => {
                 let ids = lock(&self.generations).ids();
-                let (destinations, eaddrnotavail) = {
+                let (destinations, eaddrnotavail, time_waits) = {
                     let c = lock(&self.counters);
-                    (c.destinations(), c.eaddrnotavail())
+                    (c.destinations(), c.eaddrnotavail(), c.time_waits())
                 };
-                let rates = lock(&self.tw_rates).rates();
+                let rates = lock(&self.tw_rates).rates(Instant::now(), &time_waits);
                 Reply::Ports(daemon_ports(
                     netns,
                     &rates,
@@ -568,7 +605,19 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
     } else {
         None
     };
-    let (mut ebpf, tracepoint) = object::load(&features, &state)?;
+    let object::Loaded {
+        mut ebpf,
+        tracepoint,
+        per_syn,
+    } = object::load(&features, &state)?;
+    if per_syn {
+        log::info!("listener guards decide per SYN from the listener's own queues");
+    } else {
+        log::warn!(
+            "listener guards decide from the daemon's reading of the socket tables, every {} ms",
+            LISTENER_POLL.as_millis()
+        );
+    }
     let maps = Maps::take(&mut ebpf)?;
     // Held from before the first attach or adoption, so that programs shed from the
     // first connect they see.
@@ -597,10 +646,12 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
         generations: Mutex::new(generations),
         cgroup_watch: CgroupWatch::new(),
         counters: Mutex::new(counters),
+        exported: Mutex::default(),
         port_watch: Mutex::new(PortWatch::new(maps.port_use)),
         listeners: Mutex::new(ListenerGuard::new(
             maps.listeners,
             features.has(Feature::Tcx),
+            per_syn,
         )),
         tw_rates: Mutex::new(tw_rates),
         status: Mutex::new(PolicyStatus {
@@ -645,9 +696,7 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
         if let Some(listener) = metrics {
             log::info!("metrics on http://{}/metrics", listener.local_addr()?);
             let d = daemon.clone();
-            let render: control::metrics::Render = Arc::new(move || {
-                prometheus::render(&d.snapshot(Some(METRIC_TOP_DESTINATIONS)))
-            });
+            let render: control::metrics::Render = Arc::new(move || d.metrics());
             tokio::spawn(async move {
                 if let Err(e) = control::metrics::serve(listener, render).await {
                     log::error!("metrics: {e:#}; /metrics no longer answers");

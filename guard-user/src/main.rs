@@ -92,7 +92,11 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
         }
         Command::Ports { json, netns } => {
             let name = enter_netns(&netns)?;
-            print_report(&ports_report(&name, &netns.socket)?, json, ports::table)?;
+            let (report, unused) = ports_report(&name, &netns.socket)?;
+            if let Some(why) = unused {
+                eprintln!("connguard: warning: {why}");
+            }
+            print_report(&report, json, ports::table)?;
         }
         Command::Listeners { json, netns } => {
             let name = enter_netns(&netns)?;
@@ -105,7 +109,13 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
         Command::Top { netns } => {
             let name = enter_netns(&netns)?;
             top::run(&name, || top::View {
-                ports: ports_report(&name, &netns.socket).map_err(|e| format!("{e:#}")),
+                // The screen is top's: why the daemon's answer went unused is diagnosed.
+                ports: ports_report(&name, &netns.socket)
+                    .map(|(mut r, unused)| {
+                        r.warnings.extend(unused);
+                        r
+                    })
+                    .map_err(|e| format!("{e:#}")),
                 listeners: sockdiag::listeners_and_syn_recv()
                     .map(|socks| {
                         let counters = listeners::read_counters().unwrap_or_default();
@@ -174,8 +184,9 @@ fn enter_netns(args: &NetnsArgs) -> anyhow::Result<String> {
 }
 
 /// The ports report of the calling thread's namespace (named `name`), with the rates and
-/// attribution of the daemon on `socket` when one answers.
-fn ports_report(name: &str, socket: &Path) -> anyhow::Result<ports::PortsReport> {
+/// attribution of the daemon on `socket` when one answers; and why a daemon's answer
+/// was left out, when one answered with something else (another version, an error).
+fn ports_report(name: &str, socket: &Path) -> anyhow::Result<(ports::PortsReport, Option<String>)> {
     let settings = PortSettings::read()?;
     let mut r = ports::report(
         name,
@@ -185,12 +196,22 @@ fn ports_report(name: &str, socket: &Path) -> anyhow::Result<ports::PortsReport>
     );
     // The daemon keys what it knows by the namespace's cookie; without SO_NETNS_COOKIE
     // there is no key to ask with.
-    if let Ok(cookie) = netns::cookie()
-        && let Ok(from) = client::ask(socket, Request::Ports { netns: cookie })
-    {
-        attribution::merge(&mut r, from);
+    let Ok(cookie) = netns::cookie() else {
+        return Ok((r, None));
+    };
+    match client::ask_if_running(socket, Request::Ports { netns: cookie }) {
+        Ok(Some(from)) => attribution::merge(&mut r, from),
+        Ok(None) => {}
+        Err(e) => {
+            let why = format!(
+                "the daemon on {} gave no answer this connguard can use ({e:#}); this report \
+                 leaves out what the daemon adds (TIME_WAIT rates, scopes, EADDRNOTAVAIL counts)",
+                socket.display()
+            );
+            return Ok((r, Some(why)));
+        }
     }
-    Ok(r)
+    Ok((r, None))
 }
 
 /// The listeners report of the calling thread's namespace, with each listener's scope

@@ -40,6 +40,17 @@ impl Outcome {
     }
 }
 
+/// CLOCK_MONOTONIC in ms: one clock for a test and the probes it starts.
+pub fn monotonic_ms() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes the timespec it is given.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1000 + ts.tv_nsec as u64 / 1_000_000
+}
+
 /// Panics unless we are root on a host with cgroup v2.
 pub fn require_prerequisites() {
     assert_eq!(
@@ -271,8 +282,14 @@ pub struct Daemon {
 impl Daemon {
     /// A daemon that also serves Prometheus metrics on a free loopback port.
     pub fn with_metrics(policy: &str) -> Daemon {
+        Self::with_metrics_and(policy, &[])
+    }
+
+    /// `with_metrics`, with more arguments for `connguard run`.
+    pub fn with_metrics_and(policy: &str, extra: &[&str]) -> Daemon {
         let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
-        let mut d = Self::start_with(policy, &["--metrics", &addr.to_string()]);
+        let metrics = addr.to_string();
+        let mut d = Self::start_with(policy, &[&["--metrics", &metrics][..], extra].concat());
         d.metrics = Some(addr);
         d
     }
@@ -684,8 +701,13 @@ impl Netns {
     /// A server netns and a client netns joined by a veth pair: 192.0.2.1 (server, dev
     /// vs) and 192.0.2.2 (client, dev vc), both with loopback up.
     pub fn veth_pair() -> (Netns, Netns) {
-        let server = Netns::new("cgsrv");
-        let client = Netns::new("cgcli");
+        let (server, client) = (Netns::new("cgsrv"), Netns::new("cgcli"));
+        Netns::join(&server, &client);
+        (server, client)
+    }
+
+    /// Joins two namespaces by a veth pair as `veth_pair` does, loopback up in both.
+    pub fn join(server: &Netns, client: &Netns) {
         server.exec(
             "ip",
             &["link", "add", "vs", "type", "veth", "peer", "name", "vc"],
@@ -693,11 +715,10 @@ impl Netns {
         server.exec("ip", &["link", "set", "vc", "netns", &client.name]);
         server.exec("ip", &["addr", "add", "192.0.2.1/24", "dev", "vs"]);
         client.exec("ip", &["addr", "add", "192.0.2.2/24", "dev", "vc"]);
-        for (ns, dev) in [(&server, "vs"), (&client, "vc")] {
+        for (ns, dev) in [(server, "vs"), (client, "vc")] {
             ns.exec("ip", &["link", "set", "lo", "up"]);
             ns.exec("ip", &["link", "set", dev, "up"]);
         }
-        (server, client)
     }
 }
 

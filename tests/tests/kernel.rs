@@ -355,6 +355,8 @@ fn without_optional_features_counts_stay_exact_and_sheds_fail_with_eperm() {
             "cgroup_rescan",
             "time_wait_rates",
             "listener_watch",
+            "listener_heartbeat",
+            "listener_attach",
             "forget_idle"
         ],
         "{stats}"

@@ -1,7 +1,12 @@
 //! Listener accept-queue exhaustion: detected, and shed with RSTs by listener guards.
-use std::process::Command;
+use std::{
+    process::Command,
+    time::{Duration, Instant},
+};
 
-use connguard_tests::{Cgroup, Daemon, Netns, connguard_bin, listener_policy};
+use connguard_tests::{
+    Cgroup, Daemon, Netns, Outcome, connguard_bin, listener_policy, monotonic_ms,
+};
 use serde_json::Value;
 
 /// `nstat -asz NAME` in the namespace: the counter's absolute value.
@@ -286,4 +291,290 @@ fn established_connections_exchange_data_while_new_ones_are_shed() {
     let talk: connguard_tests::Outcome = serde_json::from_slice(&talk.stdout).unwrap();
     assert_eq!((talk.ok, talk.attempts), (50, 50), "{talk:?}");
     assert_eq!(d.stats()["listeners"][0]["rst_shed"], 13);
+}
+
+/// A `[[listener]]` for port 8080 in `ns` with an accept-queue watermark of 0.5.
+fn half_full(name: &str, ns: &Netns) -> String {
+    format!(
+        "[[listener]]\nname = \"{name}\"\nports = [\"8080\"]\nnetns = \"{}\"\naccept_queue_watermark = 0.5\nmode = \"enforce\"\n",
+        ns.path()
+    )
+}
+
+/// Waits (deadline 5 s) until the daemon's reading lists `n` sockets of listener guard
+/// `index`: its entry is in the kernel.
+fn wait_listed(d: &Daemon, index: usize, n: usize) {
+    let until = Instant::now() + Duration::from_secs(5);
+    loop {
+        let stats = d.stats();
+        let listed = stats["listeners"][index]["queues"]
+            .as_array()
+            .map_or(0, Vec::len);
+        if listed == n {
+            return;
+        }
+        assert!(Instant::now() < until, "{n} sockets never listed: {stats}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// 50 clients at once, no pacing, against listen(8) with a watermark of 0.5, across a
+/// veth pair: the decision is made per SYN from the listener's own queue, so 4 complete
+/// (up to one more per other CPU, whose SYN was checked while the 4th completed), the
+/// others are refused by a RST in under 10 ms, and none waits a SYN retransmit; with
+/// SYN cookies off and always on.
+#[test]
+fn a_burst_stops_at_the_watermark_per_syn() {
+    for syncookies in ["0", "2"] {
+        let (server, client) = Netns::veth_pair();
+        server.exec(
+            "sysctl",
+            &["-qw", &format!("net.ipv4.tcp_syncookies={syncookies}")],
+        );
+        let cg = Cgroup::new("burst");
+        let d = Daemon::start(&half_full("api", &server));
+        let _listener = cg.hold_args(&["listen", &server.path(), "192.0.2.1:8080", "8"]);
+        wait_listed(&d, 0, 1);
+        let b = cg.hold_args(&["burst", &client.path(), "192.0.2.1:8080", "50", "3000", "0"]);
+        let o = &b.outcome;
+        // SYNs checked at once on several CPUs all see the queue before any of them
+        // completes: one more per other CPU can get in.
+        let cpus = std::thread::available_parallelism().unwrap().get() as u64;
+        assert!(
+            (4..4 + cpus).contains(&o.ok),
+            "syncookies={syncookies}, {cpus} CPUs: {o:?}"
+        );
+        assert_eq!(
+            (o.errors("ECONNREFUSED"), o.errors("TIMEOUT")),
+            (50 - o.ok, 0),
+            "syncookies={syncookies}: {o:?}"
+        );
+        assert!(o.max_error_us < 10_000, "syncookies={syncookies}: {o:?}");
+        assert!(
+            o.categories["max_ok_us"] < 1_000_000,
+            "a client waited a SYN retransmit: {o:?}"
+        );
+        assert_eq!(d.stats()["listeners"][0]["rst_shed"], 50 - o.ok);
+    }
+}
+
+/// 4 SO_REUSEPORT listeners on one port, listen(32) each, watermark 0.5; the first
+/// never accepts, the three others accept everything. 200 clients at once, each trying
+/// again at once when refused (up to 20 times): only SYNs the kernel hands to the
+/// stalled member are refused. Its share of the hash is a quarter: about 50 of the 200
+/// first SYNs (standard deviation 6), of which it queues 16, and a quarter of each
+/// round of retries. Bound: at most 100 refusals in all (a per-port decision refuses
+/// every SYN once the stalled member is full). Every client connects, none waits a
+/// retransmit.
+#[test]
+fn reuseport_sheds_only_for_the_stalled_member() {
+    let (server, client) = Netns::veth_pair();
+    let cg = Cgroup::new("reuseport");
+    let d = Daemon::start(&half_full("api", &server));
+    let _group = cg.hold_args(&["reuseport", &server.path(), "192.0.2.1:8080", "32", "4"]);
+    wait_listed(&d, 0, 4);
+    let b = cg.hold_args(&[
+        "burst",
+        &client.path(),
+        "192.0.2.1:8080",
+        "200",
+        "3000",
+        "20",
+    ]);
+    let o = &b.outcome;
+    let refused = o.errors("ECONNREFUSED");
+    assert_eq!((o.ok, o.errors("TIMEOUT")), (200, 0), "{o:?}");
+    assert!((1..=100).contains(&refused), "{refused} refusals: {o:?}");
+    assert!(o.categories["max_ok_us"] < 1_000_000, "{o:?}");
+    assert_eq!(d.stats()["listeners"][0]["rst_shed"], refused);
+}
+
+/// Shedding stops within 1 s of the daemon no longer renewing its decisions: stopped
+/// (SIGSTOP: its links stay, as a hung daemon's would) and killed (SIGKILL: before
+/// Linux 6.6 the clsact filter outlives it). The listener, never accepting, holds 4 of
+/// its 8 and has room for 5 more. A client tries every 10 ms from before the signal,
+/// refused until the decisions expire.
+#[test]
+fn decisions_expire_when_the_daemon_stops_renewing_them() {
+    let (server, client) = Netns::veth_pair();
+    let cg = Cgroup::new("expire");
+    let d = Daemon::start(&half_full("api", &server));
+    let _listener = cg.hold_args(&["listen", &server.path(), "192.0.2.1:8080", "8"]);
+    wait_listed(&d, 0, 1);
+    let fill = cg.hold_args(&["burst", &client.path(), "192.0.2.1:8080", "6", "3000", "0"]);
+    assert_eq!(
+        (fill.outcome.ok, fill.outcome.errors("ECONNREFUSED")),
+        (4, 2)
+    );
+    let rst_shed = |d: &Daemon| d.stats()["listeners"][0]["rst_shed"].as_u64().unwrap();
+    // Starts the client, waits until it is being refused, then signals the daemon:
+    // returns the client's outcome and how long after the signal it connected (ms).
+    let signal_while_refused = |d: Daemon, signal: i32| -> (Outcome, u64, Option<Daemon>) {
+        let (path, probe) = (client.path(), cg.command(connguard_tests::probe_bin()));
+        // The probe prints its outcome, then holds its connection until killed.
+        let trying = std::thread::spawn(move || {
+            let mut probe = probe;
+            let mut child = probe
+                .args(["burst", &path, "192.0.2.1:8080", "1", "3000", "400", "10"])
+                .stdout(std::process::Stdio::piped())
+                .spawn()
+                .unwrap();
+            let mut line = String::new();
+            std::io::BufRead::read_line(
+                &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+                &mut line,
+            )
+            .unwrap();
+            let _ = child.kill();
+            let _ = child.wait();
+            serde_json::from_str::<Outcome>(&line).unwrap()
+        });
+        let before = rst_shed(&d);
+        let until = Instant::now() + Duration::from_secs(10);
+        while rst_shed(&d) < before + 2 {
+            assert!(Instant::now() < until, "the client was never refused");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let signalled = monotonic_ms();
+        let d = if signal == libc::SIGKILL {
+            d.exit_keeping_state(libc::SIGKILL);
+            connguard_tests::remove_pinned_state();
+            None
+        } else {
+            unsafe { libc::kill(d.pid(), signal) };
+            Some(d)
+        };
+        let o = trying.join().unwrap();
+        let after = o
+            .categories
+            .get("ok_at_ms")
+            .map_or(u64::MAX, |t| t - signalled);
+        (o, after, d)
+    };
+    let (o, after, d) = signal_while_refused(d, libc::SIGSTOP);
+    let d = d.unwrap();
+    unsafe { libc::kill(d.pid(), libc::SIGCONT) };
+    assert_eq!(
+        (o.ok, o.categories.get("first_refused")),
+        (1, Some(&1)),
+        "{o:?}"
+    );
+    assert!(after < 1000, "admitted {after} ms after SIGSTOP: {o:?}");
+    // Its connection makes 5 of 8: still past the watermark, so refused again.
+    let (o, after, _) = signal_while_refused(d, libc::SIGKILL);
+    assert_eq!(
+        (o.ok, o.categories.get("first_refused")),
+        (1, Some(&1)),
+        "{o:?}"
+    );
+    assert!(after < 1000, "admitted {after} ms after SIGKILL: {o:?}");
+}
+
+/// Two namespaces, each with its own guard and a listener on 127.0.0.1:8080: the one
+/// never accepting, listen(8), sheds past its watermark; the other's (listen(128),
+/// accepting) 20 clients all connect.
+#[test]
+fn a_saturated_namespace_does_not_shed_another() {
+    let (full, fine) = (Netns::new("cgfull"), Netns::new("cgfine"));
+    for ns in [&full, &fine] {
+        ns.exec("ip", &["link", "set", "lo", "up"]);
+    }
+    let cg = Cgroup::new("twons");
+    let d = Daemon::start(&(half_full("full", &full) + &half_full("fine", &fine)));
+    let _stalled = cg.hold_args(&["listen", &full.path(), "127.0.0.1:8080", "8"]);
+    let _accepting = cg.hold_args(&["listen", &fine.path(), "127.0.0.1:8080", "128", "0"]);
+    wait_listed(&d, 0, 1);
+    wait_listed(&d, 1, 1);
+    let saturate = cg.hold_args(&["burst", &full.path(), "127.0.0.1:8080", "10", "3000", "0"]);
+    assert_eq!(
+        (saturate.outcome.ok, saturate.outcome.errors("ECONNREFUSED")),
+        (4, 6),
+        "{:?}",
+        saturate.outcome
+    );
+    let other = cg.hold_args(&["burst", &fine.path(), "127.0.0.1:8080", "20", "3000", "0"]);
+    assert_eq!(
+        (other.outcome.ok, other.outcome.attempts),
+        (20, 20),
+        "{:?}",
+        other.outcome
+    );
+    let stats = d.stats();
+    assert_eq!(
+        (
+            &stats["listeners"][0]["rst_shed"],
+            &stats["listeners"][1]["rst_shed"]
+        ),
+        (&Value::from(6), &Value::from(0)),
+        "{stats}"
+    );
+}
+
+/// A veth created in a guarded namespace after the daemon started (a new pod's) is
+/// guarded within the rescan (every second).
+#[test]
+fn a_veth_added_after_start_is_guarded() {
+    let server = Netns::new("cglate");
+    server.exec("ip", &["link", "set", "lo", "up"]);
+    let cg = Cgroup::new("late");
+    let d = Daemon::start(&half_full("api", &server));
+    let client = Netns::new("cglatec");
+    Netns::join(&server, &client);
+    let _listener = cg.hold_args(&["listen", &server.path(), "192.0.2.1:8080", "8"]);
+    wait_listed(&d, 0, 1);
+    let until = Instant::now() + Duration::from_secs(5);
+    while !d
+        .log
+        .lock()
+        .unwrap()
+        .contains("listener guard attached to vs")
+    {
+        assert!(
+            Instant::now() < until,
+            "vs never attached:\n{}",
+            d.log.lock().unwrap()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let b = cg.hold_args(&["burst", &client.path(), "192.0.2.1:8080", "10", "1500", "0"]);
+    assert_eq!(
+        (b.outcome.ok, b.outcome.errors("ECONNREFUSED")),
+        (4, 6),
+        "{:?}",
+        b.outcome
+    );
+}
+
+/// Where the kernel refuses the per-SYN program (here: told to treat it as absent),
+/// the polled one applies the daemon's reading: clients 200 ms apart against listen(8)
+/// and a watermark of 0.5 get 4 connections, then RSTs.
+#[test]
+fn without_per_syn_decisions_the_daemon_reading_sheds() {
+    let (server, client) = Netns::veth_pair();
+    let cg = Cgroup::new("polled");
+    let d = Daemon::start_without(&half_full("api", &server), "listener_per_syn");
+    assert!(
+        d.log
+            .lock()
+            .unwrap()
+            .contains("listener guards decide from the daemon's reading"),
+        "{}",
+        d.log.lock().unwrap()
+    );
+    let _listener = cg.hold_args(&["listen", &server.path(), "192.0.2.1:8080", "8"]);
+    wait_listed(&d, 0, 1);
+    let b = cg.hold_args(&[
+        "open",
+        &client.path(),
+        "192.0.2.1:8080",
+        "10",
+        "200",
+        "3000",
+    ]);
+    assert_eq!(
+        (b.outcome.ok, b.outcome.errors("ECONNREFUSED")),
+        (4, 6),
+        "{:?}",
+        b.outcome
+    );
 }

@@ -28,7 +28,7 @@ fn ports_json_with(ns: &Netns, socket: &str) -> Value {
         .output()
         .unwrap();
     assert!(
-        out.status.success(),
+        out.status.success() && out.stderr.is_empty(),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
@@ -239,6 +239,142 @@ fn bind_before_connect_pool_is_reported_per_source_address() {
     );
 }
 
+/// A proxy that binds 127.0.0.6 before each connect() (Envoy, Istio) to two
+/// destinations: the source address's pool is spent at exactly the range (bind() fails
+/// with EADDRINUSE from the 101st socket) while each destination holds half of it, and
+/// connect() without bind() cannot take those ports either. The warning names the
+/// address and the remedies, in `ports --json`, its table and `top`.
+#[test]
+fn a_source_pool_spent_by_bind_before_connect_is_warned_about() {
+    let ns = small_range_netns();
+    let cg = Cgroup::new("proxy");
+    let _servers = serve(&cg, &ns);
+    let proxy = cg.hold_args(&[
+        "bind",
+        &ns.path(),
+        "127.0.0.6:0",
+        "105",
+        "127.0.0.1:8080,127.0.0.1:8081",
+    ]);
+    assert_eq!(
+        (proxy.outcome.ok, proxy.outcome.errors("EADDRINUSE")),
+        (100, 5),
+        "{:?}",
+        proxy.outcome
+    );
+    let plain = cg.probe(&["churn", &ns.path(), "127.0.0.1:8081", "1", "0"]);
+    assert_eq!(plain.errors("EADDRNOTAVAIL"), 1, "{plain:?}");
+
+    let r = ports_json(&ns);
+    for dst in ["127.0.0.1:8080", "127.0.0.1:8081"] {
+        let d = destination(&r, dst);
+        assert_eq!(
+            (
+                d["src"].as_str(),
+                d["in_use"].as_u64(),
+                d["available"].as_u64()
+            ),
+            (Some("127.0.0.6"), Some(50), Some(50)),
+            "{d}"
+        );
+    }
+    assert_eq!(
+        r["bound_sources"][0],
+        serde_json::json!({"src": "127.0.0.6", "in_use": 100, "bound_inactive": 0, "ratio": 1.0}),
+        "{r}"
+    );
+    let warning = "Source address 127.0.0.6 holds 100 of 100 ephemeral ports (100%): connections \
+                   to 2 destination(s), and 0 socket(s) bound but unconnected. bind() to \
+                   127.0.0.6 with port 0 fails with EADDRINUSE.";
+    let remedies = "Remedies: set IP_BIND_ADDRESS_NO_PORT before bind() so that connect() picks \
+                    the port per destination; bind to more source addresses; reuse connections";
+    let warnings = r["warnings"].as_array().unwrap();
+    // Past the first, only the note of a kernel whose sock_diag lists no bound-only socket.
+    assert_eq!(
+        warnings.len(),
+        1 + usize::from(r["bound_inactive_listed"] != true),
+        "{warnings:?}"
+    );
+    let first = warnings[0].as_str().unwrap();
+    assert!(
+        first.starts_with(warning) && first.contains(remedies),
+        "{first}"
+    );
+
+    let table = Command::new(connguard_bin())
+        .args(["ports", "--netns", &ns.path()])
+        .args(["--socket", "/nonexistent/connguard.sock"])
+        .output()
+        .unwrap();
+    let table = String::from_utf8_lossy(&table.stdout);
+    assert!(table.contains(&format!("\nWARNING: {warning}")), "{table}");
+
+    let top = Top::start(&ns);
+    let screen = top.screen_with("any (bind() pool)");
+    let row = screen
+        .lines()
+        .find(|l| l.contains("127.0.0.6") && l.contains("any (bind() pool)"))
+        .unwrap_or_else(|| panic!("{screen}"));
+    assert!(row.contains("████████████████████ 100/100"), "{row}");
+    assert!(
+        screen.contains("Source address 127.0.0.6 holds 100 of 100 ephemeral ports"),
+        "{screen}"
+    );
+}
+
+/// A daemon whose answer `ports` cannot read (another version of connguard): the report
+/// is the one without a daemon, and one line on stderr says why.
+#[test]
+fn an_answer_it_cannot_read_leaves_the_daemon_free_report_and_one_warning() {
+    let ns = small_range_netns();
+    let cg = Cgroup::new("other-version");
+    let _servers = serve(&cg, &ns);
+    let churned = cg.probe(&["churn", &ns.path(), "127.0.0.1:8080", "3", "0"]);
+    assert_eq!(churned.ok, 3, "{churned:?}");
+    let dir = std::env::temp_dir().join(connguard_tests::unique("connguard-other-version"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let socket = dir.join("connguard.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+    std::thread::spawn(move || {
+        use std::io::{BufRead, Write};
+        for mut conn in listener.incoming().flatten() {
+            let mut request = String::new();
+            let _ = std::io::BufReader::new(&conn).read_line(&mut request);
+            let _ = conn.write_all(br#"{"destinations": "written by another version"}"#);
+        }
+    });
+    let out = Command::new(connguard_bin())
+        .args(["ports", "--json", "--netns", &ns.path(), "--socket"])
+        .arg(&socket)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(r, ports_json(&ns));
+    assert_eq!(
+        destination(&r, "127.0.0.1:8080")["time_wait"].as_u64(),
+        Some(3),
+        "{r}"
+    );
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.len(), 1, "{stderr}");
+    let head = format!(
+        "connguard: warning: the daemon on {} gave no answer this connguard can use (reading \
+         the daemon's answer to ports ",
+        socket.display()
+    );
+    assert!(
+        lines[0].starts_with(&head)
+            && lines[0].ends_with(
+                "); this report leaves out what the daemon adds (TIME_WAIT rates, scopes, \
+                 EADDRNOTAVAIL counts)"
+            ),
+        "{stderr}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// With the daemon: the exhausted destination is attributed to the client's scope with
 /// a TIME_WAIT rate, and every EADDRNOTAVAIL is counted for the scope and process name.
 #[test]
@@ -290,6 +426,75 @@ fn with_the_daemon_rates_scopes_and_eaddrnotavail_are_attributed() {
     assert!(
         w.contains("TIME_WAIT entries are created at") && w.contains("Held by scope(s) client."),
         "{w}"
+    );
+}
+
+/// With its TIME_WAITS map full (65,536 entries, written with bpftool), the daemon keeps
+/// a few copies of it for the TIME_WAIT rates (one is about 7.5 MiB), not one per 0.5 s
+/// of the 5 s window: its resident memory grows by less than 48 MiB (it grew by 85 MiB
+/// with a sample kept every 0.5 s).
+#[test]
+fn a_full_time_wait_map_costs_the_daemon_a_few_copies_of_it() {
+    const ENTRIES: u32 = 65_536;
+    let cg = Cgroup::new("twmem");
+    let d = Daemon::start(&format!(
+        "[[scope]]\nname = \"s\"\ncgroup = \"{}\"\nmode = \"observe\"\n",
+        cg.rel
+    ));
+    let rss_kib = || {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", d.pid())).unwrap();
+        let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
+        line.split_whitespace()
+            .nth(1)
+            .unwrap()
+            .parse::<u64>()
+            .unwrap()
+    };
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    let empty = rss_kib();
+    let map = format!(
+        "/sys/fs/bpf/connguard/v{}/maps/{}",
+        guard_common::STATE_LAYOUT,
+        guard_common::names::map::TIME_WAITS
+    );
+    // Keys as guard_common::TimeWaitKey lays them out: netns, scope id, port, padding,
+    // then the IPv4-mapped source and destination; each a destination of its own.
+    let hex = |bytes: &[u8]| {
+        bytes
+            .iter()
+            .map(|b| format!("{b:02x} "))
+            .collect::<String>()
+    };
+    let mapped = |ip: [u8; 4]| [&[0u8; 10][..], &[0xff, 0xff], &ip].concat();
+    let batch: String = (0..ENTRIES)
+        .map(|i| {
+            let [_, _, hi, lo] = i.to_be_bytes();
+            let key = [
+                &4096u64.to_le_bytes()[..],
+                &0u32.to_le_bytes(),
+                &8080u16.to_le_bytes(),
+                &[0, 0],
+                &mapped([10, 0, 0, 1]),
+                &mapped([10, 1, hi, lo]),
+            ]
+            .concat();
+            format!(
+                "map update pinned {map} key hex {}value hex {}\n",
+                hex(&key),
+                hex(&1u64.to_le_bytes())
+            )
+        })
+        .collect();
+    let file = std::env::temp_dir().join(connguard_tests::unique("time-waits.batch"));
+    std::fs::write(&file, batch).unwrap();
+    connguard_tests::run("bpftool", &["batch", "file", &file.display().to_string()]);
+    std::fs::remove_file(&file).unwrap();
+    // Two windows' worth of samples.
+    std::thread::sleep(std::time::Duration::from_secs(12));
+    let full = rss_kib();
+    assert!(
+        full - empty < 48 * 1024,
+        "VmRSS {empty} KiB with the map empty, {full} KiB with it full"
     );
 }
 
@@ -347,6 +552,57 @@ fn port_watermark_sheds_one_scope_and_keeps_headroom_for_others() {
     assert_eq!(s["shed"].as_u64(), Some(out.errors("ECONNREFUSED")), "{s}");
 }
 
+/// `connguard top` for a namespace, without a daemon, in a detached tmux session of
+/// 160x40 (a real terminal); the session is killed on drop.
+struct Top(String);
+
+impl Top {
+    fn start(ns: &Netns) -> Top {
+        let top = Top(format!("connguard-top-{}-{}", std::process::id(), ns.name));
+        let command = format!(
+            "{} top --netns {} --socket /nonexistent/connguard.sock",
+            connguard_bin().display(),
+            ns.path()
+        );
+        let started = Command::new("tmux")
+            .args(["new-session", "-d", "-s", &top.0, "-x", "160", "-y", "40"])
+            .arg(&command)
+            .status()
+            .expect("tmux is missing: run `cargo xtask setup`");
+        assert!(started.success());
+        top
+    }
+
+    fn screen(&self) -> String {
+        let out = Command::new("tmux")
+            .args(["capture-pane", "-p", "-t", &self.0])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// The screen once it shows `text`, or after 5 s.
+    fn screen_with(&self, text: &str) -> String {
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        let mut screen = self.screen();
+        while !screen.contains(text) && std::time::Instant::now() < until {
+            std::thread::sleep(std::time::Duration::from_millis(100));
+            screen = self.screen();
+        }
+        screen
+    }
+}
+
+impl Drop for Top {
+    fn drop(&mut self) {
+        // Usually gone already (top quit): tmux's "no server running" is expected.
+        let _ = Command::new("tmux")
+            .args(["kill-session", "-t", &self.0])
+            .stderr(std::process::Stdio::null())
+            .status();
+    }
+}
+
 /// `connguard top` in a real terminal (tmux): it shows the exhausted destination with
 /// its bar and the diagnosis, and quits on q.
 #[test]
@@ -357,51 +613,8 @@ fn top_shows_the_exhausted_destination_in_a_terminal_and_quits_on_q() {
     // Past the range: all 100 ports end up held, whatever entry leaves early.
     let out = cg.probe(&["churn", &ns.path(), "127.0.0.1:8080", "110", "0"]);
     assert!(out.errors("EADDRNOTAVAIL") > 0, "{out:?}");
-    let session = format!("connguard-top-{}", std::process::id());
-    struct Session(String);
-    impl Drop for Session {
-        fn drop(&mut self) {
-            // Usually gone already (top quit): tmux's "no server running" is expected.
-            let _ = Command::new("tmux")
-                .args(["kill-session", "-t", &self.0])
-                .stderr(std::process::Stdio::null())
-                .status();
-        }
-    }
-    let _guard = Session(session.clone());
-    let top = format!(
-        "{} top --netns {} --socket /nonexistent/connguard.sock",
-        connguard_bin().display(),
-        ns.path()
-    );
-    let started = Command::new("tmux")
-        .args([
-            "new-session",
-            "-d",
-            "-s",
-            &session,
-            "-x",
-            "160",
-            "-y",
-            "40",
-            &top,
-        ])
-        .status()
-        .expect("tmux is missing: run `cargo xtask setup`");
-    assert!(started.success());
-    let screen = || {
-        let out = Command::new("tmux")
-            .args(["capture-pane", "-p", "-t", &session])
-            .output()
-            .unwrap();
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    };
-    let until = std::time::Instant::now() + std::time::Duration::from_secs(5);
-    let mut text = screen();
-    while !text.contains("100/100") && std::time::Instant::now() < until {
-        std::thread::sleep(std::time::Duration::from_millis(100));
-        text = screen();
-    }
+    let top = Top::start(&ns);
+    let text = top.screen_with("100/100");
     assert!(
         text.contains("ephemeral range 40000-40099 (100 ports), tcp_tw_reuse 0"),
         "{text}"
@@ -426,12 +639,12 @@ fn top_shows_the_exhausted_destination_in_a_terminal_and_quits_on_q() {
     );
     assert!(text.contains("holds 100 of 100 ephemeral ports"), "{text}");
     Command::new("tmux")
-        .args(["send-keys", "-t", &session, "q"])
+        .args(["send-keys", "-t", &top.0, "q"])
         .status()
         .unwrap();
     let until = std::time::Instant::now() + std::time::Duration::from_secs(3);
     while Command::new("tmux")
-        .args(["has-session", "-t", &session])
+        .args(["has-session", "-t", &top.0])
         .stderr(std::process::Stdio::null())
         .status()
         .unwrap()
@@ -440,7 +653,7 @@ fn top_shows_the_exhausted_destination_in_a_terminal_and_quits_on_q() {
         assert!(
             std::time::Instant::now() < until,
             "top did not quit on q:\n{}",
-            screen()
+            top.screen()
         );
         std::thread::sleep(std::time::Duration::from_millis(50));
     }

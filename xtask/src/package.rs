@@ -1,7 +1,8 @@
 //! `cargo xtask package`: a Debian package of the release build, staged under
 //! target/package and built with dpkg-deb: the binary, the systemd unit (not enabled
 //! nor started on install), the embedded default policy as the conffile
-//! /etc/connguard/policy.toml, and the README.
+//! /etc/connguard/policy.toml, the README, and the Prometheus alert rules and Grafana
+//! dashboard as examples.
 use std::{
     path::{Path, PathBuf},
     process::Command,
@@ -14,6 +15,8 @@ const BIN: &str = "usr/bin/connguard";
 const UNIT: &str = "lib/systemd/system/connguard.service";
 const POLICY: &str = "etc/connguard/policy.toml";
 const DOC: &str = "usr/share/doc/connguard";
+/// Files of packaging/ installed as examples in DOC/examples.
+const EXAMPLES: &[&str] = &["prometheus/alerts.yml", "grafana/connguard.json"];
 
 /// After install or upgrade: systemd learns of the unit; nothing is enabled or started
 /// (a host's operator chooses its policy first).
@@ -93,6 +96,13 @@ pub fn build(root: &Path, out: &Path) -> anyhow::Result<PathBuf> {
         &std::fs::read(root.join("README.md"))?,
         0o644,
     )?;
+    for example in EXAMPLES {
+        put(
+            &format!("{DOC}/examples/{example}"),
+            &std::fs::read(root.join("packaging").join(example))?,
+            0o644,
+        )?;
+    }
     put(&format!("{DOC}/copyright"), copyright().as_bytes(), 0o644)?;
     put(
         &format!("{DOC}/changelog.gz"),
@@ -225,7 +235,9 @@ mod tests {
         };
         let (ok, listing) = run("dpkg-deb", &["--contents"]);
         assert!(ok, "dpkg-deb --contents failed");
-        for path in [BIN, UNIT, POLICY, "usr/share/doc/connguard/copyright"] {
+        let examples = EXAMPLES.iter().map(|e| format!("{DOC}/examples/{e}"));
+        let paths = [BIN, UNIT, POLICY, "usr/share/doc/connguard/copyright"].map(String::from);
+        for path in paths.into_iter().chain(examples) {
             assert!(
                 listing.lines().any(|l| l.ends_with(&format!("./{path}"))),
                 "{path} missing:\n{listing}"

@@ -23,6 +23,9 @@ const PACKAGES: &[&str] = &[
     "systemd",
     "binutils",
     "lintian",
+    // promtool, which checks packaging/prometheus/alerts.yml and a scrape of /metrics
+    // (Debian has it only in the server's package, whose service starts on :9090).
+    "prometheus",
 ];
 const BPF_LINKER_VERSION: &str = "0.13.0";
 

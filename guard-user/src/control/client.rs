@@ -13,8 +13,26 @@ use super::protocol::{ErrorReply, Request};
 
 /// Asks a running daemon; fails with the daemon's error when it answers with one.
 pub fn ask<T: DeserializeOwned>(socket: &Path, request: Request) -> anyhow::Result<T> {
+    answer(send(connect(socket)?, request)?, request)
+}
+
+/// Asks the daemon if one listens on `socket`: None when none does, for tools that work
+/// without it; an error when one answers but not with a `T` (another version of
+/// connguard, or an error).
+pub fn ask_if_running<T: DeserializeOwned>(
+    socket: &Path,
+    request: Request,
+) -> anyhow::Result<Option<T>> {
+    match connect(socket) {
+        Ok(stream) => answer(send(stream, request)?, request).map(Some),
+        Err(_) => Ok(None),
+    }
+}
+
+/// The daemon's answer on `stream`, decoded.
+fn answer<T: DeserializeOwned>(mut stream: UnixStream, request: Request) -> anyhow::Result<T> {
     let mut text = String::new();
-    send(socket, request)?
+    stream
         .read_to_string(&mut text)
         .map_err(|e| match e.kind() {
             std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
@@ -29,11 +47,15 @@ pub fn ask<T: DeserializeOwned>(socket: &Path, request: Request) -> anyhow::Resu
     serde_json::from_str(&text).with_context(|| format!("reading the daemon's answer to {request}"))
 }
 
-/// Sends one request to a running daemon; its JSON answer is on the returned stream.
-fn send(socket: &Path, request: Request) -> anyhow::Result<UnixStream> {
-    let mut stream = UnixStream::connect(socket).with_context(|| {
+/// A connection to the daemon on `socket`.
+fn connect(socket: &Path) -> anyhow::Result<UnixStream> {
+    UnixStream::connect(socket).with_context(|| {
         format!("no connguard daemon answers on {} (is `connguard run` running? pass --socket if it uses another path)", socket.display())
-    })?;
+    })
+}
+
+/// Sends one request to the daemon on `stream`; its JSON answer is on the returned stream.
+fn send(mut stream: UnixStream, request: Request) -> anyhow::Result<UnixStream> {
     // A stalled daemon must not freeze the caller (`top` polls every second); a reload
     // walks the cgroup tree, which takes seconds on hosts with tens of thousands of
     // cgroups, and gets as long as the daemon gives any reply.
@@ -51,7 +73,10 @@ fn send(socket: &Path, request: Request) -> anyhow::Result<UnixStream> {
 /// Copies the daemon's answer to `stats` to `out` as it arrives, without decoding it,
 /// then a newline; fails with the daemon's error when it answers with one.
 pub fn copy_stats(socket: &Path, out: &mut impl Write) -> anyhow::Result<()> {
-    let mut answer = BufReader::with_capacity(1 << 16, send(socket, Request::Stats { top: None })?);
+    let mut answer = BufReader::with_capacity(
+        1 << 16,
+        send(connect(socket)?, Request::Stats { top: None })?,
+    );
     // An error answer is a small {"error": ...} object; a snapshot starts {"policy":.
     let mut head = Vec::new();
     while head.len() < ERROR_HEAD.len() {

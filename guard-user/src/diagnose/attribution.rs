@@ -26,7 +26,7 @@ pub struct EaddrnotavailCount {
 /// side (the `ports COOKIE` control request).
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct DaemonPorts {
-    /// Destinations with TIME_WAIT entries born within RATE_WINDOW.
+    /// Destinations with TIME_WAIT entries born within the rates' window.
     pub destinations: Vec<DaemonDestination>,
     /// Destinations (any namespace, any source) with active admitted connections.
     pub active: Vec<ActiveScopes>,
@@ -43,21 +43,27 @@ pub struct ActiveScopes {
 pub struct DaemonDestination {
     pub src: String,
     pub dst: String,
-    /// TIME_WAIT entries born per second over the last RATE_WINDOW.
+    /// TIME_WAIT entries born per second over the last 5 to 7.5 s (TimeWaitRates).
     pub time_wait_per_s: f64,
     pub scopes: Vec<String>,
 }
 
-/// Rates are TIME_WAIT births over this window.
+/// Rates are TIME_WAIT births over at least this window (at most 1.5 times it).
 pub const RATE_WINDOW: Duration = Duration::from_secs(5);
 
-/// Samples of the TIME_WAITS map, RATE_WINDOW long, for per-second rates.
+/// How often the daemon samples the TIME_WAITS map: twice per window, so that a sample
+/// between one and one and a half windows old is always kept, and at most three are
+/// (each a copy of the map: about 7.5 MiB when its 65,536 entries are taken).
+pub const SAMPLE_EVERY: Duration = Duration::from_millis(2500);
+
+/// Samples of the TIME_WAITS map, taken every SAMPLE_EVERY, for per-second rates.
 #[derive(Default)]
 pub struct TimeWaitRates {
     samples: VecDeque<(Instant, HashMap<TimeWaitKey, u64>)>,
 }
 
 impl TimeWaitRates {
+    /// Keeps `counts`, and the samples since the newest one that is RATE_WINDOW old.
     pub fn sample(&mut self, now: Instant, counts: HashMap<TimeWaitKey, u64>) {
         self.samples.push_back((now, counts));
         while self.samples.len() > 2 && now - self.samples[1].0 >= RATE_WINDOW {
@@ -65,17 +71,23 @@ impl TimeWaitRates {
         }
     }
 
-    /// Births per second per key, between the oldest and newest sample. A key absent
+    /// Births per second per key, from the oldest sample to `counts`, read at `now`: the
+    /// rate is as fresh as the reading, however old the newest sample is. A key absent
     /// from the oldest sample was born within the window and counts from zero.
-    pub fn rates(&self) -> HashMap<TimeWaitKey, f64> {
-        let (Some((t0, old)), Some((t1, new))) = (self.samples.front(), self.samples.back()) else {
+    pub fn rates(
+        &self,
+        now: Instant,
+        counts: &HashMap<TimeWaitKey, u64>,
+    ) -> HashMap<TimeWaitKey, f64> {
+        let Some((t0, old)) = self.samples.front() else {
             return HashMap::new();
         };
-        let secs = (*t1 - *t0).as_secs_f64();
+        let secs = (now - *t0).as_secs_f64();
         if secs <= 0.0 {
             return HashMap::new();
         }
-        new.iter()
+        counts
+            .iter()
             .map(|(k, n)| {
                 (
                     *k,
@@ -182,4 +194,43 @@ pub fn merge(r: &mut PortsReport, from: DaemonPorts) {
     }
     r.eaddrnotavail = from.eaddrnotavail;
     r.warnings = diagnose(r);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Sampled as the daemon samples, through a minute of 10 births a second: at most
+    /// three copies of the map are kept, and every reading gets the exact rate over a
+    /// window of 5 to 7.5 s (shorter only in the daemon's first 5 s).
+    #[test]
+    fn three_samples_at_most_give_the_rate_over_the_window() {
+        let key = TimeWaitKey::default();
+        let start = Instant::now();
+        let births = |at: Duration| HashMap::from([(key, at.as_millis() as u64 / 100)]);
+        let mut r = TimeWaitRates::default();
+        let mut at = Duration::ZERO;
+        while at <= Duration::from_secs(60) {
+            r.sample(start + at, births(at));
+            assert!(
+                r.samples.len() <= 3,
+                "{} samples at {at:?}",
+                r.samples.len()
+            );
+            for later in [0, 100, 1200, 2400].map(Duration::from_millis) {
+                let now = at + later;
+                let window = now - (r.samples[0].0 - start);
+                assert!(
+                    window < RATE_WINDOW + SAMPLE_EVERY
+                        && (window >= RATE_WINDOW || now < RATE_WINDOW),
+                    "a window of {window:?} at {now:?}"
+                );
+                if now > Duration::ZERO {
+                    let rate = r.rates(start + now, &births(now))[&key];
+                    assert!((rate - 10.0).abs() < 1e-9, "{rate}/s at {now:?}");
+                }
+            }
+            at += SAMPLE_EVERY;
+        }
+    }
 }

@@ -62,8 +62,8 @@ pub struct DestinationPorts {
     /// ephemeral_ports less bound_ports, active connections, and TIME_WAIT entries unless
     /// tcp_tw_reuse lets connect() take them (1, or 2 between loopback addresses).
     pub available: u32,
-    /// TIME_WAIT entries created per second by admitted connections, over the last 5 s
-    /// (null without the daemon, or when it saw none).
+    /// TIME_WAIT entries created per second by admitted connections, over the last 5 to
+    /// 7.5 s (null without the daemon, or when it saw none).
     pub time_wait_per_s: Option<f64>,
     /// At that rate, seconds until `available` reaches 0; null when the rate is unknown,
     /// or when TIME_WAIT entries expire (after 60 s) faster than they fill the range.
@@ -82,6 +82,13 @@ pub struct SourcePool {
     pub bound_inactive: u32,
     /// in_use / ephemeral_ports.
     pub ratio: f64,
+}
+
+impl SourcePool {
+    /// Whether the pool is at or past WARN_RATIO of the range (then diagnosed).
+    pub fn near_exhaustion(&self) -> bool {
+        self.ratio >= WARN_RATIO
+    }
 }
 
 /// The report for one namespace from its socket table and settings.
@@ -142,8 +149,8 @@ pub fn report(
     r
 }
 
-/// Plain sentences for every destination, and for the ports taken by bind(), past
-/// WARN_RATIO of the range.
+/// Plain sentences for every destination, every source address's pool, and the ports
+/// taken by bind(), at or past WARN_RATIO of the range.
 pub fn diagnose(r: &PortsReport) -> Vec<String> {
     let [lo, hi] = r.ephemeral_range;
     let total = r.ephemeral_ports.max(1);
@@ -208,6 +215,40 @@ pub fn diagnose(r: &PortsReport) -> Vec<String> {
             );
         }
         w.push('.');
+        out.push(w);
+    }
+    // bind(addr, 0) picks a port no socket on addr holds, whatever the destination: a
+    // pool spent that way leaves every destination's own count with ports left.
+    for p in r.bound_sources.iter().filter(|p| p.near_exhaustion()) {
+        let destinations = r.destinations.iter().filter(|d| d.src == p.src).count();
+        let mut w = format!(
+            "Source address {} holds {} of {} ephemeral ports ({:.0}%): connections to {destinations} \
+             destination(s), and {} socket(s) bound but unconnected.",
+            p.src,
+            p.in_use,
+            r.ephemeral_ports,
+            p.ratio * 100.0,
+            p.bound_inactive
+        );
+        match r.ephemeral_ports.saturating_sub(p.in_use) {
+            0 => {
+                let _ = write!(w, " bind() to {} with port 0 fails with EADDRINUSE.", p.src);
+            }
+            left => {
+                let _ = write!(w, " {left} are left for bind() to {} with port 0.", p.src);
+            }
+        }
+        let _ = write!(
+            w,
+            " Sockets bound to {} before connect() without IP_BIND_ADDRESS_NO_PORT (as Envoy and \
+             Istio bind 127.0.0.6) take their ports from this pool whatever their destination, \
+             and connect() without bind() skips every port bind() took, toward any destination: \
+             fewer ports may be left per destination than shown. Remedies: set \
+             IP_BIND_ADDRESS_NO_PORT before bind() so that connect() picks the port per \
+             destination; bind to more source addresses; reuse connections (keep-alive, a \
+             connection pool) instead of one per request.",
+            p.src
+        );
         out.push(w);
     }
     if taken(total - r.bound_ports.min(total)) >= WARN_RATIO {
@@ -359,13 +400,80 @@ mod tests {
         assert_eq!(r.bound_ports, 1);
         let avail: Vec<_> = r.destinations.iter().map(|d| d.available).collect();
         assert_eq!(avail, [0, 2]);
-        assert_eq!(r.warnings.len(), 1, "{:?}", r.warnings);
+        assert_eq!(r.warnings.len(), 2, "{:?}", r.warnings);
+        assert!(r.warnings[1].starts_with(
+            "Source address 127.0.0.1 holds 4 of 4 ephemeral ports (100%): connections to 2 \
+             destination(s), and 0 socket(s) bound but unconnected. bind() to 127.0.0.1 with \
+             port 0 fails with EADDRINUSE."
+        ));
         assert!(r.warnings[0].starts_with(
             "127.0.0.1 -> 127.0.0.1:8080 holds 4 of 4 ephemeral ports (100%): 3 in TIME_WAIT, 1 active. \
              1 more are taken by bind() or listen(). \
              New connections from 127.0.0.1 to 127.0.0.1:8080 fail with EADDRNOTAVAIL."
         ));
         assert!(r.warnings[0].contains("set net.ipv4.tcp_tw_reuse=1 (now 0)"));
+    }
+
+    /// bind(127.0.0.6, 0) before each connect(), as Envoy and Istio do: every destination
+    /// has ports left, the source address none, and that is what the warning says.
+    #[test]
+    fn a_source_pool_spent_by_bind_before_connect_is_diagnosed() {
+        let s = PortSettings::parse("40000 40007", "", "0").unwrap();
+        let socks: Vec<_> = (0..8)
+            .map(|i| {
+                sock(
+                    TCP_ESTABLISHED,
+                    "127.0.0.6",
+                    40000 + i,
+                    "127.0.0.1",
+                    8080 + i % 4,
+                )
+            })
+            .collect();
+        let r = report("self", &s, &socks, Some(true));
+        let left: Vec<_> = r.destinations.iter().map(|d| d.available).collect();
+        assert_eq!(left, [6, 6, 6, 6]);
+        assert_eq!(
+            r.warnings,
+            [
+                "Source address 127.0.0.6 holds 8 of 8 ephemeral ports (100%): connections to 4 \
+                 destination(s), and 0 socket(s) bound but unconnected. bind() to 127.0.0.6 with \
+                 port 0 fails with EADDRINUSE. Sockets bound to 127.0.0.6 before connect() without \
+                 IP_BIND_ADDRESS_NO_PORT (as Envoy and Istio bind 127.0.0.6) take their ports from \
+                 this pool whatever their destination, and connect() without bind() skips every \
+                 port bind() took, toward any destination: fewer ports may be left per \
+                 destination than shown. Remedies: set IP_BIND_ADDRESS_NO_PORT before bind() so \
+                 that connect() picks the port per destination; bind to more source addresses; \
+                 reuse connections (keep-alive, a connection pool) instead of one per request."
+            ]
+        );
+        // Below WARN_RATIO (6 of 8 ports), nothing to say.
+        let r = report("self", &s, &socks[..6], Some(true));
+        assert!(r.warnings.is_empty(), "{:?}", r.warnings);
+    }
+
+    /// A reading walks the ephemeral range once, not once per destination: with 100
+    /// reserved ports in the default range, 200 destinations cost about what 1 does.
+    #[test]
+    fn a_reading_walks_the_range_once_whatever_its_destinations() {
+        let reserved: Vec<String> = (0..100).map(|i| (41001 + i * 150).to_string()).collect();
+        let reserved = reserved.join(",");
+        let reading = |destinations: u16| {
+            let socks: Vec<_> = (0..destinations)
+                .map(|i| sock(TCP_TIME_WAIT, "10.0.0.1", 40000 + i, "10.0.0.2", 1 + i))
+                .collect();
+            (0..3)
+                .map(|_| {
+                    let started = std::time::Instant::now();
+                    let s = PortSettings::parse("32768 60999", &reserved, "0").unwrap();
+                    assert_eq!(port_use(&s, &socks).len(), destinations as usize);
+                    started.elapsed()
+                })
+                .min()
+                .unwrap()
+        };
+        let (one, many) = (reading(1), reading(200));
+        assert!(many < one * 10, "1 destination: {one:?}, 200: {many:?}");
     }
 
     #[test]
@@ -384,9 +492,11 @@ mod tests {
             ),
             (4, 4)
         );
+        // tcp_tw_reuse=2 lets connect() reuse loopback TIME_WAIT ports, not bind().
+        assert_eq!(loopback.warnings.len(), 1, "{:?}", loopback.warnings);
         assert!(
-            loopback.warnings.is_empty(),
-            "tcp_tw_reuse=2 reuses loopback TIME_WAIT: {:?}",
+            loopback.warnings[0].starts_with("Source address 127.0.0.1 holds 4 of 4"),
+            "{:?}",
             loopback.warnings
         );
         let socks: Vec<_> = (0..4)

@@ -1,10 +1,11 @@
 //! What the programs counted: per destination, rule and scope; TIME_WAIT births,
-//! EADDRNOTAVAIL failures, internal errors. Idle destinations are forgotten so that the
-//! map of a long-running daemon holds the destinations in use.
+//! EADDRNOTAVAIL failures, internal errors and lost events. Idle destinations are
+//! forgotten so that the map of a long-running daemon holds the destinations in use.
 use std::collections::HashMap;
 
 use guard_common::{
-    Counter, CounterKey, EaddrKey, STAT_INTERNAL_ERRORS, STAT_LEASE_EXPIRED, TimeWaitKey,
+    Counter, CounterKey, EaddrKey, STAT_INTERNAL_ERRORS, STAT_LEASE_EXPIRED, STAT_LOST_EVENTS,
+    TimeWaitKey,
 };
 
 use crate::kernel::{batch, maps::CounterMaps};
@@ -31,6 +32,7 @@ pub struct CounterDump {
     pub eaddrnotavail: Vec<(EaddrKey, u64)>,
     pub internal_errors: u64,
     pub lease_expired: u64,
+    pub lost_events: u64,
 }
 
 impl Counters {
@@ -53,6 +55,7 @@ impl Counters {
             eaddrnotavail: self.eaddrnotavail(),
             internal_errors: self.stat(STAT_INTERNAL_ERRORS),
             lease_expired: self.stat(STAT_LEASE_EXPIRED),
+            lost_events: self.stat(STAT_LOST_EVENTS),
         }
     }
 
@@ -62,13 +65,15 @@ impl Counters {
     }
 
     /// Forgets destination entries that stayed idle (no active connection, no new
-    /// admission or shed) since the previous call. Scope and rule totals (in their own
-    /// arrays) keep counting. Returns how many entries were forgotten.
-    pub fn forget_idle(&mut self) -> usize {
+    /// admission or shed) since the previous call, but those `listed` keeps: the
+    /// destinations that /metrics lists, whose series would start again from 0 if their
+    /// entry were made again. Scope and rule totals (in their own arrays) keep counting.
+    /// Returns how many entries were forgotten.
+    pub fn forget_idle(&mut self, listed: impl Fn(&CounterKey) -> bool) -> usize {
         let mut idle = HashMap::new();
         let mut forgotten = 0;
         for (key, c) in self.destinations() {
-            if c.active != 0 {
+            if c.active != 0 || listed(&key) {
                 continue;
             }
             let total = c.admitted + c.shed + c.would_shed;

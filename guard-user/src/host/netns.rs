@@ -25,7 +25,7 @@ fn enter_open(ns: &File) -> std::io::Result<()> {
 }
 
 /// Runs `f` in the network namespace open as `ns`, on a thread of its own (see
-/// `within`).
+/// `within`). The file keeps naming that namespace when its path is bound to another.
 pub fn within_open<T: Send>(
     ns: &File,
     f: impl FnOnce() -> anyhow::Result<T> + Send,
@@ -133,13 +133,22 @@ pub fn all() -> Vec<File> {
         .collect()
 }
 
-/// The interfaces of the calling thread's network namespace.
-pub fn interfaces() -> anyhow::Result<Vec<String>> {
+/// The interfaces of the calling thread's network namespace, with their indexes (an
+/// interface deleted and created again under its name gets a new one). One deleted
+/// between the two reads is left out.
+pub fn interfaces() -> anyhow::Result<Vec<(String, u32)>> {
     let dev = std::fs::read_to_string("/proc/thread-self/net/dev")
         .context("reading /proc/thread-self/net/dev")?;
     Ok(dev
         .lines()
         .skip(2)
         .filter_map(|l| l.split_once(':').map(|(n, _)| n.trim().to_string()))
+        .filter_map(|name| {
+            let c = std::ffi::CString::new(name.as_str()).ok()?;
+            // SAFETY: a NUL-terminated name; if_nametoindex asks the calling thread's
+            // namespace.
+            let index = unsafe { libc::if_nametoindex(c.as_ptr()) };
+            (index != 0).then_some((name, index))
+        })
         .collect())
 }

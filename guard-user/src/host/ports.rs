@@ -28,6 +28,9 @@ pub struct PortSettings {
     pub reserved: Vec<(u16, u16)>,
     /// tcp_tw_reuse: 0 off, 1 on, 2 on for loopback only (the default).
     pub tcp_tw_reuse: u8,
+    /// What `ephemeral_ports` returns, walked once here: a reading asks it for every
+    /// destination, and the default range is 28,232 ports.
+    ephemeral_ports: u32,
 }
 
 impl PortSettings {
@@ -54,11 +57,14 @@ impl PortSettings {
             let (a, b) = part.split_once('-').unwrap_or((part, part));
             ranges.push((a.trim().parse()?, b.trim().parse()?));
         }
-        Ok(PortSettings {
+        let mut s = PortSettings {
             range: (lo, hi),
             reserved: ranges,
             tcp_tw_reuse: tw_reuse.trim().parse()?,
-        })
+            ephemeral_ports: 0,
+        };
+        s.ephemeral_ports = s.walk();
+        Ok(s)
     }
 
     /// Whether connect() may pick this port.
@@ -67,10 +73,15 @@ impl PortSettings {
             && !self.reserved.iter().any(|&(a, b)| (a..=b).contains(&port))
     }
 
-    /// How many ports connect() can pick from (units: ports). __inet_hash_connect walks
-    /// an even number of ports from the low end (`remaining &= ~1`), so the last port of
-    /// an odd-sized range is never picked.
+    /// How many ports connect() can pick from (units: ports).
     pub fn ephemeral_ports(&self) -> u32 {
+        self.ephemeral_ports
+    }
+
+    /// Counts the ports connect() can pick from. __inet_hash_connect walks an even
+    /// number of ports from the low end (`remaining &= ~1`), so the last port of an
+    /// odd-sized range is never picked.
+    fn walk(&self) -> u32 {
         let span = self.range.1 as u32 + 1 - self.range.0 as u32;
         let span = if span > 1 { span & !1 } else { span };
         (0..span)

@@ -168,9 +168,35 @@ pub fn tcp_sockets() -> anyhow::Result<Vec<TcpSocket>> {
 /// for SYN_RECV includes request sockets, TCP_NEW_SYN_RECV, inet_diag_dump_icsk in
 /// net/ipv4/inet_diag.c).
 pub fn listeners_and_syn_recv() -> anyhow::Result<Vec<TcpSocket>> {
-    tcp_sockets_in(StateFlags::from_bits_retain(
-        (1 << TCP_LISTEN) | (1 << TCP_SYN_RECV),
-    ))
+    Diag::open()?.listeners_and_syn_recv()
+}
+
+/// A sock_diag netlink socket, kept open: it answers for the network namespace it was
+/// opened in, whichever thread uses it later (netlink_kernel_create() per namespace,
+/// net/core/sock_diag.c). After a failed dump, open a new one: the old one may hold
+/// the rest of that dump.
+pub struct Diag(Socket);
+
+impl Diag {
+    /// One for the calling thread's network namespace.
+    pub fn open() -> anyhow::Result<Diag> {
+        let mut socket =
+            Socket::new(NETLINK_SOCK_DIAG).context("opening a sock_diag netlink socket")?;
+        socket.bind_auto()?;
+        socket.connect(&SocketAddr::new(0, 0))?;
+        Ok(Diag(socket))
+    }
+
+    /// The listeners and half-open connections (SYN_RECV) of its namespace: the kernel
+    /// skips every other state (inet_diag_dump_icsk(), net/ipv4/inet_diag.c).
+    pub fn listeners_and_syn_recv(&mut self) -> anyhow::Result<Vec<TcpSocket>> {
+        let states = StateFlags::from_bits_retain((1 << TCP_LISTEN) | (1 << TCP_SYN_RECV));
+        let mut out = Vec::new();
+        for family in [AF_INET, AF_INET6] {
+            self.dump(family, states.clone(), &[], &mut out)?;
+        }
+        Ok(out)
+    }
 }
 
 /// Whether this kernel's sock_diag lists sockets bound but neither connected nor
@@ -236,72 +262,84 @@ fn dump_with(
     attrs: &[u8],
     out: &mut Vec<TcpSocket>,
 ) -> anyhow::Result<()> {
-    let mut socket =
-        Socket::new(NETLINK_SOCK_DIAG).context("opening a sock_diag netlink socket")?;
-    socket.bind_auto()?;
-    socket.connect(&SocketAddr::new(0, 0))?;
-    let mut header = NetlinkHeader::default();
-    header.flags = NLM_F_REQUEST | NLM_F_DUMP;
-    let mut request = NetlinkMessage::new(
-        header,
-        SockDiagMessage::InetRequest(InetRequest {
-            family,
-            protocol: IPPROTO_TCP,
-            extensions: ExtensionFlags::empty(),
-            states,
-            socket_id: if family == AF_INET {
-                SocketId::new_v4()
-            } else {
-                SocketId::new_v6()
-            },
-        })
-        .into(),
-    );
-    request.finalize();
-    let mut buf = vec![0; request.buffer_len()];
-    request.serialize(&mut buf);
-    buf.extend_from_slice(attrs);
-    // nlmsg_len, the header's first field, covers the attributes.
-    let len = buf.len() as u32;
-    buf[..4].copy_from_slice(&len.to_ne_bytes());
-    socket
-        .send(&buf, 0)
-        .context("sending the sock_diag request")?;
+    Diag::open()?.dump(family, states, attrs, out)
+}
 
-    let mut receive = vec![0u8; 1 << 16];
-    loop {
-        let size = socket
-            .recv(&mut &mut receive[..], 0)
-            .context("reading sock_diag")?;
-        let mut offset = 0;
-        while offset < size {
-            let message = NetlinkMessage::<SockDiagMessage>::deserialize(&receive[offset..size])
-                .context("parsing a sock_diag message")?;
-            match message.payload {
-                NetlinkPayload::InnerMessage(SockDiagMessage::InetResponse(r)) => {
-                    let id = &r.header.socket_id;
-                    out.push(TcpSocket {
-                        state: r.header.state as u32,
-                        src: plain(id.source_address),
-                        sport: id.source_port,
-                        dst: plain(id.destination_address),
-                        dport: id.destination_port,
-                        recv_queue: r.header.recv_queue,
-                        send_queue: r.header.send_queue,
-                        inode: r.header.inode,
-                        cgroup_id: cgroup_id(&r.nlas),
-                        storage: storage(&r.nlas),
-                    });
+impl Diag {
+    /// Appends the TCP sockets of `family` in `states` to `out`, with `attrs` (netlink
+    /// attributes) after the request.
+    fn dump(
+        &mut self,
+        family: u8,
+        states: StateFlags,
+        attrs: &[u8],
+        out: &mut Vec<TcpSocket>,
+    ) -> anyhow::Result<()> {
+        let socket = &mut self.0;
+        let mut header = NetlinkHeader::default();
+        header.flags = NLM_F_REQUEST | NLM_F_DUMP;
+        let mut request = NetlinkMessage::new(
+            header,
+            SockDiagMessage::InetRequest(InetRequest {
+                family,
+                protocol: IPPROTO_TCP,
+                extensions: ExtensionFlags::empty(),
+                states,
+                socket_id: if family == AF_INET {
+                    SocketId::new_v4()
+                } else {
+                    SocketId::new_v6()
+                },
+            })
+            .into(),
+        );
+        request.finalize();
+        let mut buf = vec![0; request.buffer_len()];
+        request.serialize(&mut buf);
+        buf.extend_from_slice(attrs);
+        // nlmsg_len, the header's first field, covers the attributes.
+        let len = buf.len() as u32;
+        buf[..4].copy_from_slice(&len.to_ne_bytes());
+        socket
+            .send(&buf, 0)
+            .context("sending the sock_diag request")?;
+
+        let mut receive = vec![0u8; 1 << 16];
+        loop {
+            let size = socket
+                .recv(&mut &mut receive[..], 0)
+                .context("reading sock_diag")?;
+            let mut offset = 0;
+            while offset < size {
+                let message =
+                    NetlinkMessage::<SockDiagMessage>::deserialize(&receive[offset..size])
+                        .context("parsing a sock_diag message")?;
+                match message.payload {
+                    NetlinkPayload::InnerMessage(SockDiagMessage::InetResponse(r)) => {
+                        let id = &r.header.socket_id;
+                        out.push(TcpSocket {
+                            state: r.header.state as u32,
+                            src: plain(id.source_address),
+                            sport: id.source_port,
+                            dst: plain(id.destination_address),
+                            dport: id.destination_port,
+                            recv_queue: r.header.recv_queue,
+                            send_queue: r.header.send_queue,
+                            inode: r.header.inode,
+                            cgroup_id: cgroup_id(&r.nlas),
+                            storage: storage(&r.nlas),
+                        });
+                    }
+                    NetlinkPayload::Done(_) => return Ok(()),
+                    NetlinkPayload::Error(e) => bail!("sock_diag: {e:?}"),
+                    _ => {}
                 }
-                NetlinkPayload::Done(_) => return Ok(()),
-                NetlinkPayload::Error(e) => bail!("sock_diag: {e:?}"),
-                _ => {}
+                if message.header.length == 0 {
+                    break;
+                }
+                // Messages start on 4-byte boundaries (NLMSG_ALIGN).
+                offset += (message.header.length as usize + 3) & !3;
             }
-            if message.header.length == 0 {
-                break;
-            }
-            // Messages start on 4-byte boundaries (NLMSG_ALIGN).
-            offset += (message.header.length as usize + 3) & !3;
         }
     }
 }

@@ -21,7 +21,7 @@ use guard_common::linux::ProgQuery;
 use serde::{Deserialize, Serialize};
 
 use super::{
-    batch,
+    batch, btf,
     syscall::{BPF_LINK_CREATE, BPF_PROG_LOAD, BPF_PROG_QUERY, bpf},
 };
 use crate::host::{netns, ports::PortSettings, sockdiag};
@@ -55,10 +55,11 @@ pub enum Feature {
     RingBuffer,
     AncestorCgroupId,
     CgroupStorage,
+    ListenerPerSyn,
 }
 
 impl Feature {
-    pub const ALL: [Feature; 11] = [
+    pub const ALL: [Feature; 12] = [
         Feature::AtomicFetch,
         Feature::CgroupLinks,
         Feature::KernelBtf,
@@ -70,6 +71,7 @@ impl Feature {
         Feature::RingBuffer,
         Feature::AncestorCgroupId,
         Feature::CgroupStorage,
+        Feature::ListenerPerSyn,
     ];
 
     /// What the daemon probes at start: every feature but `BoundInactiveDiag`, which
@@ -94,6 +96,7 @@ impl Feature {
             Feature::RingBuffer => "ring_buffer",
             Feature::AncestorCgroupId => "ancestor_cgroup_id",
             Feature::CgroupStorage => "cgroup_storage",
+            Feature::ListenerPerSyn => "listener_per_syn",
         }
     }
 
@@ -115,6 +118,10 @@ impl Feature {
                 "bpf_get_current_ancestor_cgroup_id in cgroup sock programs (Linux 5.7)"
             }
             Feature::CgroupStorage => "cgroup local storage, BPF_MAP_TYPE_CGRP_STORAGE (Linux 6.2)",
+            Feature::ListenerPerSyn => {
+                "a listener's queues read per SYN in tc: bpf_skc_to_tcp_sock (Linux 5.9) and \
+                 the fields' offsets in kernel BTF"
+            }
         }
     }
 
@@ -141,6 +148,11 @@ impl Feature {
                 "ports held by bind() alone (bound, not connected) are not seen by `connguard ports`",
             ),
             Feature::BatchLookup => Without::Degrades("maps are read entry by entry"),
+            Feature::ListenerPerSyn => Without::Degrades(
+                "listener guards decide from the daemon's 50 ms reading: a burst can pass the \
+                 watermark, a SO_REUSEPORT port is shed only once every member is past it, and \
+                 guarded namespaces share decisions",
+            ),
             Feature::RingBuffer | Feature::CgroupStorage => Without::Unused,
         }
     }
@@ -171,6 +183,18 @@ impl Feature {
                 BpfHelper::BPF_FUNC_get_current_ancestor_cgroup_id,
             )?,
             Feature::CgroupStorage => is_map_supported(MapType::CgrpStorage)?,
+            Feature::ListenerPerSyn => {
+                is_helper_supported(
+                    ProgramType::SchedClassifier,
+                    BpfHelper::BPF_FUNC_skc_to_tcp_sock,
+                )? && match btf::sock_offsets() {
+                    Ok(_) => true,
+                    Err(e) => {
+                        log::warn!("listener fields in kernel BTF: {e:#}");
+                        false
+                    }
+                }
+            }
         })
     }
 }

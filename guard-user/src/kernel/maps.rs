@@ -8,7 +8,7 @@ use aya::{
     maps::{Array, HashMap as BpfHash, LpmTrie, Map, MapData, MapError, PerCpuArray},
 };
 use guard_common::{
-    Candidates, CgroupKey, Counter, CounterKey, EaddrKey, IdKey, ListenerKey, ListenerShed,
+    Candidates, CgroupKey, Counter, CounterKey, EaddrKey, IdKey, ListenerEntry, ListenerKey,
     PortUseKey, RuleAddrKey, ScopeConf, TimeWaitKey, names::map,
 };
 
@@ -39,7 +39,9 @@ pub type Lease = Array<MapData, u64>;
 
 /// Listener guards' decisions and counts.
 pub struct ListenerMaps {
-    pub shed: Hashed<ListenerKey, ListenerShed>,
+    pub shed: Hashed<ListenerKey, ListenerEntry>,
+    /// [0]: CLOCK_MONOTONIC ns of the daemon's last heartbeat.
+    pub heartbeat: Array<MapData, u64>,
     pub rst_shed: Hashed<u32, u64>,
     pub would_rst: Hashed<u32, u64>,
 }
@@ -75,7 +77,8 @@ impl Maps {
             },
             port_use: take(ebpf, map::PORT_USE)?,
             listeners: ListenerMaps {
-                shed: take(ebpf, map::LISTENERS_SHED)?,
+                shed: take(ebpf, map::LISTENERS)?,
+                heartbeat: take(ebpf, map::LISTENER_HEARTBEAT)?,
                 rst_shed: take(ebpf, map::RST_SHED)?,
                 would_rst: take(ebpf, map::WOULD_RST)?,
             },

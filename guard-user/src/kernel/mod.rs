@@ -2,6 +2,7 @@
 //! attaching its programs), typed access to its maps, and whole-map reads. Knows the ABI
 //! (guard-common) and the host, not the policy.
 pub mod batch;
+pub mod btf;
 pub mod cgroup_links;
 pub mod features;
 pub mod maps;

@@ -37,14 +37,33 @@ pub fn require_root() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The loaded object: its programs, the pinned state tracepoint link, and how its
+/// listener guards decide.
+pub struct Loaded {
+    pub ebpf: Ebpf,
+    pub tracepoint: Pin,
+    /// True when `listener_shed` (per SYN) loaded; else `listener_shed_polled` did.
+    pub per_syn: bool,
+}
+
 /// Loads every program, with the pinned maps of `state` (adopted, or created and
 /// pinned), and attaches the host-wide one (the state tracepoint), pinned; the
 /// connection programs are attached to cgroups by `cgroup_links`. `features` must have
 /// passed `require`.
-pub fn load(features: &Features, state: &State) -> anyhow::Result<(Ebpf, Pin)> {
+pub fn load(features: &Features, state: &State) -> anyhow::Result<Loaded> {
     let has_set_retval = u8::from(features.has(Feature::SetRetval));
+    let offsets = if features.has(Feature::ListenerPerSyn) {
+        super::btf::sock_offsets()
+            .inspect_err(|e| log::warn!("listener fields in kernel BTF: {e:#}"))
+            .ok()
+    } else {
+        None
+    };
     let mut loader = EbpfLoader::new();
     loader.override_global("HAS_SET_RETVAL", &has_set_retval, true);
+    if let Some(o) = &offsets {
+        loader.override_global("SOCK_OFFSETS", o, true);
+    }
     for name in map::PINNED {
         loader.map_pin_path(name, state.map_path(name));
     }
@@ -61,9 +80,10 @@ pub fn load(features: &Features, state: &State) -> anyhow::Result<(Ebpf, Pin)> {
         let prog: &mut SockOps = program(&mut ebpf, name)?.try_into()?;
         prog.load().with_context(|| format!("loading {name}"))?;
     }
-    let name = program::LISTENER_SHED;
-    let prog: &mut SchedClassifier = program(&mut ebpf, name)?.try_into()?;
-    prog.load().with_context(|| format!("loading {name}"))?;
+    let per_syn = offsets.is_some() && load_listener(&mut ebpf, program::LISTENER_SHED).is_ok();
+    if !per_syn {
+        load_listener(&mut ebpf, program::LISTENER_SHED_POLLED)?;
+    }
     let name = program::ADJUST;
     let prog: &mut SchedClassifier = program(&mut ebpf, name)?.try_into()?;
     prog.load().with_context(|| format!("loading {name}"))?;
@@ -80,8 +100,32 @@ pub fn load(features: &Features, state: &State) -> anyhow::Result<(Ebpf, Pin)> {
         .with_context(|| format!("attaching {name} to {tracepoint}"))?;
     let link: FdLink = prog.take_link(link)?.into();
     let id = link.info()?.id();
-    let pinned = Pin::new(link, state.links_dir().join(format!("{name}-{id}")))?;
-    Ok((ebpf, pinned))
+    let tracepoint = Pin::new(link, state.links_dir().join(format!("{name}-{id}")))?;
+    Ok(Loaded {
+        ebpf,
+        tracepoint,
+        per_syn,
+    })
+}
+
+/// Loads the listener program `name`; a per-SYN one the verifier refuses is logged, and
+/// the caller loads the polled one.
+fn load_listener(ebpf: &mut Ebpf, name: &str) -> anyhow::Result<()> {
+    let prog: &mut SchedClassifier = program(ebpf, name)?.try_into()?;
+    prog.load()
+        .with_context(|| format!("loading {name}"))
+        .inspect_err(|e| log::warn!("{e:#}"))
+}
+
+/// The listener program that `load` loaded.
+fn loaded_listener(ebpf: &mut Ebpf) -> anyhow::Result<&mut SchedClassifier> {
+    for name in [program::LISTENER_SHED, program::LISTENER_SHED_POLLED] {
+        let prog: &mut SchedClassifier = program(ebpf, name)?.try_into()?;
+        if prog.fd().is_ok() {
+            return Ok(program(ebpf, name)?.try_into()?);
+        }
+    }
+    bail!("no listener program loaded")
 }
 
 /// Detaches the tracepoint links pinned by daemons before this one, whose is `ours`:
@@ -111,7 +155,7 @@ pub fn attach_listener(
     iface: &str,
     tcx: bool,
 ) -> anyhow::Result<SchedClassifierLink> {
-    let prog: &mut SchedClassifier = program(ebpf, program::LISTENER_SHED)?.try_into()?;
+    let prog = loaded_listener(ebpf)?;
     let options = if tcx {
         TcAttachOptions::TcxOrder(LinkOrder::default())
     } else {

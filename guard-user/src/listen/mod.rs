@@ -1,30 +1,26 @@
-//! Listener guards: the tc program attached in each guarded network namespace, and
-//! LISTENERS_SHED kept current from the listeners' queues, read every 50 ms from the
-//! namespaces' socket tables. A namespace that cannot be read sheds nothing
-//! (fail-open), and says so in the log once, and again when it can be read again.
-use std::{
-    collections::{BTreeMap, BTreeSet, HashMap},
-    path::{Path, PathBuf},
-};
+//! Listener guards: the tc program attached to the interfaces of each guarded network
+//! namespace (followed as interfaces and namespaces come and go), and LISTENERS, the
+//! guarded listener sockets with their policies, rewritten from the namespaces' socket
+//! tables every 50 ms. The program decides per SYN from the listener's own queues where
+//! the kernel lets it (`per_syn`), else from the daemon's decision in the entry. It
+//! sheds nothing LISTENER_TTL_NS after the daemon's last heartbeat (per SYN) or the
+//! entry's reading (polled), so a hung or killed daemon sheds nothing (fail-open); a
+//! namespace that cannot be read loses its entries, and is logged once, and again when
+//! it can be read again.
+mod attach;
+mod reading;
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use anyhow::Context;
-use aya::{Ebpf, programs::tc::SchedClassifierLink};
-use guard_common::{
-    ListenerKey, ListenerShed,
-    addr::{endpoint, mapped},
-    linux::TCP_LISTEN,
-};
+use aya::Ebpf;
+use guard_common::{ListenerEntry, ListenerKey, monotonic_ns};
 use serde::{Deserialize, Serialize};
 
+pub use reading::{Reader, Reading};
+
 use crate::{
-    host::{
-        netns,
-        sockdiag::{self, TcpSocket, syn_recv_of},
-    },
-    kernel::{
-        maps::{Hashed, ListenerMaps, Mirrored},
-        object,
-    },
+    kernel::maps::{Hashed, ListenerMaps, Mirrored},
     policy::{ListenerPolicy, mode_name},
 };
 
@@ -36,6 +32,8 @@ pub struct QueueReading {
     pub addr: String,
     pub accept_queue: u32,
     pub backlog: u32,
+    /// Half-open connections (SYN_RECV) to the listener's address and port; shared by
+    /// the members of a SO_REUSEPORT group, whose own counts sock_diag does not give.
     pub syn_recv: u32,
 }
 
@@ -48,7 +46,7 @@ pub struct ListenerStats {
     /// The policy's ports, as inclusive [first, last] ranges.
     pub ports: Vec<[u16; 2]>,
     pub mode: String,
-    /// True while its accept queue is past the watermark.
+    /// True while, at the last reading, a matching listener socket was past a limit.
     pub shedding: bool,
     /// SYNs answered with RST (enforce mode).
     pub rst_shed: u64,
@@ -60,114 +58,79 @@ pub struct ListenerStats {
 
 /// The daemon's side of listener guards.
 pub struct ListenerGuard {
-    shed: Mirrored<ListenerKey, ListenerShed>,
+    entries: Mirrored<ListenerKey, ListenerEntry>,
+    heartbeat: aya::maps::Array<aya::maps::MapData, u64>,
     rst_shed: Hashed<u32, u64>,
     would_rst: Hashed<u32, u64>,
     policies: Vec<ListenerPolicy>,
     /// Listener name -> id of its RST_SHED and WOULD_RST counters, stable across reloads.
     ids: HashMap<String, u32>,
     readings: Vec<QueueReading>,
-    /// Namespaces (as `netns_name` writes them) already attached: the namespace file and
-    /// the links in it.
-    attached: BTreeMap<String, (Option<PathBuf>, Vec<SchedClassifierLink>)>,
+    /// Listener ids past a limit at the last reading.
+    shedding: BTreeSet<u32>,
+    attached: attach::Attachments,
     /// Namespaces whose socket table could not be read at the last reading, with why.
     unreadable: BTreeMap<String, String>,
     /// Set for good by `stop`: a reading that finishes later writes nothing, and a
-    /// reload attaches nothing.
+    /// rescan attaches nothing.
     cleared: bool,
-    /// Attach as tcx links (else clsact filters).
-    tcx: bool,
-}
-
-/// What one reading of the guarded namespaces found.
-pub struct Reading {
-    shed: HashMap<ListenerKey, ListenerShed>,
-    queues: Vec<QueueReading>,
-    /// Namespace -> why its socket table could not be read.
-    unreadable: BTreeMap<String, String>,
+    /// The loaded program decides per SYN (LISTENERS keyed by namespace).
+    per_syn: bool,
 }
 
 impl ListenerGuard {
-    pub fn new(maps: ListenerMaps, tcx: bool) -> Self {
+    pub fn new(maps: ListenerMaps, tcx: bool, per_syn: bool) -> Self {
         ListenerGuard {
-            shed: Mirrored::new(maps.shed),
+            entries: Mirrored::new(maps.shed),
+            heartbeat: maps.heartbeat,
             rst_shed: maps.rst_shed,
             would_rst: maps.would_rst,
             policies: Vec::new(),
             ids: HashMap::new(),
             readings: Vec::new(),
-            attached: BTreeMap::new(),
+            shedding: BTreeSet::new(),
+            attached: attach::Attachments::new(tcx),
             unreadable: BTreeMap::new(),
             cleared: false,
-            tcx,
+            per_syn,
         }
     }
 
-    /// Takes the listener policies of the policy in force, and attaches the RST program
-    /// in each namespace not attached yet: to the policy's `interfaces`, or to all of
-    /// them, loopback included. Links live as long as the daemon; the first policy naming
-    /// a namespace chooses its interfaces. A namespace that fails is logged and tried
-    /// again at the next reload; the others still get theirs.
+    /// Takes the listener policies of the policy in force, and attaches the program
+    /// where they need it (`rescan`).
     pub fn set_policies(&mut self, ebpf: &mut Ebpf, policies: Vec<ListenerPolicy>) {
-        if self.cleared {
-            return;
-        }
-        for p in &policies {
-            let key = netns_name(p.netns.as_deref());
-            if self.attached.contains_key(&key) {
-                continue;
-            }
-            let mut links = Vec::new();
-            let attached = netns::within(p.netns.as_deref(), || {
-                let all = netns::interfaces()?;
-                if let Some(missing) = p.interfaces.iter().find(|i| !all.contains(i)) {
-                    anyhow::bail!("no interface {missing:?}");
-                }
-                let chosen: Vec<String> = all
-                    .into_iter()
-                    .filter(|i| p.interfaces.is_empty() || p.interfaces.contains(i))
-                    .collect();
-                for iface in &chosen {
-                    let link = object::attach_listener(ebpf, iface, self.tcx)
-                        .with_context(|| format!("attaching the listener guard to {iface}"))?;
-                    links.push(link);
-                }
-                Ok(chosen)
-            });
-            match attached {
-                Ok(ifaces) => {
-                    log::info!(
-                        "listener guard attached to {} in netns {key}",
-                        ifaces.join(", ")
-                    );
-                    self.attached.insert(key, (p.netns.clone(), links));
-                }
-                Err(e) => {
-                    log::error!("listener guard {:?} in netns {key}: {e:#}", p.name);
-                    // What was attached before the failure goes: the next reload tries
-                    // the namespace again from the start.
-                    detach_in(p.netns.as_deref(), links);
-                }
-            }
-        }
         for p in &policies {
             let next = self.ids.len() as u32;
             self.ids.entry(p.name.clone()).or_insert(next);
         }
         self.policies = policies;
+        self.rescan(ebpf);
     }
 
-    /// The policies to read, with their counter ids: taken under the guard's lock, so
-    /// that the socket tables are read without it.
-    pub fn to_read(&self) -> Vec<(ListenerPolicy, u32)> {
-        self.policies
+    /// Attaches the program to the interfaces of each guarded namespace not attached
+    /// yet: the policy's `interfaces`, or all of them, loopback included; the first
+    /// policy naming a namespace chooses. Run every second, it follows interfaces
+    /// created later (a new pod's veth) and a namespace file bound to a new namespace.
+    pub fn rescan(&mut self, ebpf: &mut Ebpf) {
+        if !self.cleared {
+            self.attached.rescan(ebpf, &self.policies);
+        }
+    }
+
+    /// The policies to read, with their counter ids, and whether the program decides
+    /// per SYN: taken under the guard's lock, so that the socket tables are read
+    /// without it.
+    pub fn to_read(&self) -> (Vec<(ListenerPolicy, u32)>, bool) {
+        let policies = self
+            .policies
             .iter()
             .map(|p| (p.clone(), self.ids[&p.name]))
-            .collect()
+            .collect();
+        (policies, self.per_syn)
     }
 
-    /// Makes LISTENERS_SHED hold what `reading` found, and logs namespaces that became
-    /// unreadable or readable again.
+    /// Makes LISTENERS hold what `reading` found, renewed now, and logs namespaces that
+    /// became unreadable or readable again.
     pub fn apply(&mut self, reading: Reading) -> anyhow::Result<()> {
         if self.cleared {
             return Ok(());
@@ -187,21 +150,43 @@ impl ListenerGuard {
         }
         self.unreadable = reading.unreadable;
         self.readings = reading.queues;
-        self.shed
-            .sync(reading.shed)
-            .context("writing LISTENERS_SHED")
+        self.shedding = reading.shedding;
+        let now = monotonic_ns();
+        let entries = reading
+            .entries
+            .into_iter()
+            .map(|(k, v)| {
+                (
+                    k,
+                    ListenerEntry {
+                        renewed_ns: now,
+                        ..v
+                    },
+                )
+            })
+            .collect();
+        self.entries.sync(entries).context("writing LISTENERS")
     }
 
-    /// For a daemon that stops: leaves LISTENERS_SHED empty for good (a reading still
-    /// under way writes nothing), then detaches the program from every namespace (a
-    /// clsact filter, on kernels before 6.6, would outlive the process). If a detach
-    /// fails, the empty map still sheds nothing.
+    /// Tells the per-SYN program the daemon lives (every 100 ms); a stopped guard
+    /// sends none.
+    pub fn heartbeat(&mut self) -> anyhow::Result<()> {
+        if self.cleared {
+            return Ok(());
+        }
+        self.heartbeat
+            .set(0, monotonic_ns(), 0)
+            .context("writing LISTENER_HEARTBEAT")
+    }
+
+    /// For a daemon that stops: leaves LISTENERS empty for good (a reading still under
+    /// way writes nothing), then detaches the program from every namespace (a clsact
+    /// filter, on kernels before 6.6, would outlive the process). If a detach fails,
+    /// the empty map still sheds nothing.
     pub fn stop(&mut self) -> anyhow::Result<()> {
         self.cleared = true;
-        let emptied = self.shed.sync(HashMap::new());
-        for (_, (ns, links)) in std::mem::take(&mut self.attached) {
-            detach_in(ns.as_deref(), links);
-        }
+        let emptied = self.entries.sync(HashMap::new());
+        self.attached.detach_all();
         emptied
     }
 
@@ -215,7 +200,7 @@ impl ListenerGuard {
                     netns: netns_name(p.netns.as_deref()),
                     ports: p.ports.iter().map(|r| [r.first, r.last]).collect(),
                     mode: mode_name(p.mode).into(),
-                    shedding: self.shed.entries().values().any(|v| v.listener_id == id),
+                    shedding: self.shedding.contains(&id),
                     rst_shed: self.rst_shed.get(&id, 0).unwrap_or(0),
                     would_rst: self.would_rst.get(&id, 0).unwrap_or(0),
                     queues: self
@@ -230,102 +215,7 @@ impl ListenerGuard {
     }
 }
 
-/// Detaches `links` in the namespace at `ns` (None: the daemon's own), each one, logging
-/// failures. A link that cannot be detached there is let go without a detach (dropped
-/// elsewhere, a clsact filter's link would send its delete to the wrong namespace).
-fn detach_in(ns: Option<&Path>, links: Vec<SchedClassifierLink>) {
-    if links.is_empty() {
-        return;
-    }
-    let name = netns_name(ns);
-    let mut links = Some(links);
-    let entered = netns::within(ns, || {
-        for link in links.take().into_iter().flatten() {
-            if let Err(e) = object::detach_listener(link) {
-                log::warn!("listener guard: detaching in netns {name}: {e:#}");
-            }
-        }
-        Ok(())
-    });
-    if let Err(e) = entered {
-        log::warn!("listener guard: cannot enter netns {name} to detach: {e:#}");
-    }
-    links.into_iter().flatten().for_each(std::mem::forget);
-}
-
 /// A policy's netns as logs and stats name it: its file, or "self".
-fn netns_name(netns: Option<&Path>) -> String {
+fn netns_name(netns: Option<&std::path::Path>) -> String {
     netns.map_or("self".into(), |n| n.display().to_string())
-}
-
-/// Reads the socket tables of the policies' namespaces: the listeners past their
-/// watermark, and every guarded listener's queues.
-pub fn read(policies: &[(ListenerPolicy, u32)]) -> Reading {
-    let mut reading = Reading {
-        shed: HashMap::new(),
-        queues: Vec::new(),
-        unreadable: BTreeMap::new(),
-    };
-    let namespaces: BTreeSet<Option<PathBuf>> =
-        policies.iter().map(|(p, _)| p.netns.clone()).collect();
-    for ns in namespaces {
-        let sockets = match netns::within(ns.as_deref(), sockdiag::listeners_and_syn_recv) {
-            Ok(s) => s,
-            Err(e) => {
-                reading
-                    .unreadable
-                    .insert(netns_name(ns.as_deref()), format!("{e:#}"));
-                continue;
-            }
-        };
-        for (p, id) in policies.iter().filter(|(p, _)| p.netns == ns) {
-            judge(p, *id, &sockets, &mut reading);
-        }
-    }
-    reading
-}
-
-/// Adds the listeners of one policy in one namespace's socket table to `reading`.
-fn judge(p: &ListenerPolicy, id: u32, sockets: &[TcpSocket], reading: &mut Reading) {
-    for l in sockets.iter().filter(|l| {
-        l.state == TCP_LISTEN
-            && p.ports
-                .iter()
-                .any(|r| (r.first..=r.last).contains(&l.sport))
-            && p.addr.is_none_or(|a| a == l.src)
-    }) {
-        let syn_recv = syn_recv_of(sockets, l);
-        reading.queues.push(QueueReading {
-            listener_id: id,
-            addr: endpoint(l.src, l.sport),
-            accept_queue: l.recv_queue,
-            backlog: l.send_queue,
-            syn_recv,
-        });
-        // A backlog of 0 still queues one connection: compare against 1.
-        let backlog = l.send_queue.max(1) as u64;
-        let queue_over = p
-            .accept_queue_watermark
-            .is_some_and(|w| l.recv_queue as u64 * 1000 >= w as u64 * backlog);
-        let syn_over = p.max_syn_recv.is_some_and(|m| syn_recv >= m);
-        if queue_over || syn_over {
-            // A wildcard listener (0.0.0.0 or ::) is keyed all zeros.
-            let addr = if l.src.is_unspecified() {
-                [0; 16]
-            } else {
-                mapped(l.src)
-            };
-            reading.shed.insert(
-                ListenerKey {
-                    port: l.sport,
-                    _pad: 0,
-                    addr,
-                },
-                ListenerShed {
-                    listener_id: id,
-                    mode: p.mode,
-                },
-            );
-        }
-    }
 }

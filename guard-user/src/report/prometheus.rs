@@ -1,7 +1,12 @@
 //! Prometheus text exposition of a snapshot: the `connguard_` prefix, base units,
-//! `_total` counters, and bounded label cardinality (the busiest destinations per scope,
-//! the rest summed as dst="other").
-use std::sync::atomic::AtomicU64;
+//! `_total` counters that never go down, and bounded label cardinality (the busiest
+//! destinations per scope, the rest as dst="other").
+use std::{
+    collections::{HashMap, HashSet},
+    sync::atomic::AtomicU64,
+};
+
+use guard_common::CounterKey;
 
 use prometheus_client::{
     encoding::text::encode,
@@ -9,14 +14,73 @@ use prometheus_client::{
     registry::Registry,
 };
 
-use super::snapshot::Snapshot;
+use super::snapshot::{Counts, ScopeStats, Snapshot};
 
-/// Destinations per scope that get their own Prometheus series; the rest are summed
+/// Destinations per scope that get their own Prometheus series; the rest are counted
 /// under dst="other" to bound cardinality.
 pub const METRIC_TOP_DESTINATIONS: usize = 20;
 
-/// Prometheus text exposition of a snapshot cut to the busiest destinations.
-pub fn render(snap: &Snapshot) -> String {
+/// Admitted, shed and would_shed: what a destination series counts.
+type Totals = [u64; 3];
+
+fn totals(c: &Counts) -> Totals {
+    [c.admitted, c.shed, c.would_shed]
+}
+
+/// What /metrics exported of each scope's destinations, kept from one scrape to the
+/// next so that no `_total` series goes down (Prometheus reads a fall as a counter
+/// reset, and rate() then counts the whole value again). A listed destination's series
+/// is its counter's totals; `dst="other"` is a running total, the scope's totals less
+/// what listed series gained while listed. So a destination that leaves the list (or
+/// is forgotten) counts in `other` from then on, and one that enters it leaves its past
+/// in `other` (the first value of a new series is no increase to rate()). The daemon
+/// forgets no destination while it is listed (`lists`): its series never starts again
+/// from 0.
+#[derive(Default)]
+pub struct Exported {
+    /// Every scope's listed destinations at the last scrape, with their totals then.
+    listed: HashMap<CounterKey, Totals>,
+    /// By scope name: what its listed series gained while listed (at the scope's first
+    /// scrape, all they had), and its `other` totals as last exported.
+    others: HashMap<String, (Totals, Totals)>,
+}
+
+impl Exported {
+    /// Whether the last scrape listed destination `key`.
+    pub fn lists(&self, key: &CounterKey) -> bool {
+        self.listed.contains_key(key)
+    }
+
+    /// The `other` totals of scope `s`, whose destinations are listed from now on (added
+    /// to `listed`).
+    fn other(&mut self, s: &ScopeStats, listed: &mut HashMap<CounterKey, Totals>) -> Totals {
+        let first = !self.others.contains_key(&s.name);
+        let (credited, exported) = self.others.entry(s.name.clone()).or_default();
+        for d in &s.destinations {
+            let now = totals(&d.counts);
+            let before = match self.listed.get(&d.key) {
+                Some(before) => *before,
+                None if first => [0; 3],
+                None => now,
+            };
+            for i in 0..3 {
+                credited[i] += now[i].saturating_sub(before[i]);
+            }
+            listed.insert(d.key, now);
+        }
+        let scope = totals(&s.counts);
+        // Never below the last export: a connection is counted at its destination just
+        // before its scope, and a scrape between the two sees the scope short.
+        for i in 0..3 {
+            exported[i] = exported[i].max(scope[i].saturating_sub(credited[i]));
+        }
+        *exported
+    }
+}
+
+/// Prometheus text exposition of a snapshot cut to the busiest destinations, with
+/// `exported` what the scrapes before exported (updated).
+pub fn render(snap: &Snapshot, exported: &mut Exported) -> String {
     let mut reg = Registry::with_prefix("connguard");
     type Labels = Vec<(&'static str, String)>;
     let gauge = |reg: &mut Registry, name: &str, help: &str| {
@@ -80,6 +144,12 @@ pub fn render(snap: &Snapshot) -> String {
         "Fail-open events: connections let through uncounted because of an internal problem",
         internal.clone(),
     );
+    let lost = PromCounter::<u64>::default();
+    reg.register(
+        "lost_events",
+        "Diagnostic events (TIME_WAIT births, EADDRNOTAVAIL failures, listener RSTs) not counted because their map was full",
+        lost.clone(),
+    );
     let lease_expired = PromCounter::<u64>::default();
     reg.register(
         "lease_expired",
@@ -121,6 +191,7 @@ pub fn render(snap: &Snapshot) -> String {
         run_time.clone(),
     );
 
+    let mut listed = HashMap::new();
     for s in &snap.scopes {
         let l = || vec![("scope", s.name.clone())];
         s_active.get_or_create(&l()).set(s.counts.active as i64);
@@ -128,8 +199,13 @@ pub fn render(snap: &Snapshot) -> String {
         s_adm.get_or_create(&l()).inc_by(s.counts.admitted);
         s_shed.get_or_create(&l()).inc_by(s.counts.shed);
         s_would.get_or_create(&l()).inc_by(s.counts.would_shed);
-        // The snapshot lists the busiest destinations and sums the rest in `other`
-        // (built with METRIC_TOP_DESTINATIONS): label cardinality stays bounded.
+        // The snapshot lists the busiest destinations (METRIC_TOP_DESTINATIONS) and
+        // `other` counts the rest: label cardinality stays bounded.
+        let listed_active: u64 = s.destinations.iter().map(|d| d.counts.active).sum();
+        let other = (
+            s.counts.active.saturating_sub(listed_active),
+            exported.other(s, &mut listed),
+        );
         let rows = s
             .destinations
             .iter()
@@ -137,22 +213,23 @@ pub fn render(snap: &Snapshot) -> String {
                 (
                     d.rule.as_deref().unwrap_or_default(),
                     d.dst.as_str(),
-                    &d.counts,
+                    (d.counts.active, totals(&d.counts)),
                 )
             })
-            .chain(s.other.iter().map(|c| ("", "other", c)));
-        for (rule, dst, c) in rows {
+            .chain([("", "other", other)]);
+        for (rule, dst, (active, [admitted, shed, would_shed])) in rows {
             let l = vec![
                 ("scope", s.name.clone()),
                 ("rule", rule.to_string()),
                 ("dst", dst.to_string()),
             ];
-            d_active.get_or_create(&l).set(c.active as i64);
-            d_adm.get_or_create(&l).inc_by(c.admitted);
-            d_shed.get_or_create(&l).inc_by(c.shed);
-            d_would.get_or_create(&l).inc_by(c.would_shed);
+            d_active.get_or_create(&l).set(active as i64);
+            d_adm.get_or_create(&l).inc_by(admitted);
+            d_shed.get_or_create(&l).inc_by(shed);
+            d_would.get_or_create(&l).inc_by(would_shed);
         }
     }
+    exported.listed = listed;
     let tw = counter(
         &mut reg,
         "scope_time_wait_created",
@@ -236,7 +313,9 @@ pub fn render(snap: &Snapshot) -> String {
     );
     let job_failing = gauge(&mut reg, "job_failing", "1 while the job's last run failed");
     for j in &snap.jobs {
-        let l = vec![("job", j.name.clone())];
+        // Not `job`: Prometheus gives every target a `job` label, and would rename this
+        // one `exported_job`.
+        let l = vec![("job_name", j.name.clone())];
         job_runs.get_or_create(&l).inc_by(j.runs);
         job_failures.get_or_create(&l).inc_by(j.failures);
         job_failing
@@ -244,6 +323,7 @@ pub fn render(snap: &Snapshot) -> String {
             .set(j.last_error.is_some() as i64);
     }
     internal.inc_by(snap.internal_errors);
+    lost.inc_by(snap.lost_events);
     lease_expired.inc_by(snap.lease_expired);
     audit_corrections.inc_by(snap.audit_corrections);
     for (name, present) in snap.kernel.iter().flat_map(|k| &k.features) {
@@ -262,47 +342,81 @@ pub fn render(snap: &Snapshot) -> String {
     }
     let mut out = String::new();
     encode(&mut out, &reg).expect("writing to a String cannot fail");
+    text_format(&out)
+}
+
+/// OpenMetrics text, which prometheus_client writes, as Prometheus text format 0.0.4,
+/// which /metrics serves: a counter family is named as its samples are, with `_total`,
+/// and there is no `# EOF`. Read as 0.0.4, OpenMetrics counters are samples of a family
+/// with no type nor help (Prometheus stores them untyped; `promtool check metrics`
+/// says "no help text").
+fn text_format(open_metrics: &str) -> String {
+    let counters: HashSet<&str> = open_metrics
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE ")?.strip_suffix(" counter"))
+        .collect();
+    let mut out = String::with_capacity(open_metrics.len() + 16 * counters.len());
+    for line in open_metrics.lines().filter(|l| *l != "# EOF") {
+        let family = ["# HELP ", "# TYPE "].into_iter().find_map(|prefix| {
+            let (name, rest) = line.strip_prefix(prefix)?.split_once(' ')?;
+            counters.contains(name).then_some((prefix, name, rest))
+        });
+        match family {
+            Some((prefix, name, rest)) => {
+                out.push_str(prefix);
+                out.push_str(name);
+                out.push_str("_total ");
+                out.push_str(rest);
+            }
+            None => out.push_str(line),
+        }
+        out.push('\n');
+    }
     out
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::report::snapshot::{Counts, DestStats, PolicyStatus, ScopeStats};
+    use crate::report::snapshot::{DestStats, PolicyStatus};
 
-    #[test]
-    fn metrics_show_the_listed_destinations_and_the_rest_as_other() {
-        let listed = DestStats {
-            rule: Some("db".into()),
-            dst: "10.0.0.1:80".into(),
-            counts: Counts {
-                active: 3,
-                admitted: 7,
-                shed: 1,
-                ..Default::default()
-            },
-        };
-        let scope = ScopeStats {
-            name: "api".into(),
-            cgroup: "/".into(),
-            mode: "enforce".into(),
-            max_connections: None,
-            counts: Counts::default(),
-            time_wait_created: 0,
-            rules: Vec::new(),
-            destinations: vec![listed],
-            other: Some(Counts {
-                active: 4,
-                admitted: 9,
-                shed: 2,
-                would_shed: 1,
-                peak: 0,
-            }),
-        };
-        let snap = Snapshot {
+    fn counts(active: u64, admitted: u64) -> Counts {
+        Counts {
+            active,
+            admitted,
+            shed: admitted / 2,
+            ..Default::default()
+        }
+    }
+
+    /// Scope "api" with `scope` totals, listing `listed` (port, active, admitted), rule "db".
+    fn snapshot(scope: Counts, listed: &[(u16, u64, u64)]) -> Snapshot {
+        let destinations = listed
+            .iter()
+            .map(|&(port, active, admitted)| DestStats {
+                rule: Some("db".into()),
+                dst: format!("10.0.0.1:{port}"),
+                counts: counts(active, admitted),
+                key: CounterKey {
+                    port,
+                    ..Default::default()
+                },
+            })
+            .collect();
+        Snapshot {
             policy: PolicyStatus::default(),
-            scopes: vec![scope],
+            scopes: vec![ScopeStats {
+                name: "api".into(),
+                cgroup: "/".into(),
+                mode: "enforce".into(),
+                max_connections: None,
+                counts: scope,
+                time_wait_created: 0,
+                rules: Vec::new(),
+                destinations,
+            }],
             internal_errors: 0,
+            lost_events: 0,
             lease_expired: 0,
             audit_corrections: 0,
             programs: Vec::new(),
@@ -311,19 +425,66 @@ mod tests {
             listeners: Vec::new(),
             jobs: Vec::new(),
             kernel: None,
-        };
-        let text = render(&snap);
-        for line in [
-            "connguard_destination_active_connections{scope=\"api\",rule=\"db\",dst=\"10.0.0.1:80\"} 3",
-            "connguard_destination_admitted_connections_total{scope=\"api\",rule=\"db\",dst=\"10.0.0.1:80\"} 7",
-            "connguard_destination_active_connections{scope=\"api\",rule=\"\",dst=\"other\"} 4",
-            "connguard_destination_admitted_connections_total{scope=\"api\",rule=\"\",dst=\"other\"} 9",
-            "connguard_destination_shed_connections_total{scope=\"api\",rule=\"\",dst=\"other\"} 2",
-            "connguard_destination_would_shed_connections_total{scope=\"api\",rule=\"\",dst=\"other\"} 1",
-        ] {
-            assert!(text.lines().any(|l| l == line), "no {line:?} in\n{text}");
         }
-        // 4 series for the listed destination, 4 for the rest.
+    }
+
+    /// The value of the series `name{labels}` in `text`.
+    fn value(text: &str, name: &str, labels: &str) -> Option<u64> {
+        let prefix = format!("{name}{{{labels}}} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(&prefix))
+            .map(|v| v.parse().unwrap())
+    }
+
+    const OTHER: &str = "scope=\"api\",rule=\"\",dst=\"other\"";
+    const ADMITTED: &str = "connguard_destination_admitted_connections_total";
+
+    #[test]
+    fn other_is_the_rest_of_the_scope_and_never_goes_down() {
+        let mut exported = Exported::default();
+        // Port 1 listed (7 admitted); 9 more in destinations not listed, 3 of them active.
+        let text = render(&snapshot(counts(5, 16), &[(1, 2, 7)]), &mut exported);
+        let port1 = "scope=\"api\",rule=\"db\",dst=\"10.0.0.1:1\"";
+        assert_eq!(value(&text, ADMITTED, port1), Some(7), "{text}");
+        assert_eq!(value(&text, ADMITTED, OTHER), Some(9), "{text}");
+        assert_eq!(
+            value(&text, "connguard_destination_shed_connections_total", OTHER),
+            Some(8 - 3),
+            "{text}"
+        );
+        assert_eq!(
+            value(&text, "connguard_destination_active_connections", OTHER),
+            Some(3),
+            "{text}"
+        );
+        assert!(exported.lists(&CounterKey {
+            port: 1,
+            ..Default::default()
+        }));
+        // Port 2, with 4 admitted before and 2 since, takes port 1's place, which
+        // admitted 1 more; a third destination (5 admitted) was forgotten. The rest of
+        // the old listing (the 4, the 5) stays in `other`, which gains the 3 new.
+        let text = render(&snapshot(counts(2, 19), &[(2, 2, 6)]), &mut exported);
+        assert_eq!(value(&text, ADMITTED, port1), None, "{text}");
+        assert_eq!(value(&text, ADMITTED, OTHER), Some(12), "{text}");
+        // What port 2 gains from now on is its own series', not `other`'s.
+        let text = render(&snapshot(counts(2, 20), &[(2, 2, 7)]), &mut exported);
+        assert_eq!(value(&text, ADMITTED, OTHER), Some(12), "{text}");
+        // A scrape that reads the destination's new connection before its scope's:
+        // `other` stays where it was.
+        let text = render(&snapshot(counts(2, 20), &[(2, 2, 8)]), &mut exported);
+        assert_eq!(value(&text, ADMITTED, OTHER), Some(12), "{text}");
+        // Prometheus text format 0.0.4: counters' families named as their samples.
+        assert!(
+            text.contains(&format!("\n# TYPE {ADMITTED} counter\n")),
+            "{text}"
+        );
+        assert!(
+            text.contains(&format!("\n# HELP {ADMITTED} Connections admitted")),
+            "{text}"
+        );
+        assert!(!text.contains("# EOF"), "{text}");
+        // 4 series per listed destination, 4 for the rest.
         let series = text
             .lines()
             .filter(|l| l.starts_with("connguard_destination_"));

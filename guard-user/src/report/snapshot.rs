@@ -3,7 +3,7 @@
 use std::{cmp::Reverse, collections::HashMap, sync::Arc};
 
 use guard_common::{
-    Counter, NO_RULE,
+    Counter, CounterKey, NO_RULE,
     addr::{endpoint, unmapped},
 };
 use serde::{Deserialize, Serialize};
@@ -23,6 +23,11 @@ pub struct Snapshot {
     /// Fail-open events: a full map or another internal problem let a connection
     /// through uncounted.
     pub internal_errors: u64,
+    /// Diagnostic events (TIME_WAIT births, EADDRNOTAVAIL failures, listener RSTs) that
+    /// found their map full and were not counted, since the pinned state was created
+    /// (absent from the answers of older daemons).
+    #[serde(default)]
+    pub lost_events: u64,
     /// Connections let through over a budget because no daemon held the lease (it was
     /// gone or stuck for longer than `--lease`), since the pinned state was created
     /// (absent from the answers of older daemons).
@@ -91,16 +96,6 @@ pub struct Counts {
     pub would_shed: u64,
 }
 
-impl Counts {
-    /// Adds `c`'s active, admitted, shed and would_shed (peaks do not add up).
-    fn add_totals(&mut self, c: &Counts) {
-        self.active += c.active;
-        self.admitted += c.admitted;
-        self.shed += c.shed;
-        self.would_shed += c.would_shed;
-    }
-}
-
 impl From<&Counter> for Counts {
     fn from(c: &Counter) -> Self {
         Counts {
@@ -126,10 +121,6 @@ pub struct ScopeStats {
     pub time_wait_created: u64,
     pub rules: Vec<RuleStats>,
     pub destinations: Vec<DestStats>,
-    /// The destinations left out of `destinations` (see [`scopes`]), summed; `peak` is
-    /// not summed. Not part of the JSON.
-    #[serde(skip)]
-    pub other: Option<Counts>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -150,11 +141,15 @@ pub struct DestStats {
     pub dst: String,
     #[serde(flatten)]
     pub counts: Counts,
+    /// The kernel's key of the counter, which /metrics keeps its series by. Not part of
+    /// the JSON.
+    #[serde(skip)]
+    pub key: CounterKey,
 }
 
 /// The scopes of `policy` with their counters from `dump`, destinations busiest first.
-/// With `top`, each scope lists at most that many destinations and sums the others in
-/// [`ScopeStats::other`] (what a scrape needs, without sorting every destination).
+/// With `top`, each scope lists at most that many destinations (what a scrape needs,
+/// without sorting every destination).
 pub fn scopes(
     policy: &Policy,
     ids: &Ids,
@@ -200,6 +195,7 @@ pub fn scopes(
                 rule,
                 dst: endpoint(unmapped(k.addr), k.port),
                 counts: (&c).into(),
+                key: k,
             });
     }
     let time_waits = dump.time_wait_created;
@@ -219,7 +215,7 @@ pub fn scopes(
         let all = scope_id
             .and_then(|id| destinations_of.remove(&id))
             .unwrap_or_default();
-        let (order, other) = busiest_first(&all, top);
+        let order = busiest_first(&all, top);
         let destinations = in_order(all, &order);
         out.push(ScopeStats {
             name: s.name.clone(),
@@ -236,19 +232,18 @@ pub fn scopes(
                 .unwrap_or(0),
             rules,
             destinations,
-            other,
         });
     }
     out
 }
 
 /// Indices of `destinations` busiest first: most active, then most admitted, then by address
-/// text. With `top`, only the first `top`, and the counts of the others summed.
+/// text. With `top`, only the first `top`.
 ///
 /// The order is worked out on small keys, not on the destinations, and the first 16 bytes of
 /// the text (as a number) settle most ties without reaching the strings. Rows that
 /// compare equal (one endpoint under two rules) have no order to keep.
-fn busiest_first(destinations: &[DestStats], top: Option<usize>) -> (Vec<usize>, Option<Counts>) {
+fn busiest_first(destinations: &[DestStats], top: Option<usize>) -> Vec<usize> {
     let mut order: Vec<(Reverse<u64>, Reverse<u64>, u128, usize)> = destinations
         .iter()
         .enumerate()
@@ -263,18 +258,12 @@ fn busiest_first(destinations: &[DestStats], top: Option<usize>) -> (Vec<usize>,
             .cmp(&(b.0, b.1, b.2))
             .then_with(|| destinations[a.3].dst.cmp(&destinations[b.3].dst))
     };
-    let mut other = None;
     if let Some(top) = top.filter(|&top| top < order.len()) {
         order.select_nth_unstable_by(top, cmp);
-        let mut rest = Counts::default();
-        for &(.., i) in &order[top..] {
-            rest.add_totals(&destinations[i].counts);
-        }
         order.truncate(top);
-        other = Some(rest);
     }
     order.sort_unstable_by(cmp);
-    (order.into_iter().map(|(.., i)| i).collect(), other)
+    order.into_iter().map(|(.., i)| i).collect()
 }
 
 /// `items[order[0]], items[order[1]], ...`: in place when `order` is a permutation of
@@ -320,13 +309,13 @@ mod tests {
         let counts = Counts {
             active,
             admitted,
-            shed: 1,
             ..Default::default()
         };
         DestStats {
             rule: None,
             dst: dst.to_string(),
             counts,
+            key: CounterKey::default(),
         }
     }
 
@@ -348,16 +337,9 @@ mod tests {
             let (ca, cb) = (&a.counts, &b.counts);
             (cb.active, cb.admitted, &a.dst).cmp(&(ca.active, ca.admitted, &b.dst))
         });
-        assert_eq!(busiest_first(&rows, None), (expected.clone(), None));
-        assert_eq!(busiest_first(&rows, Some(rows.len())).0, expected);
-        let (top, other) = busiest_first(&rows, Some(3));
-        assert_eq!(top, expected[..3]);
-        let mut rest = Counts::default();
-        for &i in &expected[3..] {
-            rest.add_totals(&rows[i].counts);
-        }
-        assert_eq!(other, Some(rest));
-        assert_eq!(other.unwrap().shed, 5);
+        assert_eq!(busiest_first(&rows, None), expected);
+        assert_eq!(busiest_first(&rows, Some(rows.len())), expected);
+        assert_eq!(busiest_first(&rows, Some(3)), expected[..3]);
     }
 
     #[test]

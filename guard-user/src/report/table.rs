@@ -15,6 +15,13 @@ pub fn stats(snap: &Snapshot) -> String {
         );
     }
     let _ = writeln!(out, "internal errors (fail-open): {}", snap.internal_errors);
+    if snap.lost_events > 0 {
+        let _ = writeln!(
+            out,
+            "diagnostic events lost to a full map (TIME_WAIT, EADDRNOTAVAIL, RST counts): {}",
+            snap.lost_events
+        );
+    }
     if snap.audit_corrections > 0 {
         let _ = writeln!(
             out,

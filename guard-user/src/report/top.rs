@@ -132,25 +132,41 @@ fn draw(f: &mut Frame, netns: &str, v: &View, at: &str) {
     };
     f.render_widget(Paragraph::new(head).style(bold), header);
 
+    // Source pools near exhaustion come first: bind() before connect() spends them with
+    // every destination's own count far from full.
     let rows: Vec<Row> = v
         .ports
         .as_ref()
         .map(|r| {
-            r.destinations
+            let pools = r
+                .bound_sources
                 .iter()
-                .map(|d| {
+                .filter(|p| p.near_exhaustion())
+                .map(|p| {
                     Row::new(vec![
-                        d.src.clone(),
-                        d.dst.clone(),
-                        bar(d.ratio),
-                        format!("{}/{}", d.in_use, r.ephemeral_ports),
-                        d.time_wait.to_string(),
-                        d.active.to_string(),
-                        d.time_wait_per_s.map_or("-".into(), |x| format!("{x:.1}")),
-                        d.scopes.join(","),
+                        p.src.clone(),
+                        "any (bind() pool)".into(),
+                        bar(p.ratio),
+                        format!("{}/{}", p.in_use, r.ephemeral_ports),
+                        "-".into(),
+                        "-".into(),
+                        "-".into(),
+                        String::new(),
                     ])
-                })
-                .collect()
+                });
+            let destinations = r.destinations.iter().map(|d| {
+                Row::new(vec![
+                    d.src.clone(),
+                    d.dst.clone(),
+                    bar(d.ratio),
+                    format!("{}/{}", d.in_use, r.ephemeral_ports),
+                    d.time_wait.to_string(),
+                    d.active.to_string(),
+                    d.time_wait_per_s.map_or("-".into(), |x| format!("{x:.1}")),
+                    d.scopes.join(","),
+                ])
+            });
+            pools.chain(destinations).collect()
         })
         .unwrap_or_default();
     let widths = [
@@ -177,7 +193,10 @@ fn draw(f: &mut Frame, netns: &str, v: &View, at: &str) {
             ])
             .style(bold),
         )
-        .block(Block::bordered().title(" destinations by ports held "));
+        .block(
+            Block::bordered()
+                .title(" source pools near exhaustion, then destinations by ports held "),
+        );
     f.render_widget(table, dests);
 
     let scope_rows: Vec<Row> = v

@@ -10,7 +10,7 @@ use std::{
 };
 
 use anyhow::Context;
-use connguard_tests::Outcome;
+use connguard_tests::{Outcome, monotonic_ms};
 use socket2::{Domain, Protocol, SockAddr, Socket, Type};
 
 const USAGE: &str = "usage: guard-probe connect ADDR COUNT CONCURRENCY
@@ -23,9 +23,11 @@ const USAGE: &str = "usage: guard-probe connect ADDR COUNT CONCURRENCY
        guard-probe fail-hold NETNS_PATH ADDR
        guard-probe serve NETNS_PATH [greet:]PORT...
        guard-probe churn NETNS_PATH ADDR COUNT PER_SECOND [reset]
-       guard-probe bind NETNS_PATH ADDR COUNT
+       guard-probe bind NETNS_PATH ADDR COUNT [DST,...]
        guard-probe listen NETNS_PATH ADDR BACKLOG [ACCEPT_AFTER_MS]
        guard-probe open NETNS_PATH ADDR COUNT [INTERVAL_MS TIMEOUT_MS]
+       guard-probe burst NETNS_PATH ADDR COUNT TIMEOUT_MS RETRIES [PAUSE_MS]
+       guard-probe reuseport NETNS_PATH ADDR BACKLOG MEMBERS
        guard-probe echo1 NETNS_PATH ADDR BACKLOG
        guard-probe spray NETNS_PATH COUNT PORT
        guard-probe shedlat NETNS_PATH ADDR COUNT [TIMEOUT_MS]
@@ -159,6 +161,31 @@ fn main() -> anyhow::Result<()> {
             }
             hold(&out.into_inner().unwrap(), held)
         }
+        "burst" => {
+            enter_netns(arg(1)?)?;
+            let pause = Duration::from_millis(args.get(6).map_or(Ok(0), |a| a.parse())?);
+            let (out, held) = burst(arg(2)?.parse()?, num(3)?, num(4)?, num(5)?, pause);
+            hold(&out, held)
+        }
+        // MEMBERS listeners on ADDR in one SO_REUSEPORT group, each with BACKLOG: the
+        // first (bound first) never accepts, the others accept everything.
+        "reuseport" => {
+            enter_netns(arg(1)?)?;
+            let addr: SocketAddr = arg(2)?.parse()?;
+            let mut members = Vec::new();
+            for i in 0..num(4)? {
+                let s = tcp_socket(&addr);
+                s.set_reuse_port(true)?;
+                s.bind(&addr.into())?;
+                s.listen(num(3)? as i32)?;
+                if i > 0 {
+                    let l: TcpListener = s.try_clone()?.into();
+                    thread::spawn(move || l.incoming().flatten().for_each(std::mem::forget));
+                }
+                members.push(s);
+            }
+            hold(&Outcome::default(), members)
+        }
         // A listener that accepts one connection, echoes on it, and accepts no other.
         "echo1" => {
             let (s, l) = listener(arg(1)?, arg(2)?, num(3)?)?;
@@ -193,21 +220,31 @@ fn main() -> anyhow::Result<()> {
             }
             out
         }
+        // COUNT sockets bound to ADDR, each then connected to the next of DST,... if given
+        // (a proxy that binds its source address first, as Envoy binds 127.0.0.6); a
+        // failed bind() or connect() is counted by its errno. Holds what succeeded.
         "bind" => {
             enter_netns(arg(1)?)?;
             let addr: SocketAddr = arg(2)?.parse()?;
-            let held: Vec<Socket> = (0..num(3)?)
-                .map(|_| {
-                    let s = tcp_socket(&addr);
-                    s.bind(&addr.into()).map(|()| s)
-                })
-                .collect::<Result<_, _>>()?;
-            let out = Outcome {
-                attempts: held.len() as u64,
-                ok: held.len() as u64,
-                ..Default::default()
+            let destinations: Vec<SocketAddr> = match args.get(4) {
+                Some(list) => list.split(',').map(str::parse).collect::<Result<_, _>>()?,
+                None => Vec::new(),
             };
-            hold(&out, held)
+            let out = Mutex::new(Outcome::default());
+            let mut held = Vec::new();
+            for i in 0..num(3)? as usize {
+                let s = tcp_socket(&addr);
+                let started = Instant::now();
+                let mut r = s.bind(&addr.into());
+                if let (Ok(()), Some(dst)) = (&r, destinations.get(i % destinations.len().max(1))) {
+                    r = s.connect(&(*dst).into());
+                }
+                record(&out, &r, started);
+                if r.is_ok() {
+                    held.push(s);
+                }
+            }
+            hold(&out.into_inner().unwrap(), held)
         }
         "mixed" => mixed(arg(1)?, num(2)?)?,
         _ => anyhow::bail!(USAGE),
@@ -224,6 +261,7 @@ fn errno_name(e: &std::io::Error) -> String {
         (libc::ENETUNREACH, "ENETUNREACH"),
         (libc::EHOSTUNREACH, "EHOSTUNREACH"),
         (libc::EADDRNOTAVAIL, "EADDRNOTAVAIL"),
+        (libc::EADDRINUSE, "EADDRINUSE"),
         (libc::EINPROGRESS, "EINPROGRESS"),
         (libc::ECONNRESET, "ECONNRESET"),
     ];
@@ -290,6 +328,59 @@ fn tcp_socket(addr: &SocketAddr) -> Socket {
         Some(Protocol::TCP),
     )
     .expect("socket()")
+}
+
+/// COUNT clients on threads started together, each connecting with TIMEOUT_MS until it
+/// succeeds, trying again PAUSE after ECONNREFUSED, at most RETRIES times. `ok`
+/// counts clients connected, `attempts` and `errors` every connect(); `categories`:
+/// first_refused (clients whose first connect was refused), max_ok_us (the slowest
+/// successful connect: a SYN retransmit makes it over 1 s), ok_at_ms (CLOCK_MONOTONIC
+/// of the last success). Returns the connections.
+fn burst(
+    addr: SocketAddr,
+    count: u64,
+    timeout_ms: u64,
+    retries: u64,
+    pause: Duration,
+) -> (Outcome, Vec<Socket>) {
+    let out = Mutex::new(Outcome::default());
+    let held = Mutex::new(Vec::new());
+    let barrier = Barrier::new(count as usize);
+    let timeout = Duration::from_millis(timeout_ms);
+    thread::scope(|scope| {
+        for _ in 0..count {
+            scope.spawn(|| {
+                barrier.wait();
+                for attempt in 0..=retries {
+                    let s = tcp_socket(&addr);
+                    let started = Instant::now();
+                    let r = s.connect_timeout(&addr.into(), timeout);
+                    let took = started.elapsed().as_micros() as u64;
+                    record(&out, &r, started);
+                    let mut o = out.lock().unwrap();
+                    match r {
+                        Ok(()) => {
+                            let max = o.categories.entry("max_ok_us".into()).or_default();
+                            *max = (*max).max(took);
+                            o.categories.insert("ok_at_ms".into(), monotonic_ms());
+                            held.lock().unwrap().push(s);
+                            return;
+                        }
+                        Err(e) if e.raw_os_error() == Some(libc::ECONNREFUSED) => {
+                            if attempt == 0 {
+                                *o.categories.entry("first_refused".into()).or_default() += 1;
+                            }
+                            drop(o);
+                            thread::sleep(pause);
+                        }
+                        Err(_) => return,
+                    }
+                }
+            });
+        }
+    });
+    // A client succeeds once at most: `ok` counts clients.
+    (out.into_inner().unwrap(), held.into_inner().unwrap())
 }
 
 /// COUNT blocking connects from CONCURRENCY threads started together; returns the

@@ -1,0 +1,112 @@
+//! Field offsets in kernel structs, from the running kernel's BTF
+//! (/sys/kernel/btf/vmlinux): Rust eBPF programs have no CO-RE relocations, so the
+//! listener program gets them as read-only globals.
+use anyhow::{Context, bail};
+use btf_rs::{Btf, Type};
+use guard_common::SockOffsets;
+
+const VMLINUX: &str = "/sys/kernel/btf/vmlinux";
+
+/// What the per-SYN listener program reads, each field checked for its size.
+pub fn sock_offsets() -> anyhow::Result<SockOffsets> {
+    let btf = Btf::from_file(VMLINUX).with_context(|| format!("reading {VMLINUX}"))?;
+    let sock = ["inet_conn", "icsk_inet", "sk"];
+    let field = |root: &str, path: &[&str], size: usize| -> anyhow::Result<u32> {
+        let (offset, found) = offset_of(&btf, root, path)
+            .with_context(|| format!("struct {root}: {}", path.join(".")))?;
+        if found != size {
+            bail!(
+                "struct {root}: {} is {found} bytes, not {size}",
+                path.join(".")
+            );
+        }
+        Ok(offset)
+    };
+    let in_sock = |name: &'static str| [&sock[..], &[name]].concat();
+    Ok(SockOffsets {
+        ack_backlog: field("tcp_sock", &in_sock("sk_ack_backlog"), 4)?,
+        max_ack_backlog: field("tcp_sock", &in_sock("sk_max_ack_backlog"), 4)?,
+        syn_queue: field("tcp_sock", &["inet_conn", "icsk_accept_queue", "qlen"], 4)?,
+        net: field(
+            "tcp_sock",
+            &[&sock[..], &["__sk_common", "skc_net"]].concat(),
+            8,
+        )?,
+        net_inum: field("net", &["ns", "inum"], 4)?,
+    })
+}
+
+/// The byte offset and size of the member at `path` in struct `root`. A member inside
+/// an anonymous struct or union is found by its own name.
+fn offset_of(btf: &Btf, root: &str, path: &[&str]) -> anyhow::Result<(u32, usize)> {
+    let mut ty = btf
+        .resolve_types_by_name(root)?
+        .into_iter()
+        .find(|t| matches!(t, Type::Struct(_)))
+        .with_context(|| format!("no struct {root}"))?;
+    let mut offset = 0;
+    for name in path {
+        let (bits, member_ty) = member(btf, &ty, name)?.with_context(|| format!("no {name}"))?;
+        offset += bits / 8;
+        ty = member_ty;
+    }
+    Ok((offset, size_of(btf, &ty)?))
+}
+
+/// The bit offset and type of the member `name` of struct or union `ty`.
+fn member(btf: &Btf, ty: &Type, name: &str) -> anyhow::Result<Option<(u32, Type)>> {
+    let (Type::Struct(s) | Type::Union(s)) = ty else {
+        bail!("{name} is looked up in a {}", ty.name());
+    };
+    for m in &s.members {
+        let member_ty = concrete(btf, btf.resolve_chained_type(m)?)?;
+        let member_name = btf.resolve_name(m).unwrap_or_default();
+        if member_name == name {
+            return Ok(Some((m.bit_offset(), member_ty)));
+        }
+        if member_name.is_empty()
+            && matches!(member_ty, Type::Struct(_) | Type::Union(_))
+            && let Some((bits, found)) = member(btf, &member_ty, name)?
+        {
+            return Ok(Some((m.bit_offset() + bits, found)));
+        }
+    }
+    Ok(None)
+}
+
+/// `ty` with typedefs and qualifiers removed.
+fn concrete(btf: &Btf, mut ty: Type) -> anyhow::Result<Type> {
+    while let Type::Typedef(_)
+    | Type::Const(_)
+    | Type::Volatile(_)
+    | Type::Restrict(_)
+    | Type::TypeTag(_) = ty
+    {
+        let next = ty.as_btf_type().context("a qualifier without a type")?;
+        ty = btf.resolve_chained_type(next)?;
+    }
+    Ok(ty)
+}
+
+fn size_of(btf: &Btf, ty: &Type) -> anyhow::Result<usize> {
+    Ok(match concrete(btf, ty.clone())? {
+        Type::Int(i) => i.size(),
+        Type::Ptr(_) => 8,
+        Type::Struct(s) | Type::Union(s) => s.size(),
+        Type::Enum(e) => e.size(),
+        other => bail!("no size for a {}", other.name()),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    /// The running kernel's BTF has every field the per-SYN listener program reads, and
+    /// they are where struct sock puts them: the two backlog counters side by side, the
+    /// network namespace in sock_common, at the start of the socket.
+    #[test]
+    fn sock_offsets_resolve_on_this_kernel() {
+        let o = super::sock_offsets().expect("offsets from /sys/kernel/btf/vmlinux");
+        assert_eq!(o.max_ack_backlog, o.ack_backlog + 4, "{o:?}");
+        assert!(o.net < 136 && o.syn_queue > o.max_ack_backlog, "{o:?}");
+    }
+}

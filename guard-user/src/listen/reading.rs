@@ -1,0 +1,158 @@
+//! Reading the guarded namespaces' listeners: each namespace's sock_diag socket is kept
+//! open (no thread and no setns per reading), and asked for LISTEN and SYN_RECV only.
+use std::{
+    collections::{BTreeMap, BTreeSet, HashMap},
+    fs::File,
+    os::unix::fs::MetadataExt,
+    path::{Path, PathBuf},
+};
+
+use guard_common::{
+    ListenerEntry, ListenerKey,
+    addr::{endpoint, mapped},
+    linux::TCP_LISTEN,
+};
+
+use super::{QueueReading, netns_name};
+use crate::{
+    host::{
+        netns,
+        sockdiag::{Diag, TcpSocket, syn_recv_of},
+    },
+    policy::ListenerPolicy,
+};
+
+/// What one reading of the guarded namespaces found.
+pub struct Reading {
+    pub(super) entries: HashMap<ListenerKey, ListenerEntry>,
+    pub(super) queues: Vec<QueueReading>,
+    /// Listener ids with a socket past a limit.
+    pub(super) shedding: BTreeSet<u32>,
+    /// Namespace -> why its socket table could not be read.
+    pub(super) unreadable: BTreeMap<String, String>,
+}
+
+/// The open sock_diag socket of each guarded namespace, with the inode of the namespace
+/// it answers for.
+#[derive(Default)]
+pub struct Reader {
+    diags: HashMap<Option<PathBuf>, (u64, Diag)>,
+}
+
+impl Reader {
+    /// Reads the socket tables of the policies' namespaces. With `per_syn`, entries are
+    /// keyed by the listener's namespace (the program reads the queues itself); else by
+    /// namespace 0, each carrying the daemon's decision.
+    pub fn read(&mut self, policies: &[(ListenerPolicy, u32)], per_syn: bool) -> Reading {
+        let mut reading = Reading {
+            entries: HashMap::new(),
+            queues: Vec::new(),
+            shedding: BTreeSet::new(),
+            unreadable: BTreeMap::new(),
+        };
+        let namespaces: BTreeSet<Option<PathBuf>> =
+            policies.iter().map(|(p, _)| p.netns.clone()).collect();
+        self.diags.retain(|ns, _| namespaces.contains(ns));
+        for ns in namespaces {
+            let read = self.sockets(ns.as_deref());
+            let (inode, sockets) = match read {
+                Ok(r) => r,
+                Err(e) => {
+                    self.diags.remove(&ns);
+                    reading
+                        .unreadable
+                        .insert(netns_name(ns.as_deref()), format!("{e:#}"));
+                    continue;
+                }
+            };
+            let key_ns = if per_syn { inode as u32 } else { 0 };
+            for (p, id) in policies.iter().filter(|(p, _)| p.netns == ns) {
+                judge(p, *id, key_ns, &sockets, &mut reading);
+            }
+        }
+        reading
+    }
+
+    /// The namespace's inode and its listeners and SYN_RECV entries, through its open
+    /// sock_diag socket, opened anew when the path names another namespace.
+    fn sockets(&mut self, ns: Option<&Path>) -> anyhow::Result<(u64, Vec<TcpSocket>)> {
+        let path = ns.unwrap_or(Path::new("/proc/self/ns/net"));
+        let inode = std::fs::metadata(path)?.ino();
+        let key = ns.map(Path::to_path_buf);
+        if self.diags.get(&key).is_none_or(|(i, _)| *i != inode) {
+            let file = File::open(path)?;
+            let inode = file.metadata()?.ino();
+            let diag = netns::within_open(&file, Diag::open)?;
+            self.diags.insert(key.clone(), (inode, diag));
+        }
+        let (inode, diag) = self.diags.get_mut(&key).expect("inserted above");
+        Ok((*inode, diag.listeners_and_syn_recv()?))
+    }
+}
+
+/// Adds the listeners of one policy in one namespace's socket table to `reading`: one
+/// entry per (address, port), shared by a SO_REUSEPORT group's members. Its decision
+/// (for the polled program) sheds only when every member is past a limit, each member
+/// taken to hold an equal share of the port's SYN_RECV: SYNs are never refused while a
+/// member the kernel may hand them to has room.
+fn judge(p: &ListenerPolicy, id: u32, netns: u32, sockets: &[TcpSocket], reading: &mut Reading) {
+    let mut groups: BTreeMap<ListenerKey, Vec<&TcpSocket>> = BTreeMap::new();
+    for l in sockets.iter().filter(|l| {
+        l.state == TCP_LISTEN
+            && p.ports
+                .iter()
+                .any(|r| (r.first..=r.last).contains(&l.sport))
+            && p.addr.is_none_or(|a| a == l.src)
+    }) {
+        // A wildcard listener (0.0.0.0 or ::) is keyed all zeros.
+        let addr = if l.src.is_unspecified() {
+            [0; 16]
+        } else {
+            mapped(l.src)
+        };
+        let key = ListenerKey {
+            netns,
+            port: l.sport,
+            _pad: 0,
+            addr,
+        };
+        groups.entry(key).or_default().push(l);
+    }
+    for (key, members) in groups {
+        let syn_recv = syn_recv_of(sockets, members[0]);
+        let share = syn_recv.div_ceil(members.len() as u32);
+        let mut all_over = true;
+        for l in &members {
+            reading.queues.push(QueueReading {
+                listener_id: id,
+                addr: endpoint(l.src, l.sport),
+                accept_queue: l.recv_queue,
+                backlog: l.send_queue,
+                syn_recv,
+            });
+            // A backlog of 0 still queues one connection: compare against 1.
+            let backlog = l.send_queue.max(1) as u64;
+            let queue_over = p
+                .accept_queue_watermark
+                .is_some_and(|w| l.recv_queue as u64 * 1000 >= w as u64 * backlog);
+            let syn_over = p.max_syn_recv.is_some_and(|m| share >= m);
+            if queue_over || syn_over {
+                reading.shedding.insert(id);
+            } else {
+                all_over = false;
+            }
+        }
+        reading.entries.insert(
+            key,
+            ListenerEntry {
+                listener_id: id,
+                mode: p.mode,
+                accept_queue_permille: p.accept_queue_watermark.unwrap_or(0),
+                max_syn_recv: p.max_syn_recv.unwrap_or(0),
+                shed: u32::from(all_over),
+                _pad: 0,
+                renewed_ns: 0,
+            },
+        );
+    }
+}
