@@ -321,8 +321,8 @@ fn wait_listed(d: &Daemon, index: usize, n: usize) {
 /// 50 clients at once, no pacing, against listen(8) with a watermark of 0.5, across a
 /// veth pair: the decision is made per SYN from the listener's own queue, so 4 complete
 /// (up to one more per other CPU, whose SYN was checked while the 4th completed), the
-/// others are refused by a RST in under 10 ms, and none waits a SYN retransmit; with
-/// SYN cookies off and always on.
+/// others are refused by a RST at once, and none waits a SYN retransmit; with SYN
+/// cookies off and always on.
 #[test]
 fn a_burst_stops_at_the_watermark_per_syn() {
     for syncookies in ["0", "2"] {
@@ -349,7 +349,9 @@ fn a_burst_stops_at_the_watermark_per_syn() {
             (50 - o.ok, 0),
             "syncookies={syncookies}: {o:?}"
         );
-        assert!(o.max_error_us < 10_000, "syncookies={syncookies}: {o:?}");
+        // Under 0.2 ms on the host; a qemu TCG guest takes up to about 20 ms to wake a
+        // refused client, far from the 1 s of a SYN retransmit.
+        assert!(o.max_error_us < 50_000, "syncookies={syncookies}: {o:?}");
         assert!(
             o.categories["max_ok_us"] < 1_000_000,
             "a client waited a SYN retransmit: {o:?}"
@@ -358,11 +360,11 @@ fn a_burst_stops_at_the_watermark_per_syn() {
     }
 }
 
-/// 4 SO_REUSEPORT listeners on one port, listen(32) each, watermark 0.5; the first
+/// 4 SO_REUSEPORT listeners on one port, listen(64) each, watermark 0.5; the first
 /// never accepts, the three others accept everything. 200 clients at once, each trying
-/// again at once when refused (up to 20 times): only SYNs the kernel hands to the
+/// again 5 ms after a refusal (up to 50 times): only SYNs the kernel hands to the
 /// stalled member are refused. Its share of the hash is a quarter: about 50 of the 200
-/// first SYNs (standard deviation 6), of which it queues 16, and a quarter of each
+/// first SYNs (standard deviation 6), of which it queues 32, and a quarter of each
 /// round of retries. Bound: at most 100 refusals in all (a per-port decision refuses
 /// every SYN once the stalled member is full). Every client connects, none waits a
 /// retransmit.
@@ -371,7 +373,7 @@ fn reuseport_sheds_only_for_the_stalled_member() {
     let (server, client) = Netns::veth_pair();
     let cg = Cgroup::new("reuseport");
     let d = Daemon::start(&half_full("api", &server));
-    let _group = cg.hold_args(&["reuseport", &server.path(), "192.0.2.1:8080", "32", "4"]);
+    let _group = cg.hold_args(&["reuseport", &server.path(), "192.0.2.1:8080", "64", "4"]);
     wait_listed(&d, 0, 4);
     let b = cg.hold_args(&[
         "burst",
@@ -379,7 +381,8 @@ fn reuseport_sheds_only_for_the_stalled_member() {
         "192.0.2.1:8080",
         "200",
         "3000",
-        "20",
+        "50",
+        "5",
     ]);
     let o = &b.outcome;
     let refused = o.errors("ECONNREFUSED");
