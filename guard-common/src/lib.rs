@@ -310,7 +310,8 @@ pub struct EaddrKey {
 
 /// Key of `LISTENERS`: a guarded listening socket as the kernel's lookup finds it for a
 /// SYN: the inode number of its network namespace (as `stat` of /proc/PID/ns/net shows
-/// it; 0 where the tc program cannot read it, and then guarded namespaces share keys),
+/// it; always 0 for the polled program, which cannot read it, so guarded namespaces
+/// share keys there),
 /// its bound port (host byte order) and bound address (network order, IPv4
 /// IPv4-mapped; all zeros for 0.0.0.0 or ::). The namespace is the listener's own:
 /// bpf_get_netns_cookie() in tc would report the sending socket's, across a veth the

@@ -7,8 +7,8 @@
 //! The listener is the one the kernel itself would pick: bpf_skc_lookup_tcp() on the
 //! SYN's 4-tuple in the interface's namespace, which applies the SO_REUSEPORT hash of
 //! the SYN's own path (inet_lhash2_lookup, net/ipv4/inet_hashtables.c). So forwarded
-//! traffic and a specific listener shadowing a wildcard one are told apart, and in a
-//! reuseport group only SYNs for the member past its watermark are shed.
+//! traffic and a specific listener shadowing a wildcard one are told apart, and per SYN
+//! a reuseport group's SYNs are shed only for the member past its watermark.
 //!
 //! `listener_shed` decides per SYN from that socket's own queues (sk_ack_backlog,
 //! sk_max_ack_backlog, icsk_accept_queue.qlen), read through bpf_skc_to_tcp_sock() at

@@ -360,8 +360,9 @@ fn a_burst_stops_at_the_watermark_per_syn() {
     }
 }
 
-/// 4 SO_REUSEPORT listeners on one port, listen(64) each, watermark 0.5; the first
-/// never accepts, the three others accept everything. 200 clients at once, each trying
+/// 4 SO_REUSEPORT listeners on one port, watermark 0.5; the first, listen(64), never
+/// accepts, the three others, listen(1024), accept everything (so 200 client threads
+/// on 2 CPUs never fill them). 200 clients at once, each trying
 /// again 5 ms after a refusal (up to 50 times): only SYNs the kernel hands to the
 /// stalled member are refused. Its share of the hash is a quarter: about 50 of the 200
 /// first SYNs (standard deviation 6), of which it queues 32, and a quarter of each
@@ -404,7 +405,7 @@ fn decisions_expire_when_the_daemon_stops_renewing_them() {
     let d = Daemon::start(&half_full("api", &server));
     let _listener = cg.hold_args(&["listen", &server.path(), "192.0.2.1:8080", "8"]);
     wait_listed(&d, 0, 1);
-    let fill = cg.hold_args(&["burst", &client.path(), "192.0.2.1:8080", "6", "3000", "0"]);
+    let fill = cg.hold_args(&["open", &client.path(), "192.0.2.1:8080", "6", "0", "3000"]);
     assert_eq!(
         (fill.outcome.ok, fill.outcome.errors("ECONNREFUSED")),
         (4, 2)
@@ -448,10 +449,9 @@ fn decisions_expire_when_the_daemon_stops_renewing_them() {
             Some(d)
         };
         let o = trying.join().unwrap();
-        let after = o
-            .categories
-            .get("ok_at_ms")
-            .map_or(u64::MAX, |t| t - signalled);
+        let ok_at = o.categories.get("ok_at_ms").copied().unwrap_or(u64::MAX);
+        assert!(ok_at >= signalled, "admitted before the signal: {o:?}");
+        let after = ok_at - signalled;
         (o, after, d)
     };
     let (o, after, d) = signal_while_refused(d, libc::SIGSTOP);
@@ -488,7 +488,7 @@ fn a_saturated_namespace_does_not_shed_another() {
     let _accepting = cg.hold_args(&["listen", &fine.path(), "127.0.0.1:8080", "128", "0"]);
     wait_listed(&d, 0, 1);
     wait_listed(&d, 1, 1);
-    let saturate = cg.hold_args(&["burst", &full.path(), "127.0.0.1:8080", "10", "3000", "0"]);
+    let saturate = cg.hold_args(&["open", &full.path(), "127.0.0.1:8080", "10", "0", "3000"]);
     assert_eq!(
         (saturate.outcome.ok, saturate.outcome.errors("ECONNREFUSED")),
         (4, 6),
@@ -539,7 +539,7 @@ fn a_veth_added_after_start_is_guarded() {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
-    let b = cg.hold_args(&["burst", &client.path(), "192.0.2.1:8080", "10", "1500", "0"]);
+    let b = cg.hold_args(&["open", &client.path(), "192.0.2.1:8080", "10", "0", "1500"]);
     assert_eq!(
         (b.outcome.ok, b.outcome.errors("ECONNREFUSED")),
         (4, 6),

@@ -119,7 +119,7 @@ impl Feature {
             }
             Feature::CgroupStorage => "cgroup local storage, BPF_MAP_TYPE_CGRP_STORAGE (Linux 6.2)",
             Feature::ListenerPerSyn => {
-                "a listener's queues read per SYN in tc: bpf_skc_to_tcp_sock (Linux 5.9) and \
+                "a listener's queues read per SYN in tc: bpf_skc_to_tcp_sock in tc (Linux 5.10) and \
                  the fields' offsets in kernel BTF"
             }
         }

@@ -115,10 +115,18 @@ impl<K: Pod + Eq + Hash, V: Pod> Mirrored<K, V> {
     /// so a failure never keeps a stale decision in force (fail-open); the first error is
     /// returned after every entry was tried.
     pub fn sync(&mut self, entries: HashMap<K, V>) -> anyhow::Result<()> {
-        for stale in self.written.keys().filter(|k| !entries.contains_key(k)) {
-            let _ = self.map.remove(stale);
+        // A stale entry that could not be removed stays known, to be removed next time.
+        let mut kept = HashMap::new();
+        for (stale, value) in self
+            .written
+            .iter()
+            .filter(|(k, _)| !entries.contains_key(k))
+        {
+            if self.map.remove(stale).is_err() {
+                kept.insert(*stale, *value);
+            }
         }
-        self.written.clear();
+        self.written = kept;
         let mut failed = None;
         for (key, value) in entries {
             match self.map.insert(key, value, 0) {

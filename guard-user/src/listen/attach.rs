@@ -75,15 +75,24 @@ impl Attachments {
         p: &ListenerPolicy,
     ) -> anyhow::Result<()> {
         let path = p.netns.as_deref().unwrap_or(Path::new("/proc/self/ns/net"));
-        let file = File::open(path)
-            .with_context(|| format!("opening network namespace {}", path.display()))?;
-        let inode = file.metadata()?.ino();
-        if self.namespaces.get(name).is_some_and(|n| n.inode != inode) {
-            // The path names a new namespace: the old one's links die with it.
-            let old = self.namespaces.remove(name).expect("checked above");
-            old.links.into_values().for_each(|(_, l)| self.let_go(l));
-            log::info!("listener guard: netns {name} is a new namespace");
+        let opened = File::open(path);
+        let inode = match &opened {
+            Ok(file) => Some(file.metadata()?.ino()),
+            Err(_) => None,
+        };
+        if let Some(old) = self.namespaces.remove(name) {
+            if Some(old.inode) == inode {
+                self.namespaces.insert(name.to_string(), old);
+            } else {
+                // The path is gone or names a new namespace: the old one is detached
+                // in place and let go, not kept alive by our open file.
+                detach(name, old);
+                log::info!("listener guard: netns {name} is gone or a new namespace");
+            }
         }
+        let file =
+            opened.with_context(|| format!("opening network namespace {}", path.display()))?;
+        let inode = inode.expect("set when opened");
         let ns = self
             .namespaces
             .entry(name.to_string())
@@ -138,7 +147,8 @@ impl Attachments {
         Ok(())
     }
 
-    /// A link whose interface or namespace is gone (its filter went with it): a tcx
+    /// A link whose interface or namespace is gone (its filter went with it; a renamed
+    /// interface keeps its filter, which then stays until the namespace goes): a tcx
     /// link's fd is closed; a clsact filter's link is forgotten, as its drop would send
     /// a delete, by interface index, to the daemon's own namespace.
     fn let_go(&self, link: SchedClassifierLink) {
@@ -150,23 +160,27 @@ impl Attachments {
     /// Detaches every link, in its namespace, logging failures.
     pub fn detach_all(&mut self) {
         for (name, ns) in std::mem::take(&mut self.namespaces) {
-            let mut links: Vec<SchedClassifierLink> =
-                ns.links.into_values().map(|(_, l)| l).collect();
-            if links.is_empty() {
-                continue;
-            }
-            let entered = netns::within_open(&ns.file, || {
-                for link in links.drain(..) {
-                    if let Err(e) = object::detach_listener(link) {
-                        log::warn!("listener guard: detaching in netns {name}: {e:#}");
-                    }
-                }
-                Ok(())
-            });
-            if let Err(e) = entered {
-                log::warn!("listener guard: cannot enter netns {name} to detach: {e:#}");
-            }
-            links.into_iter().for_each(std::mem::forget);
+            detach(&name, ns);
         }
     }
+}
+
+/// Detaches the links of `ns` inside it, logging failures, and closes it.
+fn detach(name: &str, ns: Namespace) {
+    let mut links: Vec<SchedClassifierLink> = ns.links.into_values().map(|(_, l)| l).collect();
+    if links.is_empty() {
+        return;
+    }
+    let entered = netns::within_open(&ns.file, || {
+        for link in links.drain(..) {
+            if let Err(e) = object::detach_listener(link) {
+                log::warn!("listener guard: detaching in netns {name}: {e:#}");
+            }
+        }
+        Ok(())
+    });
+    if let Err(e) = entered {
+        log::warn!("listener guard: cannot enter netns {name} to detach: {e:#}");
+    }
+    links.into_iter().for_each(std::mem::forget);
 }

@@ -4,9 +4,9 @@
 //! tables every 50 ms. The program decides per SYN from the listener's own queues where
 //! the kernel lets it (`per_syn`), else from the daemon's decision in the entry. It
 //! sheds nothing LISTENER_TTL_NS after the daemon's last heartbeat (per SYN) or the
-//! entry's reading (polled), so a hung or killed daemon sheds nothing (fail-open); a
-//! namespace that cannot be read loses its entries, and is logged once, and again when
-//! it can be read again.
+//! entry's reading (polled); heartbeats stop when readings do, so a killed daemon, a
+//! hung one or a stuck watcher sheds nothing (fail-open); a namespace that cannot be
+//! read loses its entries, and is logged once, and again when it can be read again.
 mod attach;
 mod reading;
 
@@ -14,7 +14,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use anyhow::Context;
 use aya::Ebpf;
-use guard_common::{ListenerEntry, ListenerKey, monotonic_ns};
+use guard_common::{LISTENER_TTL_NS, ListenerEntry, ListenerKey, monotonic_ns};
 use serde::{Deserialize, Serialize};
 
 pub use reading::{Reader, Reading};
@@ -68,6 +68,8 @@ pub struct ListenerGuard {
     readings: Vec<QueueReading>,
     /// Listener ids past a limit at the last reading.
     shedding: BTreeSet<u32>,
+    /// When the last reading was applied.
+    applied: Option<std::time::Instant>,
     attached: attach::Attachments,
     /// Namespaces whose socket table could not be read at the last reading, with why.
     unreadable: BTreeMap<String, String>,
@@ -89,6 +91,7 @@ impl ListenerGuard {
             ids: HashMap::new(),
             readings: Vec::new(),
             shedding: BTreeSet::new(),
+            applied: None,
             attached: attach::Attachments::new(tcx),
             unreadable: BTreeMap::new(),
             cleared: false,
@@ -151,6 +154,7 @@ impl ListenerGuard {
         self.unreadable = reading.unreadable;
         self.readings = reading.queues;
         self.shedding = reading.shedding;
+        self.applied = Some(std::time::Instant::now());
         let now = monotonic_ns();
         let entries = reading
             .entries
@@ -165,13 +169,20 @@ impl ListenerGuard {
                 )
             })
             .collect();
-        self.entries.sync(entries).context("writing LISTENERS")
+        let synced = self.entries.sync(entries).context("writing LISTENERS");
+        // The entries hold from the moment they are written, not from the next beat.
+        self.heartbeat()?;
+        synced
     }
 
-    /// Tells the per-SYN program the daemon lives (every 100 ms); a stopped guard
-    /// sends none.
+    /// Tells the per-SYN program the daemon lives (every 100 ms): only while its
+    /// readings keep LISTENERS current (one within LISTENER_TTL_NS), so a watcher stuck
+    /// on a namespace lets every guard lapse. A stopped guard sends none.
     pub fn heartbeat(&mut self) -> anyhow::Result<()> {
-        if self.cleared {
+        let fresh = self
+            .applied
+            .is_some_and(|t| t.elapsed().as_nanos() <= u128::from(LISTENER_TTL_NS));
+        if self.cleared || !fresh {
             return Ok(());
         }
         self.heartbeat

@@ -142,17 +142,20 @@ fn judge(p: &ListenerPolicy, id: u32, netns: u32, sockets: &[TcpSocket], reading
                 all_over = false;
             }
         }
-        reading.entries.insert(
-            key,
-            ListenerEntry {
-                listener_id: id,
-                mode: p.mode,
-                accept_queue_permille: p.accept_queue_watermark.unwrap_or(0),
-                max_syn_recv: p.max_syn_recv.unwrap_or(0),
-                shed: u32::from(all_over),
-                _pad: 0,
-                renewed_ns: 0,
-            },
-        );
+        let entry = ListenerEntry {
+            listener_id: id,
+            mode: p.mode,
+            accept_queue_permille: p.accept_queue_watermark.unwrap_or(0),
+            max_syn_recv: p.max_syn_recv.unwrap_or(0),
+            shed: u32::from(all_over),
+            _pad: 0,
+            renewed_ns: 0,
+        };
+        // Polled, namespaces share the key (0): shed only when every one is past.
+        reading
+            .entries
+            .entry(key)
+            .and_modify(|e| e.shed &= entry.shed)
+            .or_insert(entry);
     }
 }

@@ -167,8 +167,8 @@ fn main() -> anyhow::Result<()> {
             let (out, held) = burst(arg(2)?.parse()?, num(3)?, num(4)?, num(5)?, pause);
             hold(&out, held)
         }
-        // MEMBERS listeners on ADDR in one SO_REUSEPORT group, each with BACKLOG: the
-        // first (bound first) never accepts, the others accept everything.
+        // MEMBERS listeners on ADDR in one SO_REUSEPORT group: the first (bound first),
+        // with BACKLOG, never accepts; the others, with 1024, accept everything.
         "reuseport" => {
             enter_netns(arg(1)?)?;
             let addr: SocketAddr = arg(2)?.parse()?;
@@ -177,7 +177,7 @@ fn main() -> anyhow::Result<()> {
                 let s = tcp_socket(&addr);
                 s.set_reuse_port(true)?;
                 s.bind(&addr.into())?;
-                s.listen(num(3)? as i32)?;
+                s.listen(if i == 0 { num(3)? as i32 } else { 1024 })?;
                 if i > 0 {
                     let l: TcpListener = s.try_clone()?.into();
                     thread::spawn(move || l.incoming().flatten().for_each(std::mem::forget));
