@@ -10,7 +10,7 @@ use connguard_tests::{
 use serde_json::Value;
 
 /// Every feature `connguard kernel` probes, by the name it reports.
-const FEATURES: [&str; 11] = [
+const FEATURES: [&str; 12] = [
     "ancestor_cgroup_id",
     "atomic_fetch",
     "batch_lookup",
@@ -18,6 +18,7 @@ const FEATURES: [&str; 11] = [
     "cgroup_links",
     "cgroup_storage",
     "kernel_btf",
+    "listener_per_syn",
     "ring_buffer",
     "set_retval",
     "so_netns_cookie",
