@@ -38,8 +38,9 @@ pub const STAT_COUNT: u32 = 3;
 
 /// Version of the layout of the pinned maps (`names::map::PINNED`): their types, keys,
 /// values and sizes. A daemon adopts pinned state of its own layout only; bump this with
-/// any change to them. 3: `STATS` grew (STAT_LOST_EVENTS).
-pub const STATE_LAYOUT: u32 = 3;
+/// any change to them. 3: `STATS` grew (STAT_LOST_EVENTS). 4: `Counter` grew (the
+/// handshake count, the token bucket, the reasons of sheds).
+pub const STATE_LAYOUT: u32 = 4;
 
 /// setsockopt(2) level and option name of a seeding request: the daemon, at a start with
 /// no pinned state, asks the `seed` program (attached for that moment) to count a
@@ -125,8 +126,8 @@ pub struct ScopeConf {
     pub errno: u32,
     /// 1 when the scope has rules, so the rule lookup can be skipped otherwise.
     pub has_rules: u32,
-    /// Budget of active connections for the whole scope; 0 = none.
-    pub max_connections: u64,
+    /// Limits of the whole scope.
+    pub limits: Limits,
     /// Shed when ports held toward the destination reach this many thousandths of the
     /// ephemeral range (see `PORT_USE`); 0 = no watermark. A matching rule's own
     /// watermark takes precedence.
@@ -171,16 +172,33 @@ pub struct PortRange {
     pub last: u16,
 }
 
+/// The limits of a scope, or of a rule (for each endpoint or for the whole rule): 0 in a
+/// field means no such limit.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Limits {
+    /// Budget of active connections (admitted, not yet in TCP_CLOSE).
+    pub max_connections: u64,
+    /// The new-connection rate, as ns between two tokens of its bucket (1e9 / attempts
+    /// per second, rounded).
+    pub rate_interval_ns: u64,
+    /// Tokens the bucket holds when full: attempts admitted at once after a quiet spell.
+    pub rate_burst: u32,
+    /// Connections in the handshake (admitted, SYN_SENT, neither established nor
+    /// closed) at once.
+    pub max_connecting: u32,
+}
+
 /// One rule as the kernel sees it.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct RuleRef {
     /// Stable id of the rule (kept across reloads, like scope ids).
     pub rule_id: u32,
-    /// 1: every ip:port has its own budget; 0: one budget shared by the rule.
+    /// 1: every ip:port has its own limits; 0: one set shared by the rule.
     pub per_endpoint: u32,
-    /// Budget of active connections; 0 = none (the rule only names traffic).
-    pub max_connections: u64,
+    /// All 0: the rule only names traffic.
+    pub limits: Limits,
     /// Number of used entries in `ports`; 0 = every port.
     pub n_ports: u32,
     pub ports: [PortRange; MAX_PORT_RANGES],
@@ -250,6 +268,18 @@ pub struct Counter {
     /// daemon forgot and the kernel created again from the one an admission charged.
     /// 0 in the scope and rule arrays, whose entries are never forgotten.
     pub epoch: u64,
+    /// Admitted and in the handshake: not yet established, nor closed.
+    pub connecting: u64,
+    /// Of `shed` and `would_shed`: attempts over the new-connection rate, and over
+    /// `max_connecting` (an attempt over both counts in both).
+    pub rate_limited: u64,
+    pub handshake_limited: u64,
+    /// The token bucket of the new-connection rate, as the generic cell rate
+    /// algorithm's theoretical arrival time: the CLOCK_MONOTONIC ns at which the bucket
+    /// is full again (in the past: full). An admission moves it one interval later,
+    /// from now at the earliest; an attempt that would move it past now + burst
+    /// intervals has no token.
+    pub rate_tat: u64,
 }
 
 /// Socket-local storage (`SOCKS`, a BPF_MAP_TYPE_SK_STORAGE): created with the TCP
@@ -269,7 +299,9 @@ pub struct SockState {
     /// Bit i set: level i (0 destination, 1 rule, 2 scope) was charged. A level whose
     /// counter could not be found or created (full map) is neither checked nor charged.
     pub charged: u32,
-    pub _pad: u32,
+    /// 1 while the admission is counted in `connecting` at its charged levels; swapped
+    /// to 0 by the one path that ends the handshake (established, or released).
+    pub connecting: u32,
     /// `epoch` of the destination entry the admission charged.
     pub dst_epoch: u64,
     /// Network namespace cookie of the socket, taken at connect (sock_ops programs get
@@ -389,6 +421,7 @@ mod pod {
     use super::*;
     unsafe impl aya::Pod for CgroupKey {}
     unsafe impl aya::Pod for ScopeConf {}
+    unsafe impl aya::Pod for Limits {}
     unsafe impl aya::Pod for RuleAddrKey {}
     unsafe impl aya::Pod for Candidates {}
     unsafe impl aya::Pod for CounterKey {}

@@ -5,7 +5,7 @@ use core::intrinsics::{
 };
 
 use aya_ebpf::{bindings::BPF_NOEXIST, helpers::generated::bpf_ktime_get_ns};
-use guard_common::{Counter, CounterKey, NO_RULE, SockState};
+use guard_common::{Counter, CounterKey, NO_RULE, STAT_INTERNAL_ERRORS, SockState};
 
 use crate::{
     maps::{COUNTERS, RULE_COUNTERS, SCOPE_COUNTERS, STATS},
@@ -68,6 +68,10 @@ pub fn counter(key: &CounterKey) -> Option<*mut Counter> {
         shed: z,
         would_shed: z,
         epoch: unsafe { bpf_ktime_get_ns() },
+        connecting: z,
+        rate_limited: z,
+        handshake_limited: z,
+        rate_tat: z,
     };
     let _ = COUNTERS.insert(key, fresh, BPF_NOEXIST as u64);
     COUNTERS.get_ptr_mut(key)
@@ -97,7 +101,7 @@ pub fn scope_counter(scope_id: u32) -> *mut Counter {
 
 /// Releases the admission the socket holds, if any; true for the one caller that did.
 /// The atomic swap of `admitted` succeeds for exactly one caller, so concurrent paths
-/// release once.
+/// release once. A handshake still counted ends with it.
 #[inline(always)]
 pub fn release(state: *mut SockState) -> bool {
     // Most sockets hold no admission when asked (every connect asks first): a plain
@@ -108,17 +112,49 @@ pub fn release(state: *mut SockState) -> bool {
     if unsafe { atomic_xchg::<u32, { SeqCst }>(&raw mut (*state).admitted, 0) } != 1 {
         return false;
     }
-    let (dst, charged, dst_epoch) = unsafe { ((*state).dst, (*state).charged, (*state).dst_epoch) };
-    // Levels as charged by connect: bit 0 destination, 1 rule, 2 scope.
-    if charged & 1 != 0
-        && let Some(c) = COUNTERS.get_ptr_mut(&dst)
-        // The daemon forgets idle destination entries; one created again since this
-        // admission does not hold it.
-        && unsafe { (*c).epoch } == dst_epoch
-    {
-        add(unsafe { &raw mut (*c).active }, u64::MAX);
+    end_handshake(state);
+    for c in charged_counters(state) {
+        if !c.is_null() {
+            add(unsafe { &raw mut (*c).active }, u64::MAX);
+        }
     }
-    let above = [
+    true
+}
+
+/// Ends the handshake the admission counts in `connecting`, once: when the connection
+/// is established (sock_ops ACTIVE_ESTABLISHED_CB) or released, whichever is first.
+#[inline(always)]
+pub fn end_handshake(state: *mut SockState) {
+    if state.is_null()
+        || unsafe { core::ptr::read_volatile(&raw const (*state).connecting) } != 1
+        || unsafe { atomic_xchg::<u32, { SeqCst }>(&raw mut (*state).connecting, 0) } != 1
+    {
+        return;
+    }
+    for c in charged_counters(state) {
+        if !c.is_null() {
+            add(unsafe { &raw mut (*c).connecting }, u64::MAX);
+        }
+    }
+}
+
+/// The counters the socket's admission charged (null where a level was not): bit 0 of
+/// `charged` destination, 1 rule, 2 scope.
+#[inline(always)]
+fn charged_counters(state: *mut SockState) -> [*mut Counter; 3] {
+    let (dst, charged, dst_epoch) = unsafe { ((*state).dst, (*state).charged, (*state).dst_epoch) };
+    let dst_counter = if charged & 1 == 0 {
+        core::ptr::null_mut()
+    } else {
+        match COUNTERS.get_ptr_mut(&dst) {
+            // The daemon forgets idle destination entries; one created again since this
+            // admission does not hold it.
+            Some(c) if unsafe { (*c).epoch } == dst_epoch => c,
+            _ => core::ptr::null_mut(),
+        }
+    };
+    [
+        dst_counter,
         if charged & 2 != 0 {
             rule_counter(dst.rule_id)
         } else {
@@ -129,12 +165,36 @@ pub fn release(state: *mut SockState) -> bool {
         } else {
             core::ptr::null_mut()
         },
-    ];
-    for c in above {
-        if !c.is_null() {
-            add(unsafe { &raw mut (*c).active }, u64::MAX);
-        }
+    ]
+}
+
+/// Takes a token from the counter's bucket of `burst` tokens refilled one per
+/// `interval` ns, at `now` (CLOCK_MONOTONIC ns); false when it holds none. A
+/// compare-and-swap of the theoretical arrival time, so concurrent attempts each take
+/// a distinct token. Beyond 8 lost races it admits, counted as an internal error.
+#[inline(always)]
+pub fn take_token(c: *mut Counter, interval: u64, burst: u32, now: u64) -> bool {
+    let tat = unsafe { &raw mut (*c).rate_tat };
+    let limit = now + interval * burst as u64;
+    let mut seen = unsafe { core::ptr::read_volatile(tat) };
+    if seen > limit {
+        // Past what these limits allow: a reload lowered the interval or the burst. The
+        // bucket is empty, not in debt (and not refilled).
+        let _ = replace(tat, seen, limit);
+        return false;
     }
+    for _ in 0..8 {
+        let next = if seen > now { seen } else { now } + interval;
+        if next > limit {
+            return false;
+        }
+        let (cur, ok) = unsafe { atomic_cxchg::<u64, { SeqCst }, { SeqCst }>(tat, seen, next) };
+        if ok {
+            return true;
+        }
+        seen = cur;
+    }
+    count_stat(STAT_INTERNAL_ERRORS);
     true
 }
 

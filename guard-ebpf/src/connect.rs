@@ -4,17 +4,22 @@
 //! unconnected and in TCP_CLOSE, so EINPROGRESS/EALREADY retries do not run them again
 //! (net/ipv4/af_inet.c); TCP Fast Open (sendmsg with MSG_FASTOPEN) runs them too.
 use aya_ebpf::{
-    EbpfContext, helpers::generated::bpf_get_netns_cookie, macros::cgroup_sock_addr,
-    maps::lpm_trie::Key, programs::SockAddrContext,
+    EbpfContext,
+    helpers::generated::{bpf_get_netns_cookie, bpf_ktime_get_ns},
+    macros::cgroup_sock_addr,
+    maps::lpm_trie::Key,
+    programs::SockAddrContext,
 };
 use guard_common::{
-    CgroupKey, Counter, CounterKey, MAX_CANDIDATES, MODE_ENFORCE, NO_RULE, PortUseKey,
+    CgroupKey, CounterKey, Limits, MAX_CANDIDATES, MODE_ENFORCE, NO_RULE, PortUseKey,
     RULE_KEY_FIXED_BITS, RuleAddrKey, RuleRef, STAT_INTERNAL_ERRORS, STAT_LEASE_EXPIRED, SockState,
     linux::IPPROTO_TCP,
 };
 
 use crate::{
-    accounting::{add, count_stat, counter, raise_peak, release, rule_counter, scope_counter},
+    accounting::{
+        add, count_stat, counter, raise_peak, release, rule_counter, scope_counter, take_token,
+    },
     maps::{ACTIVE_GEN, PORT_USE, RULES, SCOPES, lease_held, storage},
     net::{ipv4_mapped, opaque_zero, words_addr},
     scope::{current_in_root, nearest_selected},
@@ -150,14 +155,15 @@ pub fn charge(
     } else {
         None
     };
-    let (rule_id, per_endpoint, rule_max, rule_watermark) = match rule {
-        Some(r) => (
-            r.rule_id,
-            r.per_endpoint != 0,
-            r.max_connections,
-            r.port_watermark,
-        ),
-        None => (NO_RULE, false, 0, 0),
+    let none = Limits {
+        max_connections: 0,
+        rate_interval_ns: 0,
+        rate_burst: 0,
+        max_connecting: 0,
+    };
+    let (rule_id, per_endpoint, rule_limits, rule_watermark) = match rule {
+        Some(r) => (r.rule_id, r.per_endpoint != 0, r.limits, r.port_watermark),
+        None => (NO_RULE, false, none, 0),
     };
     let watermark = if rule_watermark != 0 {
         rule_watermark
@@ -182,11 +188,11 @@ pub fn charge(
         _pad: 0,
         addr,
     };
-    // Budgets by level: destination, rule, scope.
-    let maxes = [
-        if per_endpoint { rule_max } else { 0 },
-        if per_endpoint { 0 } else { rule_max },
-        scope.max_connections,
+    // Limits by level: destination, rule, scope.
+    let limits = [
+        if per_endpoint { rule_limits } else { none },
+        if per_endpoint { none } else { rule_limits },
+        scope.limits,
     ];
     // A level whose counter cannot be created (full map) is skipped, and counted as an
     // internal error: fail-open for that level, the others still hold. A level not
@@ -209,29 +215,83 @@ pub fn charge(
             count_stat(STAT_INTERNAL_ERRORS);
         }
     }
+    // The clock only for a rate: most scopes have none.
+    let now = if limits.iter().any(|l| l.rate_interval_ns != 0) && may_shed {
+        unsafe { bpf_ktime_get_ns() }
+    } else {
+        0
+    };
 
     // Reserve at every level first, then look: concurrent connects each see a distinct
-    // previous value, so a budget of N admits at most N.
+    // previous value, so a budget of N admits at most N. A seeded connection (not
+    // `may_shed`) is established already: no handshake, no token.
     let mut olds = [0u64; 3];
-    let mut over = ports_over;
+    let mut over_budget = ports_over;
+    let mut over_rate = false;
+    let mut over_handshakes = false;
+    let mut tokens = 0u32;
     for i in 0..3 {
         let c = counters[i];
-        if !c.is_null() {
-            olds[i] = add(unsafe { &raw mut (*c).active }, 1);
-            // Signed: a count below 0 (see guard_common::Counter) spends no budget.
-            if maxes[i] != 0 && olds[i] as i64 >= maxes[i] as i64 {
-                over = true;
+        if c.is_null() {
+            continue;
+        }
+        let l = &limits[i];
+        olds[i] = add(unsafe { &raw mut (*c).active }, 1);
+        // Signed: a count below 0 (see guard_common::Counter) spends no budget.
+        if l.max_connections != 0 && olds[i] as i64 >= l.max_connections as i64 {
+            over_budget = true;
+        }
+        if !may_shed {
+            continue;
+        }
+        let connecting = add(unsafe { &raw mut (*c).connecting }, 1);
+        if l.max_connecting != 0 && connecting as i64 >= l.max_connecting as i64 {
+            over_handshakes = true;
+        }
+        if l.rate_interval_ns != 0 {
+            if take_token(c, l.rate_interval_ns, l.rate_burst, now) {
+                tokens |= 1 << i;
+            } else {
+                over_rate = true;
             }
         }
     }
-    if over && scope.mode == MODE_ENFORCE && may_shed && !lease_held() {
-        count_stat(STAT_LEASE_EXPIRED);
-    } else if over && scope.mode == MODE_ENFORCE && may_shed {
-        for &c in counters.iter().filter(|c| !c.is_null()) {
-            add(unsafe { &raw mut (*c).active }, u64::MAX);
-            add(unsafe { &raw mut (*c).shed }, 1);
+    if (over_budget || over_rate || over_handshakes) && may_shed {
+        // Shed in enforce mode while the daemon's lease holds; else admitted, counted as
+        // would-be shed. The tokens go back either way, so that observe mode sees the
+        // bucket enforce mode would.
+        let shed = scope.mode == MODE_ENFORCE && lease_held();
+        if scope.mode == MODE_ENFORCE && !shed {
+            count_stat(STAT_LEASE_EXPIRED);
         }
-        return Charge::Shed(scope.errno);
+        for i in 0..3 {
+            let c = counters[i];
+            if c.is_null() {
+                continue;
+            }
+            if tokens & (1 << i) != 0 {
+                add(
+                    unsafe { &raw mut (*c).rate_tat },
+                    limits[i].rate_interval_ns.wrapping_neg(),
+                );
+            }
+            if over_rate {
+                add(unsafe { &raw mut (*c).rate_limited }, 1);
+            }
+            if over_handshakes {
+                add(unsafe { &raw mut (*c).handshake_limited }, 1);
+            }
+            if shed {
+                add(unsafe { &raw mut (*c).active }, u64::MAX);
+                add(unsafe { &raw mut (*c).connecting }, u64::MAX);
+                add(unsafe { &raw mut (*c).shed }, 1);
+            } else {
+                add(unsafe { &raw mut (*c).would_shed }, 1);
+            }
+        }
+        if shed {
+            return Charge::Shed(scope.errno);
+        }
     }
     unsafe {
         (*state).dst = dst;
@@ -241,6 +301,7 @@ pub fn charge(
             (*counters[0]).epoch
         };
         (*state).charged = charged;
+        (*state).connecting = may_shed as u32;
         (*state).netns = netns;
         (*state).armed = 0;
         (*state).admitted = 1;
@@ -249,9 +310,6 @@ pub fn charge(
         let c = counters[i];
         if !c.is_null() {
             add(unsafe { &raw mut (*c).admitted }, 1);
-            if over && may_shed {
-                add(unsafe { &raw mut (*c).would_shed }, 1);
-            }
             if (olds[i] as i64) >= 0 {
                 raise_peak(unsafe { &raw mut (*c).peak }, olds[i] + 1);
             }

@@ -10,7 +10,10 @@
 //! another socket on the same CPU skips the nested run (`recursion_misses`), which
 //! leaked about 2 admissions in 100,000 connections here when it was the only path.
 use aya_ebpf::{
-    bindings::{BPF_SOCK_OPS_STATE_CB, BPF_SOCK_OPS_STATE_CB_FLAG, BPF_SOCK_OPS_TCP_CONNECT_CB},
+    bindings::{
+        BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB, BPF_SOCK_OPS_STATE_CB, BPF_SOCK_OPS_STATE_CB_FLAG,
+        BPF_SOCK_OPS_TCP_CONNECT_CB,
+    },
     macros::{cgroup_sock, sock_ops},
     programs::{SockContext, SockOpsContext},
 };
@@ -20,7 +23,7 @@ use guard_common::{
 };
 
 use crate::{
-    accounting::{bump, release},
+    accounting::{bump, end_handshake, release},
     maps::{TIME_WAITS, storage},
     net::{ipv4_mapped, words_addr},
 };
@@ -33,11 +36,14 @@ const TIME_WAIT_FROM: [u32; 3] = [TCP_FIN_WAIT1, TCP_FIN_WAIT2, TCP_CLOSING];
 /// TCP_CONNECT_CB (tcp_connect, before the SYN) asks for state callbacks on admitted
 /// sockets and notes the local address; STATE_CB then sees every transition into
 /// TCP_CLOSE: reset, timeout, orderly close, the birth of a TIME_WAIT entry
-/// (FIN_WAIT2 -> CLOSE), and the abort of a pending connect.
+/// (FIN_WAIT2 -> CLOSE), and the abort of a pending connect. ACTIVE_ESTABLISHED_CB
+/// (the SYN-ACK came; every sock_ops program gets it, with no flag to set) ends the
+/// handshake that `max_connecting` counts.
 #[sock_ops]
 pub fn sock_state(ctx: SockOpsContext) -> u32 {
     let op = ctx.op();
     if op != BPF_SOCK_OPS_TCP_CONNECT_CB
+        && op != BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB
         && !(op == BPF_SOCK_OPS_STATE_CB && ctx.arg(1) == TCP_CLOSE)
     {
         return 1;
@@ -47,7 +53,9 @@ pub fn sock_state(ctx: SockOpsContext) -> u32 {
         return 1;
     }
     let state = storage(sk, false);
-    if op == BPF_SOCK_OPS_STATE_CB {
+    if op == BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB {
+        end_handshake(state);
+    } else if op == BPF_SOCK_OPS_STATE_CB {
         // Only an armed admission: the callback flag outlives a failed connect, and an
         // unarmed one (the port search failed) is the tracepoint's to count.
         if !state.is_null() && unsafe { (*state).armed } != 0 {

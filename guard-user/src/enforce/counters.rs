@@ -65,15 +65,17 @@ impl Counters {
     }
 
     /// Forgets destination entries that stayed idle (no active connection, no new
-    /// admission or shed) since the previous call, but those `listed` keeps: the
+    /// admission or shed, a full token bucket) since the previous call, but those `listed` keeps: the
     /// destinations that /metrics lists, whose series would start again from 0 if their
     /// entry were made again. Scope and rule totals (in their own arrays) keep counting.
     /// Returns how many entries were forgotten.
     pub fn forget_idle(&mut self, listed: impl Fn(&CounterKey) -> bool) -> usize {
         let mut idle = HashMap::new();
         let mut forgotten = 0;
+        let now_ns = guard_common::monotonic_ns();
         for (key, c) in self.destinations() {
-            if c.active != 0 || listed(&key) {
+            // A bucket not yet full again would start full if made anew.
+            if c.active != 0 || c.connecting != 0 || c.rate_tat > now_ns || listed(&key) {
                 continue;
             }
             let total = c.admitted + c.shed + c.would_shed;

@@ -8,7 +8,7 @@ use std::net::Ipv6Addr;
 use guard_common::{Candidates, RULE_KEY_FIXED_BITS, RuleAddrKey, RuleRef, ScopeConf};
 use ipnet::{IpNet, Ipv6Net};
 
-use super::{Rule, Scope};
+use super::{Limits, Rate, Rule, Scope};
 
 /// A scope as SCOPES holds it, under its stable id.
 pub fn scope_conf(scope: &Scope, scope_id: u32) -> ScopeConf {
@@ -17,7 +17,7 @@ pub fn scope_conf(scope: &Scope, scope_id: u32) -> ScopeConf {
         mode: scope.mode,
         errno: scope.errno as u32,
         has_rules: !scope.rules.is_empty() as u32,
-        max_connections: scope.max_connections.unwrap_or(0),
+        limits: limits(&scope.limits),
         port_watermark: scope.port_watermark.unwrap_or(0),
         _pad: 0,
     }
@@ -28,13 +28,23 @@ pub fn rule_ref(rule: &Rule, rule_id: u32) -> RuleRef {
     let mut r = RuleRef {
         rule_id,
         per_endpoint: rule.per_endpoint as u32,
-        max_connections: rule.max_connections.unwrap_or(0),
+        limits: limits(&rule.limits),
         n_ports: rule.ports.len() as u32,
         port_watermark: rule.port_watermark.unwrap_or(0),
         ..Default::default()
     };
     r.ports[..rule.ports.len()].copy_from_slice(&rule.ports);
     r
+}
+
+/// Limits as the kernel takes them: 0 for none.
+fn limits(l: &Limits) -> guard_common::Limits {
+    guard_common::Limits {
+        max_connections: l.max_connections.unwrap_or(0),
+        rate_interval_ns: l.rate.as_ref().map_or(0, Rate::interval_ns),
+        rate_burst: l.rate.as_ref().map_or(0, |r| r.burst),
+        max_connecting: l.max_connecting.unwrap_or(0),
+    }
 }
 
 /// One RULES entry: the prefix length in bits (of the whole key) and the key's data.

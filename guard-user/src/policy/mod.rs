@@ -50,8 +50,7 @@ pub struct Scope {
     pub selector: Selector,
     pub mode: u32,
     pub errno: i32,
-    /// Budget of active connections; None = no budget.
-    pub max_connections: Option<u64>,
+    pub limits: Limits,
     /// Port watermark in thousandths of the ephemeral range; None = none.
     pub port_watermark: Option<u32>,
     pub rules: Vec<Rule>,
@@ -144,10 +143,67 @@ pub struct Rule {
     pub dst: Vec<IpNet>,
     /// Empty = every port.
     pub ports: Vec<PortRange>,
-    pub max_connections: Option<u64>,
+    /// For each endpoint when `per_endpoint`, else for the whole rule.
+    pub limits: Limits,
     pub per_endpoint: bool,
     /// Port watermark in thousandths of the ephemeral range; None = the scope's.
     pub port_watermark: Option<u32>,
+}
+
+/// The limits of a scope or a rule; None = no such limit.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Limits {
+    /// Budget of active connections.
+    pub max_connections: Option<u64>,
+    /// Most connections in the handshake (SYN_SENT) at once.
+    pub max_connecting: Option<u32>,
+    /// Budget of new connection attempts.
+    pub rate: Option<Rate>,
+}
+
+/// A token bucket of new connection attempts: `count` tokens per `unit`, `burst` held at
+/// most.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rate {
+    pub count: u64,
+    pub unit: RateUnit,
+    pub burst: u32,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RateUnit {
+    Second,
+    Minute,
+}
+
+impl RateUnit {
+    pub fn ns(self) -> u64 {
+        match self {
+            RateUnit::Second => 1_000_000_000,
+            RateUnit::Minute => 60_000_000_000,
+        }
+    }
+
+    pub fn suffix(self) -> &'static str {
+        match self {
+            RateUnit::Second => "s",
+            RateUnit::Minute => "min",
+        }
+    }
+}
+
+impl Rate {
+    /// ns between two tokens, rounded to the nearest (at least 1).
+    pub fn interval_ns(&self) -> u64 {
+        ((self.unit.ns() + self.count / 2) / self.count).max(1)
+    }
+}
+
+impl fmt::Display for Rate {
+    /// As the policy writes it: `200/s`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.count, self.unit.suffix())
+    }
 }
 
 /// A policy error at a place in a file.

@@ -11,7 +11,7 @@ use serde::Deserialize;
 use toml::Spanned;
 
 use super::{
-    ERRNOS, ListenerPolicy, Policy, PolicyError, Rule, Scope, Selector,
+    ERRNOS, Limits, ListenerPolicy, Policy, PolicyError, Rate, RateUnit, Rule, Scope, Selector,
     compile::{candidates_of, rule_prefixes, unmapped_net},
 };
 
@@ -47,6 +47,9 @@ struct RawScope {
     mode: Option<Spanned<String>>,
     errno: Option<Spanned<String>>,
     max_connections: Option<Spanned<i64>>,
+    max_connecting: Option<Spanned<i64>>,
+    rate: Option<Spanned<String>>,
+    burst: Option<Spanned<i64>>,
     port_watermark: Option<Spanned<f64>>,
     #[serde(default)]
     rule: Vec<Spanned<RawRule>>,
@@ -59,6 +62,9 @@ struct RawRule {
     dst: Option<Vec<Spanned<String>>>,
     ports: Option<Vec<Spanned<PortSpec>>>,
     max_connections: Option<Spanned<i64>>,
+    max_connecting: Option<Spanned<i64>>,
+    rate: Option<Spanned<String>>,
+    burst: Option<Spanned<i64>>,
     per: Option<Spanned<String>>,
     port_watermark: Option<Spanned<f64>>,
 }
@@ -157,7 +163,15 @@ pub fn parse(text: &str, file: &str) -> Result<Policy, PolicyError> {
                     )
                 })?,
         };
-        let max_connections = at_least_one(&s.max_connections, "max_connections", &at)?;
+        let limits = parse_limits(
+            RawLimits {
+                max_connections: &s.max_connections,
+                max_connecting: &s.max_connecting,
+                rate: &s.rate,
+                burst: &s.burst,
+            },
+            &at,
+        )?;
         let mut rule_names = HashSet::new();
         let mut rules = Vec::new();
         for (i, r) in s.rule.into_iter().enumerate() {
@@ -185,7 +199,7 @@ pub fn parse(text: &str, file: &str) -> Result<Policy, PolicyError> {
             selector,
             mode,
             errno,
-            max_connections,
+            limits,
             port_watermark,
             rules,
         });
@@ -328,18 +342,113 @@ fn parse_rule(
             ));
         }
     };
-    let max_connections = at_least_one(&r.max_connections, "max_connections", at)?;
+    let limits = parse_limits(
+        RawLimits {
+            max_connections: &r.max_connections,
+            max_connecting: &r.max_connecting,
+            rate: &r.rate,
+            burst: &r.burst,
+        },
+        at,
+    )?;
     Ok(Rule {
         name,
         dst,
         ports,
-        max_connections,
+        limits,
         per_endpoint,
         port_watermark,
     })
 }
 
-/// A fraction of the ephemeral range, kept in thousandths.
+/// The limit keys a scope and a rule share.
+struct RawLimits<'a> {
+    max_connections: &'a Option<Spanned<i64>>,
+    max_connecting: &'a Option<Spanned<i64>>,
+    rate: &'a Option<Spanned<String>>,
+    burst: &'a Option<Spanned<i64>>,
+}
+
+/// Most tokens a bucket may hold.
+const MAX_BURST: i64 = 1_000_000;
+
+fn parse_limits(
+    raw: RawLimits,
+    at: &impl Fn(Range<usize>, String) -> PolicyError,
+) -> Result<Limits, PolicyError> {
+    let max_connecting = at_least_one(raw.max_connecting, "max_connecting", at)?;
+    let max_connecting = match (max_connecting, raw.max_connecting) {
+        (Some(n), Some(v)) if n > u32::MAX as u64 => {
+            return Err(at(
+                v.span(),
+                format!("max_connecting must be at most {} (got {n})", u32::MAX),
+            ));
+        }
+        (n, _) => n.map(|n| n as u32),
+    };
+    let rate = match (raw.rate, raw.burst) {
+        (None, None) => None,
+        (None, Some(b)) => {
+            return Err(at(
+                b.span(),
+                "burst needs a rate (like rate = \"200/s\")".into(),
+            ));
+        }
+        (Some(r), burst) => {
+            let (count, unit) = parse_rate(r.get_ref()).map_err(|reason| at(r.span(), reason))?;
+            // By default the bucket holds one second's tokens (at least one).
+            let burst = match burst {
+                None => (count * 1_000_000_000).div_ceil(unit.ns()).max(1) as i64,
+                Some(b) if (1..=MAX_BURST).contains(b.get_ref()) => *b.get_ref(),
+                Some(b) => {
+                    return Err(at(
+                        b.span(),
+                        format!(
+                            "burst must be 1 to {MAX_BURST} attempts (got {})",
+                            b.get_ref()
+                        ),
+                    ));
+                }
+            };
+            Some(Rate {
+                count,
+                unit,
+                burst: burst.min(MAX_BURST) as u32,
+            })
+        }
+    };
+    Ok(Limits {
+        max_connections: at_least_one(raw.max_connections, "max_connections", at)?,
+        max_connecting,
+        rate,
+    })
+}
+
+/// `N/s` or `N/min`: N new connection attempts per second or minute, N at least 1 and
+/// at most one a nanosecond.
+fn parse_rate(text: &str) -> Result<(u64, RateUnit), String> {
+    let bad = |why: &str| format!("rate {text:?} {why}; write it like \"200/s\" or \"30/min\"");
+    let (n, unit) = text.split_once('/').ok_or_else(|| bad("has no unit"))?;
+    let unit = match unit.trim() {
+        "s" => RateUnit::Second,
+        "min" => RateUnit::Minute,
+        _ => return Err(bad("has an unknown unit (known: s, min)")),
+    };
+    let count: u64 = n
+        .trim()
+        .parse()
+        .map_err(|_| bad("does not start with a whole number"))?;
+    if count == 0 {
+        return Err(bad(
+            "is 0, which would shed every attempt (leave it out for no rate)",
+        ));
+    }
+    if count > unit.ns() {
+        return Err(bad("is more than one attempt a nanosecond"));
+    }
+    Ok((count, unit))
+}
+
 /// A fraction in (0, 1] of `of`, kept in thousandths (at least 1).
 fn fraction(
     v: &Option<Spanned<f64>>,
@@ -486,7 +595,7 @@ per = "rule"
                 libc::ECONNREFUSED
             )
         );
-        assert_eq!(s.max_connections, Some(500));
+        assert_eq!(s.limits.max_connections, Some(500));
         let r = &s.rules[0];
         assert_eq!(r.dst.len(), 3);
         assert_eq!(
@@ -506,7 +615,10 @@ per = "rule"
                 }
             ]
         );
-        assert_eq!((r.max_connections, r.per_endpoint), (Some(20), false));
+        assert_eq!(
+            (r.limits.max_connections, r.per_endpoint),
+            (Some(20), false)
+        );
     }
 
     #[test]
@@ -517,7 +629,7 @@ per = "rule"
             (
                 p.scopes[0].cgroup.as_str(),
                 p.scopes[0].mode,
-                p.scopes[0].max_connections
+                p.scopes[0].limits.max_connections
             ),
             ("", MODE_OBSERVE, None)
         );
@@ -571,6 +683,61 @@ per = "rule"
             err("[[scope]]\nname = \"a\"\ncgroup = \"x[\"\n"),
             "p.toml:3:10: bad cgroup pattern: unclosed character class; missing ']'"
         );
+    }
+
+    #[test]
+    fn rates_and_handshake_budgets_parse_and_name_their_errors() {
+        let p = parse(
+            "[[scope]]\nname = \"a\"\ncgroup = \"x\"\nrate = \"200/s\"\nburst = 50\nmax_connecting = 20\n\
+             [[scope.rule]]\nrate = \"30/min\"\n[[scope.rule]]\nrate = \"3/s\"\n",
+            "p.toml",
+        )
+        .unwrap();
+        let s = &p.scopes[0];
+        let rate = s.limits.rate.as_ref().unwrap();
+        assert_eq!(
+            (rate.to_string(), rate.burst, rate.interval_ns()),
+            ("200/s".into(), 50, 5_000_000)
+        );
+        assert_eq!(s.limits.max_connecting, Some(20));
+        // One second's tokens by default, at least one; intervals rounded to the ns.
+        let r = s.rules[0].limits.rate.as_ref().unwrap();
+        assert_eq!((r.burst, r.interval_ns()), (1, 2_000_000_000));
+        let r = s.rules[1].limits.rate.as_ref().unwrap();
+        assert_eq!((r.burst, r.interval_ns()), (3, 333_333_333));
+        let head = "[[scope]]\nname = \"a\"\ncgroup = \"x\"\n";
+        for (text, want) in [
+            (
+                "rate = \"0/s\"",
+                "p.toml:4:8: rate \"0/s\" is 0, which would shed every attempt (leave it out for no rate); write it like \"200/s\" or \"30/min\"",
+            ),
+            (
+                "rate = \"5/h\"",
+                "p.toml:4:8: rate \"5/h\" has an unknown unit (known: s, min); write it like \"200/s\" or \"30/min\"",
+            ),
+            (
+                "rate = \"200\"",
+                "p.toml:4:8: rate \"200\" has no unit; write it like \"200/s\" or \"30/min\"",
+            ),
+            (
+                "rate = \"1.5/s\"",
+                "p.toml:4:8: rate \"1.5/s\" does not start with a whole number; write it like \"200/s\" or \"30/min\"",
+            ),
+            (
+                "burst = 5",
+                "p.toml:4:9: burst needs a rate (like rate = \"200/s\")",
+            ),
+            (
+                "rate = \"1/s\"\nburst = 0",
+                "p.toml:5:9: burst must be 1 to 1000000 attempts (got 0)",
+            ),
+            (
+                "max_connecting = 0",
+                "p.toml:4:18: max_connecting must be at least 1 (got 0); leave it out for no budget",
+            ),
+        ] {
+            assert_eq!(err(&format!("{head}{text}\n")), want, "{text}");
+        }
     }
 
     #[test]

@@ -20,11 +20,18 @@ use super::snapshot::{Counts, ScopeStats, Snapshot};
 /// under dst="other" to bound cardinality.
 pub const METRIC_TOP_DESTINATIONS: usize = 20;
 
-/// Admitted, shed and would_shed: what a destination series counts.
-type Totals = [u64; 3];
+/// Admitted, shed, would_shed, rate_limited and handshake_limited: what a destination
+/// series counts.
+type Totals = [u64; 5];
 
 fn totals(c: &Counts) -> Totals {
-    [c.admitted, c.shed, c.would_shed]
+    [
+        c.admitted,
+        c.shed,
+        c.would_shed,
+        c.rate_limited,
+        c.handshake_limited,
+    ]
 }
 
 /// What /metrics exported of each scope's destinations, kept from one scrape to the
@@ -60,10 +67,10 @@ impl Exported {
             let now = totals(&d.counts);
             let before = match self.listed.get(&d.key) {
                 Some(before) => *before,
-                None if first => [0; 3],
+                None if first => [0; 5],
                 None => now,
             };
-            for i in 0..3 {
+            for i in 0..5 {
                 credited[i] += now[i].saturating_sub(before[i]);
             }
             listed.insert(d.key, now);
@@ -71,7 +78,7 @@ impl Exported {
         let scope = totals(&s.counts);
         // Never below the last export: a connection is counted at its destination just
         // before its scope, and a scrape between the two sees the scope short.
-        for i in 0..3 {
+        for i in 0..5 {
             exported[i] = exported[i].max(scope[i].saturating_sub(credited[i]));
         }
         *exported
@@ -118,6 +125,21 @@ pub fn render(snap: &Snapshot, exported: &mut Exported) -> String {
         "scope_would_shed_connections",
         "Connections observe mode would have refused",
     );
+    let s_connecting = gauge(
+        &mut reg,
+        "scope_connecting_connections",
+        "Connections of the scope in the handshake (admitted, SYN_SENT)",
+    );
+    let s_rate = counter(
+        &mut reg,
+        "scope_rate_limited_connections",
+        "Connection attempts of the scope over a new-connection rate (shed, or would be in observe mode)",
+    );
+    let s_handshake = counter(
+        &mut reg,
+        "scope_handshake_limited_connections",
+        "Connection attempts of the scope over a max_connecting (shed, or would be in observe mode)",
+    );
     let d_active = gauge(
         &mut reg,
         "destination_active_connections",
@@ -137,6 +159,21 @@ pub fn render(snap: &Snapshot, exported: &mut Exported) -> String {
         &mut reg,
         "destination_would_shed_connections",
         "Connections observe mode would have refused per destination",
+    );
+    let d_connecting = gauge(
+        &mut reg,
+        "destination_connecting_connections",
+        "Connections in the handshake (admitted, SYN_SENT) per destination",
+    );
+    let d_rate = counter(
+        &mut reg,
+        "destination_rate_limited_connections",
+        "Connection attempts over a new-connection rate per destination",
+    );
+    let d_handshake = counter(
+        &mut reg,
+        "destination_handshake_limited_connections",
+        "Connection attempts over a max_connecting per destination",
     );
     let internal = PromCounter::<u64>::default();
     reg.register(
@@ -191,7 +228,7 @@ pub fn render(snap: &Snapshot, exported: &mut Exported) -> String {
         run_time.clone(),
     );
 
-    let mut listed = HashMap::new();
+    let mut listed_now = HashMap::new();
     for s in &snap.scopes {
         let l = || vec![("scope", s.name.clone())];
         s_active.get_or_create(&l()).set(s.counts.active as i64);
@@ -199,12 +236,23 @@ pub fn render(snap: &Snapshot, exported: &mut Exported) -> String {
         s_adm.get_or_create(&l()).inc_by(s.counts.admitted);
         s_shed.get_or_create(&l()).inc_by(s.counts.shed);
         s_would.get_or_create(&l()).inc_by(s.counts.would_shed);
+        s_connecting
+            .get_or_create(&l())
+            .set(s.counts.connecting as i64);
+        s_rate.get_or_create(&l()).inc_by(s.counts.rate_limited);
+        s_handshake
+            .get_or_create(&l())
+            .inc_by(s.counts.handshake_limited);
         // The snapshot lists the busiest destinations (METRIC_TOP_DESTINATIONS) and
         // `other` counts the rest: label cardinality stays bounded.
-        let listed_active: u64 = s.destinations.iter().map(|d| d.counts.active).sum();
+        // What the listed destinations leave of a scope's gauge.
+        let unlisted = |f: fn(&Counts) -> u64| -> u64 {
+            let sum: u64 = s.destinations.iter().map(|d| f(&d.counts)).sum();
+            f(&s.counts).saturating_sub(sum)
+        };
         let other = (
-            s.counts.active.saturating_sub(listed_active),
-            exported.other(s, &mut listed),
+            [unlisted(|c| c.active), unlisted(|c| c.connecting)],
+            exported.other(s, &mut listed_now),
         );
         let rows = s
             .destinations
@@ -213,11 +261,13 @@ pub fn render(snap: &Snapshot, exported: &mut Exported) -> String {
                 (
                     d.rule.as_deref().unwrap_or_default(),
                     d.dst.as_str(),
-                    (d.counts.active, totals(&d.counts)),
+                    ([d.counts.active, d.counts.connecting], totals(&d.counts)),
                 )
             })
             .chain([("", "other", other)]);
-        for (rule, dst, (active, [admitted, shed, would_shed])) in rows {
+        for (rule, dst, ([active, connecting], [admitted, shed, would_shed, rate, handshake])) in
+            rows
+        {
             let l = vec![
                 ("scope", s.name.clone()),
                 ("rule", rule.to_string()),
@@ -227,9 +277,12 @@ pub fn render(snap: &Snapshot, exported: &mut Exported) -> String {
             d_adm.get_or_create(&l).inc_by(admitted);
             d_shed.get_or_create(&l).inc_by(shed);
             d_would.get_or_create(&l).inc_by(would_shed);
+            d_connecting.get_or_create(&l).set(connecting as i64);
+            d_rate.get_or_create(&l).inc_by(rate);
+            d_handshake.get_or_create(&l).inc_by(handshake);
         }
     }
-    exported.listed = listed;
+    exported.listed = listed_now;
     let tw = counter(
         &mut reg,
         "scope_time_wait_created",
@@ -409,7 +462,7 @@ mod tests {
                 name: "api".into(),
                 cgroup: "/".into(),
                 mode: "enforce".into(),
-                max_connections: None,
+                limits: Default::default(),
                 counts: scope,
                 time_wait_created: 0,
                 rules: Vec::new(),
@@ -484,10 +537,10 @@ mod tests {
             "{text}"
         );
         assert!(!text.contains("# EOF"), "{text}");
-        // 4 series per listed destination, 4 for the rest.
+        // 7 series per listed destination, 7 for the rest.
         let series = text
             .lines()
             .filter(|l| l.starts_with("connguard_destination_"));
-        assert_eq!(series.count(), 8, "{text}");
+        assert_eq!(series.count(), 14, "{text}");
     }
 }

@@ -13,7 +13,7 @@ use crate::{
     enforce::{counters::CounterDump, ids::Ids, port_watch::WatchedPort},
     kernel::{features::Features, object::ProgramCost},
     listen::ListenerStats,
-    policy::{Policy, mode_name},
+    policy::{Limits, Policy, mode_name},
 };
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -94,6 +94,15 @@ pub struct Counts {
     pub admitted: u64,
     pub shed: u64,
     pub would_shed: u64,
+    /// Admitted and in the handshake (SYN_SENT) now (absent from the answers of older
+    /// daemons, like the two below).
+    #[serde(default)]
+    pub connecting: u64,
+    /// Of `shed` and `would_shed`: attempts over the rate, and over `max_connecting`.
+    #[serde(default)]
+    pub rate_limited: u64,
+    #[serde(default)]
+    pub handshake_limited: u64,
 }
 
 impl From<&Counter> for Counts {
@@ -105,6 +114,9 @@ impl From<&Counter> for Counts {
             admitted: c.admitted,
             shed: c.shed,
             would_shed: c.would_shed,
+            connecting: (c.connecting as i64).max(0) as u64,
+            rate_limited: c.rate_limited,
+            handshake_limited: c.handshake_limited,
         }
     }
 }
@@ -114,7 +126,8 @@ pub struct ScopeStats {
     pub name: String,
     pub cgroup: String,
     pub mode: String,
-    pub max_connections: Option<u64>,
+    #[serde(flatten)]
+    pub limits: LimitStats,
     #[serde(flatten)]
     pub counts: Counts,
     /// TIME_WAIT entries born on the scope's connections (total).
@@ -126,11 +139,38 @@ pub struct ScopeStats {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct RuleStats {
     pub name: String,
-    pub max_connections: Option<u64>,
+    #[serde(flatten)]
+    pub limits: LimitStats,
     /// "endpoint" or "rule".
     pub per: String,
     #[serde(flatten)]
     pub counts: Counts,
+}
+
+/// A scope's or rule's limits as the policy sets them; null for none.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct LimitStats {
+    pub max_connections: Option<u64>,
+    /// Absent from the answers of older daemons, like the two below.
+    #[serde(default)]
+    pub max_connecting: Option<u32>,
+    /// New connection attempts, as the policy writes it: "200/s", "30/min".
+    #[serde(default)]
+    pub rate: Option<String>,
+    /// Tokens the rate's bucket holds when full.
+    #[serde(default)]
+    pub burst: Option<u32>,
+}
+
+impl From<&Limits> for LimitStats {
+    fn from(l: &Limits) -> Self {
+        LimitStats {
+            max_connections: l.max_connections,
+            max_connecting: l.max_connecting,
+            rate: l.rate.as_ref().map(|r| r.to_string()),
+            burst: l.rate.as_ref().map(|r| r.burst),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -207,7 +247,7 @@ pub fn scopes(
             .zip(rule_ids)
             .map(|(r, id)| RuleStats {
                 name: r.name.clone(),
-                max_connections: r.max_connections,
+                limits: (&r.limits).into(),
                 per: if r.per_endpoint { "endpoint" } else { "rule" }.into(),
                 counts: total(&rule_totals, id),
             })
@@ -225,7 +265,7 @@ pub fn scopes(
                 s.cgroup.clone()
             },
             mode: mode_name(s.mode).into(),
-            max_connections: s.max_connections,
+            limits: (&s.limits).into(),
             counts: total(&scope_totals, scope_id),
             time_wait_created: scope_id
                 .and_then(|id| time_waits.get(&id).copied())

@@ -37,19 +37,34 @@ pub fn stats(snap: &Snapshot) -> String {
         );
     }
     for s in &snap.scopes {
-        let budget = s
+        let l = &s.limits;
+        let budget = l
             .max_connections
             .map_or("none".to_string(), |m| m.to_string());
+        let mut limits = format!("budget {budget}");
+        if let Some(n) = l.max_connecting {
+            let _ = write!(limits, "  max_connecting {n}");
+        }
+        if let (Some(rate), Some(burst)) = (&l.rate, l.burst) {
+            let _ = write!(limits, "  rate {rate} burst {burst}");
+        }
         let _ = writeln!(
             out,
-            "\nscope {} [{}] cgroup {}  budget {}",
-            s.name, s.mode, s.cgroup, budget
+            "\nscope {} [{}] cgroup {}  {limits}",
+            s.name, s.mode, s.cgroup
         );
         let c = &s.counts;
         let _ = writeln!(
             out,
-            "  active {}  peak {}  admitted {}  shed {}  would_shed {}",
-            c.active, c.peak, c.admitted, c.shed, c.would_shed
+            "  active {}  peak {}  connecting {}  admitted {}  shed {}  would_shed {}  (over rate {}, over max_connecting {})",
+            c.active,
+            c.peak,
+            c.connecting,
+            c.admitted,
+            c.shed,
+            c.would_shed,
+            c.rate_limited,
+            c.handshake_limited
         );
         if s.destinations.is_empty() {
             continue;

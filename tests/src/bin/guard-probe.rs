@@ -32,7 +32,9 @@ const USAGE: &str = "usage: guard-probe connect ADDR COUNT CONCURRENCY
        guard-probe spray NETNS_PATH COUNT PORT
        guard-probe shedlat NETNS_PATH ADDR COUNT [TIMEOUT_MS]
        guard-probe talk NETNS_PATH ADDR ROUNDS INTERVAL_MS
-       guard-probe mixed NETNS_PATH COUNT";
+       guard-probe mixed NETNS_PATH COUNT
+       guard-probe paced ADDR COUNT SPREAD_MS
+       guard-probe handshakes NETNS_PATH ADDR COUNT TIMEOUT_MS";
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -247,6 +249,11 @@ fn main() -> anyhow::Result<()> {
             hold(&out.into_inner().unwrap(), held)
         }
         "mixed" => mixed(arg(1)?, num(2)?)?,
+        "paced" => paced(arg(1)?.parse()?, num(2)?, num(3)?),
+        "handshakes" => {
+            enter_netns(arg(1)?)?;
+            handshakes(arg(2)?.parse()?, num(3)?, num(4)?)
+        }
         _ => anyhow::bail!(USAGE),
     };
     println!("{}", serde_json::to_string(&out)?);
@@ -381,6 +388,60 @@ fn burst(
     });
     // A client succeeds once at most: `ok` counts clients.
     (out.into_inner().unwrap(), held.into_inner().unwrap())
+}
+
+/// COUNT connects to ADDR from one thread, the i-th started SPREAD_MS × i / COUNT after
+/// the first; each connection is closed at once. `categories`: elapsed_us, from the
+/// start of the first connect() to the start of the last.
+fn paced(addr: SocketAddr, count: u64, spread_ms: u64) -> Outcome {
+    let out = Mutex::new(Outcome::default());
+    let first = Instant::now();
+    let mut last = first;
+    for i in 0..count {
+        let due = first + Duration::from_micros(spread_ms * 1000 * i / count);
+        while Instant::now() < due {
+            std::hint::spin_loop();
+        }
+        let s = tcp_socket(&addr);
+        last = Instant::now();
+        record(&out, &s.connect(&addr.into()), last);
+    }
+    let mut out = out.into_inner().unwrap();
+    out.categories
+        .insert("elapsed_us".into(), (last - first).as_micros() as u64);
+    out
+}
+
+/// COUNT connects to ADDR from threads started together, each given up after
+/// TIMEOUT_MS (TIMEOUT in `errors`). `categories`: refused_max_us, the longest a
+/// refused connect() took.
+fn handshakes(addr: SocketAddr, count: u64, timeout_ms: u64) -> Outcome {
+    let out = Arc::new(Mutex::new(Outcome::default()));
+    let refused_max = Arc::new(Mutex::new(0u64));
+    let barrier = Arc::new(Barrier::new(count as usize));
+    let threads: Vec<_> = (0..count)
+        .map(|_| {
+            let (out, refused_max, barrier) = (out.clone(), refused_max.clone(), barrier.clone());
+            thread::spawn(move || {
+                let s = tcp_socket(&addr);
+                barrier.wait();
+                let started = Instant::now();
+                let r = s.connect_timeout(&addr.into(), Duration::from_millis(timeout_ms));
+                if r.as_ref()
+                    .is_err_and(|e| e.raw_os_error() == Some(libc::ECONNREFUSED))
+                {
+                    let mut m = refused_max.lock().unwrap();
+                    *m = (*m).max(started.elapsed().as_micros() as u64);
+                }
+                record(&out, &r, started);
+            })
+        })
+        .collect();
+    threads.into_iter().for_each(|t| t.join().unwrap());
+    let mut out = Arc::try_unwrap(out).unwrap().into_inner().unwrap();
+    let refused_max = *refused_max.lock().unwrap();
+    out.categories.insert("refused_max_us".into(), refused_max);
+    out
 }
 
 /// COUNT blocking connects from CONCURRENCY threads started together; returns the

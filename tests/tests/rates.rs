@@ -1,0 +1,225 @@
+//! New-connection rates (token buckets) and handshake budgets (`max_connecting`), on
+//! real connects from a test cgroup: to a loopback server, and to an address inside a
+//! test netns that swallows SYNs.
+use std::{
+    net::SocketAddr,
+    time::{Duration, Instant},
+};
+
+use connguard_tests::{Cgroup, Daemon, Netns, Outcome, Server, destination, free_port, n};
+use serde_json::Value;
+
+/// A scope over `cg` with one rule for `dst` (an address) and `port` carrying `limits`
+/// (TOML lines), for each endpoint.
+fn policy(cg: &Cgroup, mode: &str, dst: &str, port: u16, limits: &str) -> String {
+    format!(
+        "[[scope]]\nname = \"s\"\ncgroup = \"{}\"\nmode = \"{mode}\"\n\n\
+         [[scope.rule]]\nname = \"r\"\ndst = [\"{dst}\"]\nports = [\"{port}\"]\n{limits}\n",
+        cg.rel
+    )
+}
+
+/// What a bucket of `burst` tokens refilled one per `interval_us` admits over attempts
+/// spread across `elapsed_us`, starting full: the burst, and a token per interval.
+fn admissible(burst: u64, interval_us: u64, elapsed_us: u64) -> u64 {
+    burst + elapsed_us / interval_us
+}
+
+/// 1,000 attempts in 100 ms to `addr` against `rate = "100/s"`, `burst = 10` (as
+/// `mode`).
+fn thousand_in_100ms(mode: &str, addr: SocketAddr) -> (Outcome, Value) {
+    let cg = Cgroup::new("rate");
+    let d = Daemon::start(&policy(
+        &cg,
+        mode,
+        "127.0.0.1",
+        addr.port(),
+        "rate = \"100/s\"\nburst = 10",
+    ));
+    let out = cg.probe(&["paced", &addr.to_string(), "1000", "100"]);
+    let s = d.scope("s");
+    (out, destination(&s, &addr.to_string()).clone())
+}
+
+/// Enforced, a rate admits its burst and then one attempt per interval, exactly (± 1 for
+/// an attempt that lands on a token's edge); every other attempt fails with
+/// ECONNREFUSED at once.
+#[test]
+fn a_rate_admits_the_burst_and_a_token_per_interval_and_refuses_the_rest_at_once() {
+    let server = Server::start("127.0.0.1:0");
+    let (out, dst) = thousand_in_100ms("enforce", server.addr);
+    let want = admissible(10, 10_000, out.categories["elapsed_us"]);
+    assert!(
+        out.ok.abs_diff(want) <= 1,
+        "{} admitted, want {want}: {out:?}",
+        out.ok
+    );
+    assert_eq!(out.ok + out.errors("ECONNREFUSED"), 1000, "{out:?}");
+    // A refusal is the connect hook's answer, no packet: well under a millisecond on
+    // the host; the bound leaves room for a TCG guest.
+    assert!(out.max_error_us < 10_000, "{out:?}");
+    assert_eq!(
+        (
+            n(&dst, "admitted"),
+            n(&dst, "shed"),
+            n(&dst, "rate_limited")
+        ),
+        (out.ok, 1000 - out.ok, 1000 - out.ok),
+        "{dst}"
+    );
+    assert_eq!(n(&dst, "handshake_limited"), 0, "{dst}");
+}
+
+/// Observe mode runs the same bucket: it admits every attempt and counts as would-be
+/// shed what enforce mode refuses for the same timing. To a closed port, which the
+/// kernel refuses in microseconds: 1,000 connections to a server would come unevenly
+/// (an accept queue that overflows stalls a connect for a SYN retransmit, and a bucket
+/// holds no more than its burst over a stall).
+#[test]
+fn observe_mode_counts_what_the_rate_would_refuse() {
+    let closed = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let (out, dst) = thousand_in_100ms("observe", closed);
+    assert_eq!(out.errors("ECONNREFUSED"), 1000, "{out:?}");
+    let want = 1000 - admissible(10, 10_000, out.categories["elapsed_us"]);
+    let would = n(&dst, "would_shed");
+    assert!(
+        would.abs_diff(want) <= 1,
+        "{would} would_shed, want {want}: {dst}"
+    );
+    assert_eq!(
+        (
+            n(&dst, "shed"),
+            n(&dst, "rate_limited"),
+            n(&dst, "admitted")
+        ),
+        (0, would, 1000),
+        "{dst}"
+    );
+}
+
+/// A reload keeps the bucket of a rule that keeps its name: an empty bucket stays empty.
+/// A reload to a faster rate leaves it empty, not in debt: the next token comes one new
+/// interval later, not after the old rate's.
+#[test]
+fn a_reload_keeps_the_bucket_and_a_faster_rate_starts_from_empty() {
+    let server = Server::start("127.0.0.1:0");
+    let addr = server.addr.to_string();
+    let cg = Cgroup::new("ratereload");
+    let slow = policy(
+        &cg,
+        "enforce",
+        "127.0.0.1",
+        server.addr.port(),
+        "rate = \"1/min\"\nburst = 2",
+    );
+    let d = Daemon::start(&slow);
+    let out = cg.probe(&["connect", &addr, "3", "1"]);
+    assert_eq!((out.ok, out.errors("ECONNREFUSED")), (2, 1), "{out:?}");
+    let reload = |text: &str, generation: u64| {
+        std::fs::write(&d.policy, text).unwrap();
+        let r = d.cli(&["reload"]);
+        assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+        assert_eq!(d.stats()["policy"]["generation"], generation);
+    };
+    reload(&format!("{slow}max_connections = 100\n"), 2);
+    let out = cg.probe(&["connect", &addr, "1", "1"]);
+    assert_eq!(
+        out.errors("ECONNREFUSED"),
+        1,
+        "the bucket was refilled: {out:?}"
+    );
+    reload(
+        &policy(
+            &cg,
+            "enforce",
+            "127.0.0.1",
+            server.addr.port(),
+            "rate = \"100/s\"\nburst = 1",
+        ),
+        3,
+    );
+    // The first attempt finds the old debt and empties the bucket; 10 ms later a token.
+    let until = Instant::now() + Duration::from_secs(2);
+    let mut tries = 0;
+    loop {
+        tries += 1;
+        let out = cg.probe(&["connect", &addr, "1", "1"]);
+        if out.ok == 1 {
+            break;
+        }
+        assert!(
+            Instant::now() < until,
+            "no token 2 s after a reload to 100/s"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(tries <= 3, "{tries} tries");
+    let s = d.scope("s");
+    let dst = destination(&s, &addr);
+    assert_eq!(n(dst, "admitted"), 3, "{dst}");
+}
+
+/// `max_connecting = 5` against a destination that never answers: of 50 connects at
+/// once, exactly 5 wait in SYN_SENT and 45 fail with ECONNREFUSED at once. When the 5
+/// give up, their handshakes end, and 5 new ones may start.
+#[test]
+fn max_connecting_lets_five_handshakes_wait_and_refuses_the_rest_at_once() {
+    let ns = Netns::with_blackhole("cghs");
+    let cg = Cgroup::new("handshakes");
+    let d = Daemon::start(&policy(
+        &cg,
+        "enforce",
+        "192.0.2.2",
+        80,
+        "max_connecting = 5",
+    ));
+    for round in 1..=2u64 {
+        let out = cg.probe(&["handshakes", &ns.path(), "192.0.2.2:80", "50", "1000"]);
+        assert_eq!(
+            (out.errors("TIMEOUT"), out.errors("ECONNREFUSED"), out.ok),
+            (5, 45, 0),
+            "round {round}: {out:?}"
+        );
+        assert!(out.categories["refused_max_us"] < 10_000, "{out:?}");
+        let s = d.wait_scope("s", Duration::from_secs(5), |s| n(s, "active") == 0);
+        let dst = destination(&s, "192.0.2.2:80");
+        assert_eq!(
+            (
+                n(dst, "connecting"),
+                n(dst, "admitted"),
+                n(dst, "shed"),
+                n(dst, "handshake_limited"),
+                n(dst, "rate_limited")
+            ),
+            (0, 5 * round, 45 * round, 45 * round, 0),
+            "round {round}: {dst}"
+        );
+    }
+}
+
+/// A handshake ends when the connection is established: 20 connections held open to a
+/// server, one at a time, all admitted under `max_connecting = 1`, none connecting.
+#[test]
+fn an_established_connection_leaves_the_handshake_budget() {
+    let server = Server::start("127.0.0.1:0");
+    let cg = Cgroup::new("hsdone");
+    let d = Daemon::start(&policy(
+        &cg,
+        "enforce",
+        "127.0.0.1",
+        server.addr.port(),
+        "max_connecting = 1",
+    ));
+    let held = cg.hold(&server.addr, 20, 1);
+    assert_eq!(held.outcome.ok, 20, "{:?}", held.outcome);
+    let s = d.scope("s");
+    let dst = destination(&s, &server.addr.to_string());
+    assert_eq!(
+        (n(dst, "active"), n(dst, "connecting"), n(dst, "shed")),
+        (20, 0, 0),
+        "{dst}"
+    );
+    drop(held);
+    let s = d.wait_scope("s", Duration::from_secs(5), |s| n(s, "active") == 0);
+    assert_eq!((n(&s, "active"), n(&s, "connecting")), (0, 0), "{s}");
+}
