@@ -128,6 +128,9 @@ pub struct ScopeConf {
     pub has_rules: u32,
     /// Limits of the whole scope.
     pub limits: Limits,
+    /// The breaker of each destination endpoint the scope's connections go to, but for
+    /// those of a rule with its own (`window_ns` 0: none).
+    pub breaker: BreakerConf,
     /// Shed when ports held toward the destination reach this many thousandths of the
     /// ephemeral range (see `PORT_USE`); 0 = no watermark. A matching rule's own
     /// watermark takes precedence.
@@ -189,6 +192,117 @@ pub struct Limits {
     pub max_connecting: u32,
 }
 
+/// A circuit breaker's policy, per destination endpoint, on connect outcomes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BreakerConf {
+    /// The sliding window over which outcomes are counted, ns; 0 = no breaker. Kept in
+    /// BREAKER_SLOTS slots of window / BREAKER_SLOTS.
+    pub window_ns: u64,
+    /// How long it stays open the first time, and at most (doubled at each opening in a
+    /// row), ns.
+    pub open_ns: u64,
+    pub max_open_ns: u64,
+    /// A handshake that takes this long (ns) or longer is slow; 0 = none is.
+    pub slow_ns: u64,
+    /// Outcomes the window must hold before it may open.
+    pub min_samples: u32,
+    /// It opens when failures (slow handshakes), in thousandths of the window's
+    /// outcomes, reach this (0 = never for slow ones).
+    pub failure_permille: u32,
+    pub slow_permille: u32,
+    /// Successes in a row that take half-open to its next step.
+    pub step_successes: u32,
+    /// Positive errno of a connect() it sheds.
+    pub errno: u32,
+    /// Steps of `ramp` in use; the last is 100.
+    pub n_steps: u32,
+    /// Percent of attempts let through at each half-open step.
+    pub ramp: [u8; MAX_RAMP_STEPS],
+}
+
+/// Most steps a breaker's half-open ramp has.
+pub const MAX_RAMP_STEPS: usize = 8;
+/// Slots of a breaker's window (a power of two: its index is a mask).
+pub const BREAKER_SLOTS: usize = 16;
+
+pub const BREAKER_CLOSED: u32 = 0;
+pub const BREAKER_OPEN: u32 = 1;
+pub const BREAKER_HALF_OPEN: u32 = 2;
+
+/// Value of `BREAKERS` (key: the destination's [`CounterKey`]): one endpoint's breaker.
+/// The connect hook makes every transition, at the attempt that finds it due; the
+/// outcome paths only count.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Breaker {
+    /// BREAKER_* in bits 0-7, the half-open step in bits 8-15, and in bits 32-63 the
+    /// phase: +1 at every transition, so that an outcome counts in the phase of its
+    /// attempt. Changed by compare-and-swap, by the one attempt that makes the move.
+    pub status: u64,
+    /// CLOCK_MONOTONIC ns at which an open breaker half-opens.
+    pub open_until: u64,
+    /// Half-open: attempts so far times the step's percent (an attempt is let through
+    /// each time this passes a multiple of 100).
+    pub ramp_credit: u64,
+    /// Copies of the policy's slot length and slow threshold, for the outcome paths
+    /// (written by the connect hook).
+    pub slot_ns: u64,
+    pub slow_ns: u64,
+    /// Each slot: its number (time / slot_ns, low 16 bits) in bits 48-63, and outcomes
+    /// ended, failed and slow, 16 bits each (saturating), in bits 32-47, 16-31, 0-15.
+    pub slots: [u64; BREAKER_SLOTS],
+    /// Openings in a row since it was last closed.
+    pub opens_in_row: u32,
+    /// Half-open: successes in a row in this phase; a failure sets `half_open_failed`.
+    pub successes: u32,
+    pub half_open_failed: u32,
+    pub _pad: u32,
+}
+
+/// A record of `EVENTS`, the ring buffer of what changed and why.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Event {
+    /// CLOCK_MONOTONIC ns.
+    pub time_ns: u64,
+    /// EVENT_*.
+    pub kind: u32,
+    /// Breaker: the half-open step (0-based) and its percent; limit events: 0.
+    pub step: u32,
+    pub percent: u32,
+    /// Breaker opening: the window's outcomes, failures and slow handshakes that
+    /// tripped it (half-open: those of the phase); limit events: 0.
+    pub ended: u32,
+    pub failures: u32,
+    pub slow: u32,
+    /// Shedding started: REASON_* bits of the attempt that started it.
+    pub reasons: u32,
+    /// Breaker opening: how long it stays open, ns.
+    pub open_ns: u64,
+    /// The destination's key; for shedding events at rule or scope level (`level` 1,
+    /// 2), the address and port are zero.
+    pub key: CounterKey,
+    /// 0 destination, 1 rule, 2 scope.
+    pub level: u32,
+}
+
+pub const EVENT_BREAKER_OPENED: u32 = 1;
+pub const EVENT_BREAKER_HALF_OPEN: u32 = 2;
+pub const EVENT_BREAKER_CLOSED: u32 = 3;
+/// A key started to shed (observe mode: would shed), and stopped: the first attempt
+/// admitted within every limit after sheds.
+pub const EVENT_SHEDDING_STARTED: u32 = 4;
+pub const EVENT_SHEDDING_STOPPED: u32 = 5;
+
+/// Why an attempt was shed: a spent `max_connections` or port watermark, no token, a
+/// full `max_connecting`, a breaker; OBSERVE: only counted (observe mode).
+pub const REASON_BUDGET: u32 = 1;
+pub const REASON_RATE: u32 = 2;
+pub const REASON_HANDSHAKES: u32 = 4;
+pub const REASON_BREAKER: u32 = 8;
+pub const REASON_OBSERVE: u32 = 0x80;
+
 /// One rule as the kernel sees it.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -199,6 +313,8 @@ pub struct RuleRef {
     pub per_endpoint: u32,
     /// All 0: the rule only names traffic.
     pub limits: Limits,
+    /// The breaker of each endpoint of the rule (`window_ns` 0: the scope's).
+    pub breaker: BreakerConf,
     /// Number of used entries in `ports`; 0 = every port.
     pub n_ports: u32,
     pub ports: [PortRange; MAX_PORT_RANGES],
@@ -270,10 +386,21 @@ pub struct Counter {
     pub epoch: u64,
     /// Admitted and in the handshake: not yet established, nor closed.
     pub connecting: u64,
-    /// Of `shed` and `would_shed`: attempts over the new-connection rate, and over
-    /// `max_connecting` (an attempt over both counts in both).
+    /// Of `shed` and `would_shed`: attempts over the new-connection rate, over
+    /// `max_connecting`, and met by an open breaker (an attempt over several counts in
+    /// each).
     pub rate_limited: u64,
     pub handshake_limited: u64,
+    pub breaker_limited: u64,
+    /// Breaker transitions of the destination's endpoint (at rule and scope level, of
+    /// their endpoints): to open (from closed or half-open), to a half-open step, to
+    /// closed.
+    pub breaker_opened: u64,
+    pub breaker_half_opened: u64,
+    pub breaker_closed: u64,
+    /// CLOCK_MONOTONIC ns of the first shed (or would-be shed) since the last admission
+    /// within every limit; 0 while none: one event when it starts, one when it stops.
+    pub shedding_since: u64,
     /// The token bucket of the new-connection rate, as the generic cell rate
     /// algorithm's theoretical arrival time: the CLOCK_MONOTONIC ns at which the bucket
     /// is full again (in the past: full). An admission moves it one interval later,
@@ -302,6 +429,17 @@ pub struct SockState {
     /// 1 while the admission is counted in `connecting` at its charged levels; swapped
     /// to 0 by the one path that ends the handshake (established, or released).
     pub connecting: u32,
+    /// 1 while the connect's outcome is owed to its destination's breaker; swapped to 0
+    /// by the path that reports it (established, or closed from SYN_SENT).
+    pub breaker_owed: u32,
+    /// The breaker's phase at the attempt.
+    pub breaker_phase: u32,
+    /// CLOCK_MONOTONIC ns of the connect, when a breaker is owed its outcome.
+    pub connect_ns: u64,
+    /// Scratch of the connect hook: a word stored and loaded back, because the
+    /// verifier does not follow values through map memory, so the paths that differ
+    /// only in its value are verified once.
+    pub scratch: u64,
     /// `epoch` of the destination entry the admission charged.
     pub dst_epoch: u64,
     /// Network namespace cookie of the socket, taken at connect (sock_ops programs get
@@ -422,6 +560,8 @@ mod pod {
     unsafe impl aya::Pod for CgroupKey {}
     unsafe impl aya::Pod for ScopeConf {}
     unsafe impl aya::Pod for Limits {}
+    unsafe impl aya::Pod for Breaker {}
+    unsafe impl aya::Pod for Event {}
     unsafe impl aya::Pod for RuleAddrKey {}
     unsafe impl aya::Pod for Candidates {}
     unsafe impl aya::Pod for CounterKey {}

@@ -25,6 +25,8 @@ pub mod map {
     pub const IDS: &str = "IDS";
     pub const LEASE: &str = "LEASE";
     pub const SEED_KEY: &str = "SEED_KEY";
+    pub const BREAKERS: &str = "BREAKERS";
+    pub const EVENTS: &str = "EVENTS";
     /// The maps pinned in the state directory, which outlive the daemon: what the
     /// programs count, the sockets' own state, and the names the counts are kept by.
     /// The policy maps are not: a daemon writes its own, and programs of the daemon
@@ -39,6 +41,7 @@ pub mod map {
         STATS,
         IDS,
         LEASE,
+        BREAKERS,
     ];
     /// Every map of the object.
     pub const ALL: &[&str] = &[
@@ -62,6 +65,8 @@ pub mod map {
         IDS,
         LEASE,
         SEED_KEY,
+        BREAKERS,
+        EVENTS,
     ];
 }
 

@@ -71,6 +71,11 @@ pub fn counter(key: &CounterKey) -> Option<*mut Counter> {
         connecting: z,
         rate_limited: z,
         handshake_limited: z,
+        breaker_limited: z,
+        breaker_opened: z,
+        breaker_half_opened: z,
+        breaker_closed: z,
+        shedding_since: z,
         rate_tat: z,
     };
     let _ = COUNTERS.insert(key, fresh, BPF_NOEXIST as u64);

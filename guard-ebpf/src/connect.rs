@@ -11,15 +11,20 @@ use aya_ebpf::{
     programs::SockAddrContext,
 };
 use guard_common::{
-    CgroupKey, CounterKey, Limits, MAX_CANDIDATES, MODE_ENFORCE, NO_RULE, PortUseKey,
+    Candidates, CgroupKey, Counter, CounterKey, EVENT_BREAKER_HALF_OPEN, EVENT_BREAKER_OPENED,
+    EVENT_SHEDDING_STARTED, EVENT_SHEDDING_STOPPED, Limits, MAX_CANDIDATES, MODE_ENFORCE, NO_RULE,
+    PortUseKey, REASON_BREAKER, REASON_BUDGET, REASON_HANDSHAKES, REASON_OBSERVE, REASON_RATE,
     RULE_KEY_FIXED_BITS, RuleAddrKey, RuleRef, STAT_INTERNAL_ERRORS, STAT_LEASE_EXPIRED, SockState,
     linux::IPPROTO_TCP,
 };
 
 use crate::{
     accounting::{
-        add, count_stat, counter, raise_peak, release, rule_counter, scope_counter, take_token,
+        add, count_stat, counter, raise_peak, release, replace, rule_counter, scope_counter,
+        take_token,
     },
+    breaker,
+    events::{self, Detail},
     maps::{ACTIVE_GEN, PORT_USE, RULES, SCOPES, lease_held, storage},
     net::{ipv4_mapped, opaque_zero, words_addr},
     scope::{current_in_root, nearest_selected},
@@ -34,6 +39,14 @@ const SOCK_STREAM: u32 = 1;
 /// the call on the dead branch, because .rodata is frozen.
 #[unsafe(no_mangle)]
 static HAS_SET_RETVAL: u8 = 1;
+
+/// The limits of a level that has none.
+static NO_LIMITS: Limits = Limits {
+    max_connections: 0,
+    rate_interval_ns: 0,
+    rate_burst: 0,
+    max_connecting: 0,
+};
 
 /// connect() on a TCP socket; UDP and every other socket pass untouched.
 #[inline(always)]
@@ -148,22 +161,32 @@ pub fn charge(
     }) else {
         return Charge::NoScope;
     };
-    let scope = *scope;
 
+    // The rule as an index laundered before it is used: each candidate's own pointer
+    // would be a path of its own through the rest of this function for the verifier.
     let rule = if scope.has_rules != 0 {
-        match_rule(gen_, scope.scope_id, addr, port)
+        match_rule(gen_, scope.scope_id, addr, port).and_then(|(cands, i)| {
+            let i = launder(state, i as u64) as usize;
+            if i < MAX_CANDIDATES {
+                cands.rules.get(i)
+            } else {
+                None
+            }
+        })
     } else {
         None
     };
-    let none = Limits {
-        max_connections: 0,
-        rate_interval_ns: 0,
-        rate_burst: 0,
-        max_connecting: 0,
-    };
+    // References into the maps' values throughout: copies of these would not fit the
+    // 512-byte stack.
+    let none = &NO_LIMITS;
     let (rule_id, per_endpoint, rule_limits, rule_watermark) = match rule {
-        Some(r) => (r.rule_id, r.per_endpoint != 0, r.limits, r.port_watermark),
+        Some(r) => (r.rule_id, r.per_endpoint != 0, &r.limits, r.port_watermark),
         None => (NO_RULE, false, none, 0),
+    };
+    // The rule's breaker, else the scope's.
+    let breaker = match rule {
+        Some(r) if r.breaker.window_ns != 0 => &r.breaker,
+        _ => &scope.breaker,
     };
     let watermark = if rule_watermark != 0 {
         rule_watermark
@@ -192,7 +215,7 @@ pub fn charge(
     let limits = [
         if per_endpoint { rule_limits } else { none },
         if per_endpoint { none } else { rule_limits },
-        scope.limits,
+        &scope.limits,
     ];
     // A level whose counter cannot be created (full map) is skipped, and counted as an
     // internal error: fail-open for that level, the others still hold. A level not
@@ -215,48 +238,85 @@ pub fn charge(
             count_stat(STAT_INTERNAL_ERRORS);
         }
     }
-    // The clock only for a rate: most scopes have none.
-    let now = if limits.iter().any(|l| l.rate_interval_ns != 0) && may_shed {
+    // The clock only for a rate or a breaker: most scopes have neither.
+    let has_breaker = breaker.window_ns != 0 && may_shed;
+    let now = if (limits.iter().any(|l| l.rate_interval_ns != 0) && may_shed) || has_breaker {
         unsafe { bpf_ktime_get_ns() }
     } else {
         0
     };
+    // Why the attempt is over a limit: REASON_* bits.
+    let mut reasons = if ports_over { REASON_BUDGET } else { 0 };
+    let (mut breaker_phase, mut owed, mut moved) = (0, false, 0);
+    if has_breaker {
+        match breaker::Decision::unpack(launder(state, breaker::decide(&dst, breaker, now))) {
+            Some(d) => {
+                if d.shed {
+                    reasons |= REASON_BREAKER;
+                }
+                breaker_phase = d.phase;
+                owed = !d.shed;
+                moved = d.moved;
+            }
+            None => count_stat(STAT_INTERNAL_ERRORS),
+        }
+    }
 
     // Reserve at every level first, then look: concurrent connects each see a distinct
     // previous value, so a budget of N admits at most N. A seeded connection (not
     // `may_shed`) is established already: no handshake, no token.
     let mut olds = [0u64; 3];
-    let mut over_budget = ports_over;
-    let mut over_rate = false;
-    let mut over_handshakes = false;
     let mut tokens = 0u32;
+    // Bit i: level i is over one of its limits (the watermark and the breaker are the
+    // destination's).
+    let mut over_levels = (reasons != 0) as u32;
     for i in 0..3 {
         let c = counters[i];
         if c.is_null() {
             continue;
         }
-        let l = &limits[i];
+        let l = limits[i];
+        if moved != 0 {
+            let transitions = match moved {
+                EVENT_BREAKER_OPENED => unsafe { &raw mut (*c).breaker_opened },
+                EVENT_BREAKER_HALF_OPEN => unsafe { &raw mut (*c).breaker_half_opened },
+                _ => unsafe { &raw mut (*c).breaker_closed },
+            };
+            add(transitions, 1);
+        }
         olds[i] = add(unsafe { &raw mut (*c).active }, 1);
         // Signed: a count below 0 (see guard_common::Counter) spends no budget.
         if l.max_connections != 0 && olds[i] as i64 >= l.max_connections as i64 {
-            over_budget = true;
+            reasons |= REASON_BUDGET;
+            over_levels |= 1 << i;
         }
         if !may_shed {
             continue;
         }
         let connecting = add(unsafe { &raw mut (*c).connecting }, 1);
         if l.max_connecting != 0 && connecting as i64 >= l.max_connecting as i64 {
-            over_handshakes = true;
+            reasons |= REASON_HANDSHAKES;
+            over_levels |= 1 << i;
         }
         if l.rate_interval_ns != 0 {
             if take_token(c, l.rate_interval_ns, l.rate_burst, now) {
                 tokens |= 1 << i;
             } else {
-                over_rate = true;
+                reasons |= REASON_RATE;
+                over_levels |= 1 << i;
             }
         }
     }
-    if (over_budget || over_rate || over_handshakes) && may_shed {
+    // The paths of the levels' branches meet here as one.
+    let flags = launder(
+        state,
+        reasons as u64 | (tokens as u64) << 8 | (over_levels as u64) << 16,
+    );
+    let reasons = (flags & 0xff) as u32;
+    let tokens = (flags >> 8) as u32 & 0xff;
+    let over_levels = (flags >> 16) as u32 & 0xff;
+    let over = reasons != 0;
+    if over && may_shed {
         // Shed in enforce mode while the daemon's lease holds; else admitted, counted as
         // would-be shed. The tokens go back either way, so that observe mode sees the
         // bucket enforce mode would.
@@ -275,11 +335,14 @@ pub fn charge(
                     limits[i].rate_interval_ns.wrapping_neg(),
                 );
             }
-            if over_rate {
+            if reasons & REASON_RATE != 0 {
                 add(unsafe { &raw mut (*c).rate_limited }, 1);
             }
-            if over_handshakes {
+            if reasons & REASON_HANDSHAKES != 0 {
                 add(unsafe { &raw mut (*c).handshake_limited }, 1);
+            }
+            if reasons & REASON_BREAKER != 0 {
+                add(unsafe { &raw mut (*c).breaker_limited }, 1);
             }
             if shed {
                 add(unsafe { &raw mut (*c).active }, u64::MAX);
@@ -288,9 +351,18 @@ pub fn charge(
             } else {
                 add(unsafe { &raw mut (*c).would_shed }, 1);
             }
+            if over_levels & (1 << i) != 0 {
+                let observe = if shed { 0 } else { REASON_OBSERVE };
+                shedding(c, &dst, i as u32, Some(reasons | observe));
+            }
         }
         if shed {
-            return Charge::Shed(scope.errno);
+            let errno = if reasons & REASON_BREAKER != 0 && breaker.errno != 0 {
+                breaker.errno
+            } else {
+                scope.errno
+            };
+            return Charge::Shed(errno);
         }
     }
     unsafe {
@@ -302,6 +374,11 @@ pub fn charge(
         };
         (*state).charged = charged;
         (*state).connecting = may_shed as u32;
+        // An attempt that would have been shed (observe mode) owes its breaker nothing:
+        // in enforce mode it would not have been made.
+        (*state).breaker_owed = (owed && !over) as u32;
+        (*state).breaker_phase = breaker_phase;
+        (*state).connect_ns = now;
         (*state).netns = netns;
         (*state).armed = 0;
         (*state).admitted = 1;
@@ -310,12 +387,69 @@ pub fn charge(
         let c = counters[i];
         if !c.is_null() {
             add(unsafe { &raw mut (*c).admitted }, 1);
+            if may_shed && !over {
+                shedding(c, &dst, i as u32, None);
+            }
             if (olds[i] as i64) >= 0 {
                 raise_peak(unsafe { &raw mut (*c).peak }, olds[i] + 1);
             }
         }
     }
     Charge::Admitted
+}
+
+/// `v`, stored in the socket's scratch word and loaded back: an unknown to the verifier.
+#[inline(always)]
+fn launder(state: *mut SockState, v: u64) -> u64 {
+    unsafe {
+        core::ptr::write_volatile(&raw mut (*state).scratch, v);
+        core::ptr::read_volatile(&raw const (*state).scratch)
+    }
+}
+
+/// Reports the counter `c` of `dst`'s `level` starting to shed (with the `reasons` of
+/// the attempt that does), or, given None by an attempt admitted within every limit,
+/// stopping: one event per change, by the attempt that swaps `shedding_since`.
+#[inline(always)]
+fn shedding(c: *mut Counter, dst: &CounterKey, level: u32, reasons: Option<u32>) {
+    let since = unsafe { &raw mut (*c).shedding_since };
+    let seen = unsafe { core::ptr::read_volatile(since) };
+    let now = match reasons {
+        Some(_) if seen == 0 => unsafe { bpf_ktime_get_ns() },
+        None if seen != 0 => 0,
+        _ => return,
+    };
+    if !replace(since, seen, now) {
+        return;
+    }
+    let z = opaque_zero();
+    let key = match level {
+        0 => *dst,
+        _ => CounterKey {
+            scope_id: dst.scope_id,
+            rule_id: if level == 1 { dst.rule_id } else { NO_RULE },
+            port: 0,
+            _pad: 0,
+            addr: words_addr([z, z, z, z]),
+        },
+    };
+    let (kind, time) = match reasons {
+        Some(_) => (EVENT_SHEDDING_STARTED, now),
+        None => (EVENT_SHEDDING_STOPPED, unsafe { bpf_ktime_get_ns() }),
+    };
+    events::emit(
+        kind,
+        &key,
+        time,
+        Detail {
+            level,
+            reasons: reasons.unwrap_or(z),
+            step: z,
+            percent: z,
+            counts: [z; 3],
+            open_ns: z as u64,
+        },
+    );
 }
 
 /// Makes the refused connect() fail with `errno` (bpf_set_retval(-errno)). The verifier
@@ -332,9 +466,15 @@ fn set_errno(errno: u32) {
     unsafe { set_retval(retval) };
 }
 
-/// First rule of the scope whose destination and ports match, if any.
+/// The candidates for the destination, and the index of the first rule of the scope
+/// whose destination and ports match, if any.
 #[inline(always)]
-fn match_rule(gen_: u32, scope_id: u32, addr: [u8; 16], port: u16) -> Option<RuleRef> {
+fn match_rule(
+    gen_: u32,
+    scope_id: u32,
+    addr: [u8; 16],
+    port: u16,
+) -> Option<(&'static Candidates, usize)> {
     let key = Key::new(
         RULE_KEY_FIXED_BITS + 128,
         RuleAddrKey {
@@ -350,7 +490,7 @@ fn match_rule(gen_: u32, scope_id: u32, addr: [u8; 16], port: u16) -> Option<Rul
         }
         let r = cands.rules.get(i)?;
         if ports_match(r, port) {
-            return Some(*r);
+            return Some((cands, i));
         }
     }
     None

@@ -12,7 +12,9 @@
 
 mod accounting;
 mod adjust;
+mod breaker;
 mod connect;
+mod events;
 mod listener;
 mod maps;
 mod net;

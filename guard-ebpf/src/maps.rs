@@ -7,12 +7,12 @@ use aya_ebpf::{
     btf_maps::SkStorage,
     helpers::generated::bpf_sk_storage_get,
     macros::{btf_map, map},
-    maps::{Array, HashMap, LpmTrie, PerCpuArray},
+    maps::{Array, HashMap, LpmTrie, PerCpuArray, RingBuf},
 };
 use guard_common::{
-    Candidates, CgroupKey, Counter, CounterKey, EaddrKey, IdKey, ListenerEntry, ListenerKey,
-    MAX_RULE_IDS, MAX_SCOPE_IDS, PortUseKey, RuleAddrKey, STAT_COUNT, ScopeConf, SockState,
-    TimeWaitKey,
+    Breaker, Candidates, CgroupKey, Counter, CounterKey, EaddrKey, IdKey, ListenerEntry,
+    ListenerKey, MAX_RULE_IDS, MAX_SCOPE_IDS, PortUseKey, RuleAddrKey, STAT_COUNT, ScopeConf,
+    SockState, TimeWaitKey,
 };
 
 /// Element 0: the policy generation (0 or 1) that the programs read.
@@ -109,6 +109,16 @@ pub static LEASE: Array<u64> = Array::with_max_entries(2, 0);
 /// Element 0: the key of the seeding under way (guard_common::SeedRequest), 0 when none.
 #[map]
 pub static SEED_KEY: Array<u64> = Array::with_max_entries(1, 0);
+
+/// The circuit breakers, per destination (the key of its COUNTERS entry), created at
+/// the first attempt a breaker governs.
+#[map]
+pub static BREAKERS: HashMap<CounterKey, Breaker> =
+    HashMap::with_max_entries(65536, BPF_F_NO_PREALLOC);
+
+/// What changed and why (guard_common::Event), for `connguard events`.
+#[map]
+pub static EVENTS: RingBuf = RingBuf::with_byte_size(256 * 1024, 0);
 
 /// Whether the daemon's lease holds (see `LEASE`).
 #[inline(always)]

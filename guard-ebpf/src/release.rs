@@ -24,6 +24,7 @@ use guard_common::{
 
 use crate::{
     accounting::{bump, end_handshake, release},
+    breaker,
     maps::{TIME_WAITS, storage},
     net::{ipv4_mapped, words_addr},
 };
@@ -55,6 +56,7 @@ pub fn sock_state(ctx: SockOpsContext) -> u32 {
     let state = storage(sk, false);
     if op == BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB {
         end_handshake(state);
+        breaker::outcome(state, false);
     } else if op == BPF_SOCK_OPS_STATE_CB {
         // Only an armed admission: the callback flag outlives a failed connect, and an
         // unarmed one (the port search failed) is the tracepoint's to count.

@@ -1,6 +1,7 @@
 //! tp_btf `inet_sock_set_state`: releases an admitted socket that reaches TCP_CLOSE
 //! (for an armed one, with sock_ops STATE_CB, whichever comes first: see release.rs),
-//! and counts connect() failures for want of a local port.
+//! counts connect() failures for want of a local port, and reports a handshake that
+//! failed (SYN_SENT to TCP_CLOSE) to its breaker.
 //!
 //! The one host-wide program: a tracepoint runs for every socket of the host, which is
 //! what makes it see the sockets the state callback does not (another sock_ops program
@@ -24,6 +25,7 @@ use guard_common::{
 
 use crate::{
     accounting::{bump, release},
+    breaker,
     maps::{EADDRNOTAVAIL, storage},
     release::closed,
 };
@@ -36,7 +38,15 @@ pub fn sock_set_state(ctx: BtfTracePointContext) -> i32 {
     }
     let sk: *mut bpf_sock = ctx.arg(0);
     let state = storage(sk, false);
-    if state.is_null() || unsafe { (*state).admitted } != 1 {
+    if state.is_null() {
+        return 0;
+    }
+    // Whichever path releases it, this sees the failed handshake (the state callback
+    // runs first, and releases).
+    if old == TCP_SYN_SENT {
+        breaker::outcome(state, true);
+    }
+    if unsafe { (*state).admitted } != 1 {
         return 0;
     }
     if unsafe { (*state).armed } != 0 {

@@ -125,6 +125,20 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// A live stream of what changed and why, as the kernel reported it: a breaker
+    /// opening (with the outcomes that tripped it), its half-open steps, closing; a key
+    /// (destination, rule, scope) starting to shed and stopping. One line (or JSON
+    /// object) an event, the daemon's newest 4,096 first; until interrupted.
+    Events {
+        /// Print one JSON object a line (fields in the README).
+        #[arg(long)]
+        json: bool,
+        /// Print the events the daemon holds and exit.
+        #[arg(long)]
+        once: bool,
+        #[arg(long, value_name = "PATH", default_value = DEFAULT_SOCKET)]
+        socket: PathBuf,
+    },
     /// Ask the running daemon to re-read its policy file.
     ///
     /// A bad file is rejected (exit 1) and the policy in force stays, with its counts.

@@ -20,7 +20,7 @@ use self::jobs::Jobs;
 use crate::{
     control::{
         self,
-        protocol::{ReloadReply, Reply, Request, ScopeReply, StopReply},
+        protocol::{EventsReply, ReloadReply, Reply, Request, ScopeReply, StopReply},
         server::Handler,
     },
     diagnose::attribution::{SAMPLE_EVERY, TimeWaitRates, daemon_ports, eaddrnotavail_counts},
@@ -45,6 +45,7 @@ use crate::{
     listen::{self, ListenerGuard},
     policy::{self, ListenerPolicy, Policy},
     report::{
+        events::{self, EventLog},
         prometheus::{self, METRIC_TOP_DESTINATIONS},
         snapshot::{self, PolicyStatus, Snapshot},
     },
@@ -95,6 +96,8 @@ struct Daemon {
     port_watch: Mutex<PortWatch>,
     listeners: Mutex<ListenerGuard>,
     tw_rates: Mutex<TimeWaitRates>,
+    /// What the kernel reported through EVENTS, named.
+    events: Mutex<EventLog>,
     status: Mutex<PolicyStatus>,
     /// Held for a whole reload, so that reloads (SIGHUP, `connguard reload`) take turns.
     reloading: Mutex<()>,
@@ -499,6 +502,36 @@ impl Daemon {
     }
 }
 
+impl Daemon {
+    /// Keeps, named, every event the kernel writes to `ring`.
+    async fn read_events(
+        &self,
+        ring: aya::maps::RingBuf<aya::maps::MapData>,
+    ) -> anyhow::Result<()> {
+        // SAFETY: the ring buffer owns its map's fd, open for as long as it lives.
+        let mut ring = unsafe {
+            tokio::io::unix::AsyncFd::register_with_interest(ring, tokio::io::Interest::READABLE)
+        }
+        .map_err(|e| anyhow::anyhow!("watching EVENTS: {e}"))?;
+        let at_boot = events::unix_ms_at_boot();
+        loop {
+            let mut ready = ring.readable_mut().await?;
+            let ids = lock(&self.generations).ids();
+            let mut log = lock(&self.events);
+            while let Some(item) = ready.get_inner_mut().next() {
+                if item.len() >= std::mem::size_of::<guard_common::Event>() {
+                    // SAFETY: the kernel wrote an Event there; read unaligned.
+                    let ev = unsafe {
+                        std::ptr::read_unaligned(item.as_ptr().cast::<guard_common::Event>())
+                    };
+                    log.push(&ev, &ids, at_boot);
+                }
+            }
+            ready.clear_ready();
+        }
+    }
+}
+
 impl Handler for Daemon {
     fn handle(&self, request: Request) -> Reply {
         match request {
@@ -522,6 +555,10 @@ impl Handler for Daemon {
             Request::Stop => {
                 self.stop.notify_one();
                 Reply::Stop(StopReply { stopping: true })
+            }
+            Request::Events { since } => {
+                let (events, next) = lock(&self.events).after(since);
+                Reply::Events(EventsReply { events, next })
             }
             Request::Scope { cgroup_id } => {
                 let g = lock(&self.generations);
@@ -619,6 +656,10 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
         );
     }
     let maps = Maps::take(&mut ebpf)?;
+    let ring = aya::maps::RingBuf::try_from(
+        ebpf.take_map(guard_common::names::map::EVENTS)
+            .context("the object has no EVENTS map")?,
+    )?;
     // Held from before the first attach or adoption, so that programs shed from the
     // first connect they see.
     let mut lease = Lease::new(maps.lease, opts.lease);
@@ -654,6 +695,7 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
             per_syn,
         )),
         tw_rates: Mutex::new(tw_rates),
+        events: Mutex::default(),
         status: Mutex::new(PolicyStatus {
             source: source.clone(),
             generation: 1,
@@ -704,6 +746,12 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
             });
         }
         daemon.spawn_jobs(opts.forget_idle, opts.audit);
+        let d = daemon.clone();
+        tokio::spawn(async move {
+            if let Err(e) = d.read_events(ring).await {
+                log::error!("reading EVENTS: {e:#}; `connguard events` shows no new event");
+            }
+        });
         let mut hup = signal(SignalKind::hangup())?;
         let mut term = signal(SignalKind::terminate())?;
         let mut int = signal(SignalKind::interrupt())?;

@@ -23,7 +23,7 @@ use crate::{
     cli::{Cli, Command, NetnsArgs},
     control::{
         client,
-        protocol::{ReloadReply, Request, ScopeReply},
+        protocol::{EventsReply, ReloadReply, Request, ScopeReply},
     },
     diagnose::{attribution, listeners, ports},
     host::{cgroup, mounts, netns, ports::PortSettings, sockdiag},
@@ -105,6 +105,24 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 json,
                 listeners::table,
             )?;
+        }
+        Command::Events { json, once, socket } => {
+            let mut since = 0;
+            loop {
+                let reply: EventsReply = client::ask(&socket, Request::Events { since })?;
+                for e in &reply.events {
+                    if json {
+                        println!("{}", serde_json::to_string(e)?);
+                    } else {
+                        println!("{}", e.line());
+                    }
+                }
+                if once {
+                    return Ok(ExitCode::SUCCESS);
+                }
+                since = reply.next;
+                std::thread::sleep(std::time::Duration::from_millis(200));
+            }
         }
         Command::Top { netns } => {
             let name = enter_netns(&netns)?;

@@ -72,6 +72,7 @@ fn kernel_reports_every_feature_and_honours_without() {
             "atomic_fetch",
             "cgroup_links",
             "kernel_btf",
+            "ring_buffer",
             "ancestor_cgroup_id"
         ]),
         "{probed}"

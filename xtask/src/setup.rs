@@ -18,6 +18,7 @@ const PACKAGES: &[&str] = &[
     "iproute2",
     "nginx-light",
     "wrk",
+    "curl",
     "tmux",
     "nftables",
     "systemd",

@@ -127,7 +127,8 @@ impl Outcome {
 
 /// Modules the guest loads at boot, with their dependencies: the host root over 9p,
 /// the result port, the overlay, and what the tests use (veth pairs, clsact and tc BPF
-/// filters on kernels without tcx, sock_diag for TCP).
+/// filters on kernels without tcx, sock_diag for TCP, nftables' numgen for a dropped
+/// SYN).
 const MODULES: &[&str] = &[
     "virtio_pci",
     "9pnet_virtio",
@@ -139,6 +140,7 @@ const MODULES: &[&str] = &[
     "cls_bpf",
     "inet_diag",
     "tcp_diag",
+    "nft_numgen",
 ];
 
 /// The kernel series names, for `--kernel`.

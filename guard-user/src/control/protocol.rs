@@ -3,13 +3,17 @@
 //! daemon closes the connection. Every error is answered `{"error": "..."}`.
 //!
 //! Requests: `stats` (everything), `stats N` (at most N destinations per scope, the rest
-//! summed), `reload`, `ports NETNS_COOKIE`, `scope CGROUP_ID`, `stop` (detach, unpin
-//! and exit; answered `{"stopping": true}` before the daemon does).
+//! summed), `reload`, `ports NETNS_COOKIE`, `scope CGROUP_ID`, `events SEQ` (the events
+//! after sequence number SEQ), `stop` (detach, unpin and exit; answered
+//! `{"stopping": true}` before the daemon does).
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-use crate::{diagnose::attribution::DaemonPorts, report::snapshot::Snapshot};
+use crate::{
+    diagnose::attribution::DaemonPorts,
+    report::{events::EventRecord, snapshot::Snapshot},
+};
 
 /// Longest request line, in bytes, newline excluded.
 pub const MAX_REQUEST: usize = 4096;
@@ -25,6 +29,8 @@ pub enum Request {
     Ports { netns: u64 },
     /// The scope governing the cgroup with this id.
     Scope { cgroup_id: u64 },
+    /// The events kept after sequence number `since`.
+    Events { since: u64 },
     /// Detach, unpin and exit.
     Stop,
 }
@@ -47,6 +53,7 @@ impl Request {
             ["scope", n] => Ok(Request::Scope {
                 cgroup_id: number(n)?,
             }),
+            ["events", n] => Ok(Request::Events { since: number(n)? }),
             _ => Err(format!("unknown request {:?}", line.trim())),
         }
     }
@@ -61,6 +68,7 @@ impl fmt::Display for Request {
             Request::Stop => write!(f, "stop"),
             Request::Ports { netns } => write!(f, "ports {netns}"),
             Request::Scope { cgroup_id } => write!(f, "scope {cgroup_id}"),
+            Request::Events { since } => write!(f, "events {since}"),
         }
     }
 }
@@ -73,6 +81,7 @@ pub enum Reply {
     Reload(ReloadReply),
     Ports(DaemonPorts),
     Scope(ScopeReply),
+    Events(EventsReply),
     Stop(StopReply),
     Error(ErrorReply),
 }
@@ -94,6 +103,14 @@ impl Reply {
 pub struct ReloadReply {
     pub generation: u64,
     pub error: Option<String>,
+}
+
+/// Answer of `events`: the events kept after the sequence number asked for, oldest
+/// first, and the sequence number to ask after next.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct EventsReply {
+    pub events: Vec<EventRecord>,
+    pub next: u64,
 }
 
 /// Answer of `scope`: the scope's name, null when none governs the cgroup.
@@ -119,6 +136,7 @@ mod tests {
             Request::Reload,
             Request::Ports { netns: 4097 },
             Request::Scope { cgroup_id: 1 },
+            Request::Events { since: 7 },
             Request::Stop,
         ] {
             assert_eq!(Request::parse(&format!("{r}\n")), Ok(r));

@@ -4,8 +4,8 @@
 use std::collections::HashMap;
 
 use guard_common::{
-    Counter, CounterKey, EaddrKey, STAT_INTERNAL_ERRORS, STAT_LEASE_EXPIRED, STAT_LOST_EVENTS,
-    TimeWaitKey,
+    BREAKER_CLOSED, Breaker, Counter, CounterKey, EaddrKey, STAT_INTERNAL_ERRORS,
+    STAT_LEASE_EXPIRED, STAT_LOST_EVENTS, TimeWaitKey,
 };
 
 use crate::kernel::{batch, maps::CounterMaps};
@@ -30,6 +30,8 @@ pub struct CounterDump {
     /// TIME_WAIT entries born on each scope's connections since the daemon started.
     pub time_wait_created: HashMap<u32, u64>,
     pub eaddrnotavail: Vec<(EaddrKey, u64)>,
+    /// The breakers, by destination.
+    pub breakers: HashMap<CounterKey, Breaker>,
     pub internal_errors: u64,
     pub lease_expired: u64,
     pub lost_events: u64,
@@ -53,6 +55,7 @@ impl Counters {
             rules: batch::array_prefix(&self.maps.rule_counters, rules),
             time_wait_created: self.time_wait_created(),
             eaddrnotavail: self.eaddrnotavail(),
+            breakers: batch::entries(&self.maps.breakers).into_iter().collect(),
             internal_errors: self.stat(STAT_INTERNAL_ERRORS),
             lease_expired: self.stat(STAT_LEASE_EXPIRED),
             lost_events: self.stat(STAT_LOST_EVENTS),
@@ -65,7 +68,8 @@ impl Counters {
     }
 
     /// Forgets destination entries that stayed idle (no active connection, no new
-    /// admission or shed, a full token bucket) since the previous call, but those `listed` keeps: the
+    /// admission or shed, a full token bucket, a closed breaker, forgotten with it)
+    /// since the previous call, but those `listed` keeps: the
     /// destinations that /metrics lists, whose series would start again from 0 if their
     /// entry were made again. Scope and rule totals (in their own arrays) keep counting.
     /// Returns how many entries were forgotten.
@@ -73,7 +77,15 @@ impl Counters {
         let mut idle = HashMap::new();
         let mut forgotten = 0;
         let now_ns = guard_common::monotonic_ns();
+        let breakers: HashMap<CounterKey, Breaker> =
+            batch::entries(&self.maps.breakers).into_iter().collect();
         for (key, c) in self.destinations() {
+            if breakers
+                .get(&key)
+                .is_some_and(|b| b.status & 0xff != BREAKER_CLOSED as u64)
+            {
+                continue;
+            }
             // A bucket not yet full again would start full if made anew.
             if c.active != 0 || c.connecting != 0 || c.rate_tat > now_ns || listed(&key) {
                 continue;
@@ -84,6 +96,9 @@ impl Counters {
                 // its release then skips the entry created again (epoch differs).
                 if self.maps.counters.remove(&key).is_ok() {
                     forgotten += 1;
+                    if breakers.contains_key(&key) {
+                        let _ = self.maps.breakers.remove(&key);
+                    }
                 }
             } else {
                 idle.insert(key, total);

@@ -134,7 +134,9 @@ impl Feature {
             Feature::AtomicFetch
             | Feature::CgroupLinks
             | Feature::KernelBtf
-            | Feature::AncestorCgroupId => Without::Refuses,
+            | Feature::AncestorCgroupId
+            // EVENTS, a ring buffer map, is part of the object.
+            | Feature::RingBuffer => Without::Refuses,
             Feature::SetRetval => {
                 Without::Degrades("a shed connect() fails with EPERM, not the policy's errno")
             }
@@ -153,7 +155,7 @@ impl Feature {
                  watermark, a SO_REUSEPORT port is shed only once every member is past it, and \
                  guarded namespaces share decisions",
             ),
-            Feature::RingBuffer | Feature::CgroupStorage => Without::Unused,
+            Feature::CgroupStorage => Without::Unused,
         }
     }
 

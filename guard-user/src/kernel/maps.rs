@@ -8,8 +8,8 @@ use aya::{
     maps::{Array, HashMap as BpfHash, LpmTrie, Map, MapData, MapError, PerCpuArray},
 };
 use guard_common::{
-    Candidates, CgroupKey, Counter, CounterKey, EaddrKey, IdKey, ListenerEntry, ListenerKey,
-    PortUseKey, RuleAddrKey, ScopeConf, TimeWaitKey, names::map,
+    Breaker, Candidates, CgroupKey, Counter, CounterKey, EaddrKey, IdKey, ListenerEntry,
+    ListenerKey, PortUseKey, RuleAddrKey, ScopeConf, TimeWaitKey, names::map,
 };
 
 pub type Hashed<K, V> = BpfHash<MapData, K, V>;
@@ -32,6 +32,7 @@ pub struct CounterMaps {
     pub time_waits: Hashed<TimeWaitKey, u64>,
     pub eaddrnotavail: Hashed<EaddrKey, u64>,
     pub stats: PerCpuArray<MapData, u64>,
+    pub breakers: Hashed<CounterKey, Breaker>,
 }
 
 /// Until when the daemon holds its lease (CLOCK_MONOTONIC ns).
@@ -74,6 +75,7 @@ impl Maps {
                 time_waits: take(ebpf, map::TIME_WAITS)?,
                 eaddrnotavail: take(ebpf, map::EADDRNOTAVAIL)?,
                 stats: take(ebpf, map::STATS)?,
+                breakers: take(ebpf, map::BREAKERS)?,
             },
             port_use: take(ebpf, map::PORT_USE)?,
             listeners: ListenerMaps {

@@ -5,10 +5,12 @@
 //! rules whose `dst` contains the address, and the first whose ports match applies.
 use std::net::Ipv6Addr;
 
-use guard_common::{Candidates, RULE_KEY_FIXED_BITS, RuleAddrKey, RuleRef, ScopeConf};
+use guard_common::{
+    BreakerConf, Candidates, MAX_RAMP_STEPS, RULE_KEY_FIXED_BITS, RuleAddrKey, RuleRef, ScopeConf,
+};
 use ipnet::{IpNet, Ipv6Net};
 
-use super::{Limits, Rate, Rule, Scope};
+use super::{BreakerPolicy, Limits, Rate, Rule, Scope};
 
 /// A scope as SCOPES holds it, under its stable id.
 pub fn scope_conf(scope: &Scope, scope_id: u32) -> ScopeConf {
@@ -18,6 +20,7 @@ pub fn scope_conf(scope: &Scope, scope_id: u32) -> ScopeConf {
         errno: scope.errno as u32,
         has_rules: !scope.rules.is_empty() as u32,
         limits: limits(&scope.limits),
+        breaker: breaker(scope.breaker.as_ref()),
         port_watermark: scope.port_watermark.unwrap_or(0),
         _pad: 0,
     }
@@ -29,6 +32,7 @@ pub fn rule_ref(rule: &Rule, rule_id: u32) -> RuleRef {
         rule_id,
         per_endpoint: rule.per_endpoint as u32,
         limits: limits(&rule.limits),
+        breaker: breaker(rule.breaker.as_ref()),
         n_ports: rule.ports.len() as u32,
         port_watermark: rule.port_watermark.unwrap_or(0),
         ..Default::default()
@@ -44,6 +48,28 @@ fn limits(l: &Limits) -> guard_common::Limits {
         rate_interval_ns: l.rate.as_ref().map_or(0, Rate::interval_ns),
         rate_burst: l.rate.as_ref().map_or(0, |r| r.burst),
         max_connecting: l.max_connecting.unwrap_or(0),
+    }
+}
+
+/// A breaker as the kernel takes it: all 0 for none.
+fn breaker(b: Option<&BreakerPolicy>) -> BreakerConf {
+    let Some(b) = b else {
+        return BreakerConf::default();
+    };
+    let mut ramp = [0u8; MAX_RAMP_STEPS];
+    ramp[..b.ramp.len()].copy_from_slice(&b.ramp);
+    BreakerConf {
+        window_ns: b.window_ns,
+        open_ns: b.open_ns,
+        max_open_ns: b.max_open_ns,
+        slow_ns: b.slow_connect_ns.unwrap_or(0),
+        min_samples: b.min_samples,
+        failure_permille: b.failure_permille,
+        slow_permille: b.slow_permille.unwrap_or(0),
+        step_successes: b.step_successes,
+        errno: b.errno.unwrap_or(0) as u32,
+        n_steps: b.ramp.len() as u32,
+        ramp,
     }
 }
 

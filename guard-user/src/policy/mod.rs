@@ -51,6 +51,8 @@ pub struct Scope {
     pub mode: u32,
     pub errno: i32,
     pub limits: Limits,
+    /// The breaker of each endpoint its connections go to, but under a rule with its own.
+    pub breaker: Option<BreakerPolicy>,
     /// Port watermark in thousandths of the ephemeral range; None = none.
     pub port_watermark: Option<u32>,
     pub rules: Vec<Rule>,
@@ -145,6 +147,8 @@ pub struct Rule {
     pub ports: Vec<PortRange>,
     /// For each endpoint when `per_endpoint`, else for the whole rule.
     pub limits: Limits,
+    /// For each endpoint, whatever `per_endpoint` says.
+    pub breaker: Option<BreakerPolicy>,
     pub per_endpoint: bool,
     /// Port watermark in thousandths of the ephemeral range; None = the scope's.
     pub port_watermark: Option<u32>,
@@ -204,6 +208,25 @@ impl fmt::Display for Rate {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}/{}", self.count, self.unit.suffix())
     }
+}
+
+/// A circuit breaker per destination endpoint, on connect outcomes (`[scope.breaker]`,
+/// `[scope.rule.breaker]`). Durations in ns, ratios in thousandths.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BreakerPolicy {
+    pub window_ns: u64,
+    pub min_samples: u32,
+    pub failure_permille: u32,
+    /// With `slow_connect_ns`: the share of slow handshakes that opens it.
+    pub slow_permille: Option<u32>,
+    pub slow_connect_ns: Option<u64>,
+    pub open_ns: u64,
+    pub max_open_ns: u64,
+    /// Percent of attempts let through at each half-open step, rising to 100.
+    pub ramp: Vec<u8>,
+    pub step_successes: u32,
+    /// None: the scope's errno.
+    pub errno: Option<i32>,
 }
 
 /// A policy error at a place in a file.

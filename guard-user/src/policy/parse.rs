@@ -3,15 +3,16 @@
 use std::{collections::HashSet, net::IpAddr, ops::Range, path::Path};
 
 use guard_common::{
-    MAX_CANDIDATES, MAX_NAME, MAX_PORT_RANGES, MAX_RULE_IDS, MAX_SCOPE_IDS, MODE_ENFORCE,
-    MODE_OBSERVE, PortRange,
+    MAX_CANDIDATES, MAX_NAME, MAX_PORT_RANGES, MAX_RAMP_STEPS, MAX_RULE_IDS, MAX_SCOPE_IDS,
+    MODE_ENFORCE, MODE_OBSERVE, PortRange,
 };
 use ipnet::IpNet;
 use serde::Deserialize;
 use toml::Spanned;
 
 use super::{
-    ERRNOS, Limits, ListenerPolicy, Policy, PolicyError, Rate, RateUnit, Rule, Scope, Selector,
+    BreakerPolicy, ERRNOS, Limits, ListenerPolicy, Policy, PolicyError, Rate, RateUnit, Rule,
+    Scope, Selector,
     compile::{candidates_of, rule_prefixes, unmapped_net},
 };
 
@@ -50,6 +51,7 @@ struct RawScope {
     max_connecting: Option<Spanned<i64>>,
     rate: Option<Spanned<String>>,
     burst: Option<Spanned<i64>>,
+    breaker: Option<Spanned<RawBreaker>>,
     port_watermark: Option<Spanned<f64>>,
     #[serde(default)]
     rule: Vec<Spanned<RawRule>>,
@@ -65,8 +67,24 @@ struct RawRule {
     max_connecting: Option<Spanned<i64>>,
     rate: Option<Spanned<String>>,
     burst: Option<Spanned<i64>>,
+    breaker: Option<Spanned<RawBreaker>>,
     per: Option<Spanned<String>>,
     port_watermark: Option<Spanned<f64>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawBreaker {
+    window: Option<Spanned<String>>,
+    min_samples: Option<Spanned<i64>>,
+    failure_ratio: Option<Spanned<f64>>,
+    slow_ratio: Option<Spanned<f64>>,
+    slow_connect_ms: Option<Spanned<i64>>,
+    open_for: Option<Spanned<String>>,
+    max_open_for: Option<Spanned<String>>,
+    ramp: Option<Spanned<Vec<Spanned<i64>>>>,
+    step_successes: Option<Spanned<i64>>,
+    errno: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize)]
@@ -145,24 +163,8 @@ pub fn parse(text: &str, file: &str) -> Result<Policy, PolicyError> {
         let selector = Selector::new(&cgroup)
             .map_err(|e| at(s.cgroup.span(), format!("bad cgroup pattern: {}", e.kind())))?;
         let mode = parse_mode(&s.mode, &at)?;
-        let errno = match &s.errno {
-            None => libc::ECONNREFUSED,
-            Some(e) => ERRNOS
-                .iter()
-                .find(|(n, _)| *n == e.get_ref().as_str())
-                .map(|(_, v)| *v)
-                .ok_or_else(|| {
-                    let known: Vec<_> = ERRNOS.iter().map(|(n, _)| *n).collect();
-                    at(
-                        e.span(),
-                        format!(
-                            "unknown errno {:?}; use one of {}",
-                            e.get_ref(),
-                            known.join(", ")
-                        ),
-                    )
-                })?,
-        };
+        let errno = parse_errno(&s.errno, &at)?.unwrap_or(libc::ECONNREFUSED);
+        let breaker = s.breaker.map(|b| parse_breaker(b, &at)).transpose()?;
         let limits = parse_limits(
             RawLimits {
                 max_connections: &s.max_connections,
@@ -200,6 +202,7 @@ pub fn parse(text: &str, file: &str) -> Result<Policy, PolicyError> {
             mode,
             errno,
             limits,
+            breaker,
             port_watermark,
             rules,
         });
@@ -351,11 +354,13 @@ fn parse_rule(
         },
         at,
     )?;
+    let breaker = r.breaker.map(|b| parse_breaker(b, at)).transpose()?;
     Ok(Rule {
         name,
         dst,
         ports,
         limits,
+        breaker,
         per_endpoint,
         port_watermark,
     })
@@ -447,6 +452,161 @@ fn parse_rate(text: &str) -> Result<(u64, RateUnit), String> {
         return Err(bad("is more than one attempt a nanosecond"));
     }
     Ok((count, unit))
+}
+
+/// An errno name of [`ERRNOS`].
+fn parse_errno(
+    e: &Option<Spanned<String>>,
+    at: &impl Fn(Range<usize>, String) -> PolicyError,
+) -> Result<Option<i32>, PolicyError> {
+    let Some(e) = e else {
+        return Ok(None);
+    };
+    match ERRNOS.iter().find(|(n, _)| *n == e.get_ref().as_str()) {
+        Some((_, v)) => Ok(Some(*v)),
+        None => {
+            let known: Vec<_> = ERRNOS.iter().map(|(n, _)| *n).collect();
+            Err(at(
+                e.span(),
+                format!(
+                    "unknown errno {:?}; use one of {}",
+                    e.get_ref(),
+                    known.join(", ")
+                ),
+            ))
+        }
+    }
+}
+
+/// A breaker's table, with its defaults: window 10 s, 20 samples, failure ratio 0.5,
+/// open 5 s to 60 s, ramp 10, 30, 60, 100 % by 5 successes; slow_ratio 0.8 when
+/// slow_connect_ms is set.
+fn parse_breaker(
+    raw: Spanned<RawBreaker>,
+    at: &impl Fn(Range<usize>, String) -> PolicyError,
+) -> Result<BreakerPolicy, PolicyError> {
+    let span = raw.span();
+    let b = raw.into_inner();
+    let duration = |v: &Option<Spanned<String>>, key: &str, default_ns: u64| match v {
+        None => Ok(default_ns),
+        Some(d) => parse_duration(d.get_ref()).map_err(|why| at(d.span(), format!("{key} {why}"))),
+    };
+    let window_ns = duration(&b.window, "window", 10_000_000_000)?;
+    if window_ns < 100_000_000 {
+        let w = b.window.as_ref().expect("set");
+        return Err(at(
+            w.span(),
+            format!("window must be at least 100ms (got {:?})", w.get_ref()),
+        ));
+    }
+    let open_ns = duration(&b.open_for, "open_for", 5_000_000_000)?;
+    let max_open_ns = duration(&b.max_open_for, "max_open_for", 60_000_000_000.max(open_ns))?;
+    if max_open_ns < open_ns {
+        return Err(at(
+            b.max_open_for.as_ref().map_or(span.clone(), |m| m.span()),
+            "max_open_for must be at least open_for".into(),
+        ));
+    }
+    let count = |v: &Option<Spanned<i64>>, key: &str, default: i64, max: i64| match v {
+        None => Ok(default as u32),
+        Some(n) if (1..=max).contains(n.get_ref()) => Ok(*n.get_ref() as u32),
+        Some(n) => Err(at(
+            n.span(),
+            format!("{key} must be 1 to {max} (got {})", n.get_ref()),
+        )),
+    };
+    let min_samples = count(&b.min_samples, "min_samples", 20, 100_000)?;
+    let step_successes = count(&b.step_successes, "step_successes", 5, 100_000)?;
+    let ratio = |v: &Option<Spanned<f64>>, key: &str| fraction(v, key, "the window's outcomes", at);
+    let failure_permille = ratio(&b.failure_ratio, "failure_ratio")?.unwrap_or(500);
+    let slow_connect_ns = match &b.slow_connect_ms {
+        None => None,
+        Some(ms) if *ms.get_ref() >= 1 => Some(*ms.get_ref() as u64 * 1_000_000),
+        Some(ms) => {
+            return Err(at(
+                ms.span(),
+                format!("slow_connect_ms must be at least 1 (got {})", ms.get_ref()),
+            ));
+        }
+    };
+    let slow_permille = ratio(&b.slow_ratio, "slow_ratio")?;
+    let slow_permille = match (slow_permille, slow_connect_ns) {
+        (Some(_), None) => {
+            let r = b.slow_ratio.as_ref().expect("set");
+            return Err(at(r.span(), "slow_ratio needs slow_connect_ms".into()));
+        }
+        (None, Some(_)) => Some(800),
+        (p, _) => p,
+    };
+    let ramp = match &b.ramp {
+        None => vec![10, 30, 60, 100],
+        Some(r) => parse_ramp(r.get_ref()).map_err(|why| at(r.span(), why))?,
+    };
+    Ok(BreakerPolicy {
+        window_ns,
+        min_samples,
+        failure_permille,
+        slow_permille,
+        slow_connect_ns,
+        open_ns,
+        max_open_ns,
+        ramp,
+        step_successes,
+        errno: parse_errno(&b.errno, at)?,
+    })
+}
+
+/// `N` followed by `ms`, `s` or `min`, in ns; N a whole number, at least 1.
+fn parse_duration(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let digits = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (n, unit) = t.split_at(digits);
+    let ns = match unit.trim() {
+        "ms" => 1_000_000,
+        "s" => 1_000_000_000,
+        "min" => 60_000_000_000,
+        _ => {
+            return Err(format!(
+                "{text:?} has no known unit (ms, s, min); write it like \"10s\""
+            ));
+        }
+    };
+    match n.parse::<u64>() {
+        Ok(n) if (1..=24 * 60 * 60 * 1000).contains(&n) => Ok(n * ns),
+        _ => Err(format!(
+            "{text:?} is not a whole number of {unit}, at least 1 and at most a day"
+        )),
+    }
+}
+
+/// Percents, each 1 to 100, rising, ending at 100: at most MAX_RAMP_STEPS.
+fn parse_ramp(steps: &[Spanned<i64>]) -> Result<Vec<u8>, String> {
+    if steps.is_empty() || steps.len() > MAX_RAMP_STEPS {
+        return Err(format!(
+            "ramp must have 1 to {MAX_RAMP_STEPS} steps (has {})",
+            steps.len()
+        ));
+    }
+    let mut out: Vec<u8> = Vec::new();
+    for s in steps {
+        let p = *s.get_ref();
+        if !(1..=100).contains(&p) {
+            return Err(format!("ramp steps are percents from 1 to 100 (got {p})"));
+        }
+        if let Some(&last) = out.last()
+            && p <= last as i64
+        {
+            return Err(format!("ramp must rise: {p} after {last}"));
+        }
+        out.push(p as u8);
+    }
+    if out.last() != Some(&100) {
+        return Err(format!(
+            "ramp must rise to 100 (ends at {})",
+            out.last().expect("not empty")
+        ));
+    }
+    Ok(out)
 }
 
 /// A fraction in (0, 1] of `of`, kept in thousandths (at least 1).
@@ -737,6 +897,88 @@ per = "rule"
             ),
         ] {
             assert_eq!(err(&format!("{head}{text}\n")), want, "{text}");
+        }
+    }
+
+    #[test]
+    fn breakers_parse_with_defaults_and_name_their_errors() {
+        let p = parse(
+            "[[scope]]\nname = \"a\"\ncgroup = \"x\"\n[scope.breaker]\n\
+             [[scope.rule]]\n[scope.rule.breaker]\nwindow = \"2s\"\nmin_samples = 4\nfailure_ratio = 0.25\n\
+             slow_connect_ms = 200\nopen_for = \"500ms\"\nmax_open_for = \"1min\"\nramp = [50, 100]\n\
+             step_successes = 2\nerrno = \"EHOSTUNREACH\"\n",
+            "p.toml",
+        )
+        .unwrap();
+        let s = &p.scopes[0];
+        assert_eq!(
+            s.breaker,
+            Some(BreakerPolicy {
+                window_ns: 10_000_000_000,
+                min_samples: 20,
+                failure_permille: 500,
+                slow_permille: None,
+                slow_connect_ns: None,
+                open_ns: 5_000_000_000,
+                max_open_ns: 60_000_000_000,
+                ramp: vec![10, 30, 60, 100],
+                step_successes: 5,
+                errno: None,
+            })
+        );
+        assert_eq!(
+            s.rules[0].breaker,
+            Some(BreakerPolicy {
+                window_ns: 2_000_000_000,
+                min_samples: 4,
+                failure_permille: 250,
+                slow_permille: Some(800),
+                slow_connect_ns: Some(200_000_000),
+                open_ns: 500_000_000,
+                max_open_ns: 60_000_000_000,
+                ramp: vec![50, 100],
+                step_successes: 2,
+                errno: Some(libc::EHOSTUNREACH),
+            })
+        );
+        let head = "[[scope]]\nname = \"a\"\ncgroup = \"x\"\n[scope.breaker]\n";
+        for (text, want) in [
+            (
+                "failure_ratio = 1.5",
+                "p.toml:5:17: failure_ratio must be a fraction of the window's outcomes in (0, 1], like 0.8 (got 1.5)",
+            ),
+            (
+                "ramp = [10, 30, 60]",
+                "p.toml:5:8: ramp must rise to 100 (ends at 60)",
+            ),
+            (
+                "ramp = [30, 10, 100]",
+                "p.toml:5:8: ramp must rise: 10 after 30",
+            ),
+            (
+                "window = \"10h\"",
+                "p.toml:5:10: window \"10h\" has no known unit (ms, s, min); write it like \"10s\"",
+            ),
+            (
+                "window = \"50ms\"",
+                "p.toml:5:10: window must be at least 100ms (got \"50ms\")",
+            ),
+            (
+                "slow_ratio = 0.5",
+                "p.toml:5:14: slow_ratio needs slow_connect_ms",
+            ),
+            (
+                "open_for = \"10s\"\nmax_open_for = \"5s\"",
+                "p.toml:6:16: max_open_for must be at least open_for",
+            ),
+            (
+                "min_samples = 0",
+                "p.toml:5:15: min_samples must be 1 to 100000 (got 0)",
+            ),
+            ("trip = 3", "p.toml:5:1: unknown field `trip`"),
+        ] {
+            let got = err(&format!("{head}{text}\n"));
+            assert!(got.starts_with(want), "{text}: {got}");
         }
     }
 

@@ -1,4 +1,6 @@
-//! What connguard shows: the stats snapshot, its table, Prometheus text, and `top`.
+//! What connguard shows: the stats snapshot, its table, Prometheus text, `top`, and the
+//! events.
+pub mod events;
 pub mod prometheus;
 pub mod snapshot;
 pub mod table;

@@ -20,9 +20,40 @@ use super::snapshot::{Counts, ScopeStats, Snapshot};
 /// under dst="other" to bound cardinality.
 pub const METRIC_TOP_DESTINATIONS: usize = 20;
 
-/// Admitted, shed, would_shed, rate_limited and handshake_limited: what a destination
-/// series counts.
-type Totals = [u64; 5];
+/// What the `_total` series of a scope or destination count, in the order of TOTALS.
+type Totals = [u64; TOTALS.len()];
+
+/// The `_total` counters of scopes and destinations: NAME in
+/// `connguard_{scope,destination}_NAME_total`, and its help.
+const TOTALS: [(&str, &str); 9] = [
+    ("admitted_connections", "Connections admitted"),
+    ("shed_connections", "Connections refused at connect()"),
+    (
+        "would_shed_connections",
+        "Connections observe mode would have refused",
+    ),
+    (
+        "rate_limited_connections",
+        "Connection attempts over a new-connection rate (shed, or would be in observe mode)",
+    ),
+    (
+        "handshake_limited_connections",
+        "Connection attempts over a max_connecting (shed, or would be in observe mode)",
+    ),
+    (
+        "breaker_limited_connections",
+        "Connection attempts met by an open breaker, or a half-open one past its share (shed, or would be in observe mode)",
+    ),
+    (
+        "breaker_opened",
+        "Breaker transitions to open (from closed or half-open)",
+    ),
+    (
+        "breaker_half_opened",
+        "Breaker transitions to a half-open step",
+    ),
+    ("breaker_closed", "Breaker transitions to closed"),
+];
 
 fn totals(c: &Counts) -> Totals {
     [
@@ -31,6 +62,10 @@ fn totals(c: &Counts) -> Totals {
         c.would_shed,
         c.rate_limited,
         c.handshake_limited,
+        c.breaker_limited,
+        c.breaker_opened,
+        c.breaker_half_opened,
+        c.breaker_closed,
     ]
 }
 
@@ -67,10 +102,10 @@ impl Exported {
             let now = totals(&d.counts);
             let before = match self.listed.get(&d.key) {
                 Some(before) => *before,
-                None if first => [0; 5],
+                None if first => [0; TOTALS.len()],
                 None => now,
             };
-            for i in 0..5 {
+            for i in 0..TOTALS.len() {
                 credited[i] += now[i].saturating_sub(before[i]);
             }
             listed.insert(d.key, now);
@@ -78,7 +113,7 @@ impl Exported {
         let scope = totals(&s.counts);
         // Never below the last export: a connection is counted at its destination just
         // before its scope, and a scrape between the two sees the scope short.
-        for i in 0..5 {
+        for i in 0..TOTALS.len() {
             exported[i] = exported[i].max(scope[i].saturating_sub(credited[i]));
         }
         *exported
@@ -110,70 +145,37 @@ pub fn render(snap: &Snapshot, exported: &mut Exported) -> String {
         "scope_peak_connections",
         "Highest active connections seen for the scope",
     );
-    let s_adm = counter(
-        &mut reg,
-        "scope_admitted_connections",
-        "Connections admitted for the scope",
-    );
-    let s_shed = counter(
-        &mut reg,
-        "scope_shed_connections",
-        "Connections refused at connect() for the scope",
-    );
-    let s_would = counter(
-        &mut reg,
-        "scope_would_shed_connections",
-        "Connections observe mode would have refused",
-    );
+    // One family per TOTALS entry, for scopes and for destinations.
+    let families = |reg: &mut Registry,
+                    level: &str,
+                    of: &str|
+     -> Vec<Family<Labels, PromCounter>> {
+        TOTALS
+            .iter()
+            .map(|(name, help)| counter(reg, &format!("{level}_{name}"), &format!("{help}, {of}")))
+            .collect()
+    };
+    let s_totals = families(&mut reg, "scope", "per scope");
     let s_connecting = gauge(
         &mut reg,
         "scope_connecting_connections",
         "Connections of the scope in the handshake (admitted, SYN_SENT)",
-    );
-    let s_rate = counter(
-        &mut reg,
-        "scope_rate_limited_connections",
-        "Connection attempts of the scope over a new-connection rate (shed, or would be in observe mode)",
-    );
-    let s_handshake = counter(
-        &mut reg,
-        "scope_handshake_limited_connections",
-        "Connection attempts of the scope over a max_connecting (shed, or would be in observe mode)",
     );
     let d_active = gauge(
         &mut reg,
         "destination_active_connections",
         "Active connections per destination (top destinations; the rest summed as dst=\"other\")",
     );
-    let d_adm = counter(
-        &mut reg,
-        "destination_admitted_connections",
-        "Connections admitted per destination",
-    );
-    let d_shed = counter(
-        &mut reg,
-        "destination_shed_connections",
-        "Connections refused per destination",
-    );
-    let d_would = counter(
-        &mut reg,
-        "destination_would_shed_connections",
-        "Connections observe mode would have refused per destination",
-    );
+    let d_totals = families(&mut reg, "destination", "per destination");
     let d_connecting = gauge(
         &mut reg,
         "destination_connecting_connections",
         "Connections in the handshake (admitted, SYN_SENT) per destination",
     );
-    let d_rate = counter(
+    let breaker_state = gauge(
         &mut reg,
-        "destination_rate_limited_connections",
-        "Connection attempts over a new-connection rate per destination",
-    );
-    let d_handshake = counter(
-        &mut reg,
-        "destination_handshake_limited_connections",
-        "Connection attempts over a max_connecting per destination",
+        "breaker_state",
+        "The circuit breaker of a listed destination: 0 closed, 1 open, 2 half-open",
     );
     let internal = PromCounter::<u64>::default();
     reg.register(
@@ -233,16 +235,12 @@ pub fn render(snap: &Snapshot, exported: &mut Exported) -> String {
         let l = || vec![("scope", s.name.clone())];
         s_active.get_or_create(&l()).set(s.counts.active as i64);
         s_peak.get_or_create(&l()).set(s.counts.peak as i64);
-        s_adm.get_or_create(&l()).inc_by(s.counts.admitted);
-        s_shed.get_or_create(&l()).inc_by(s.counts.shed);
-        s_would.get_or_create(&l()).inc_by(s.counts.would_shed);
+        for (f, v) in s_totals.iter().zip(totals(&s.counts)) {
+            f.get_or_create(&l()).inc_by(v);
+        }
         s_connecting
             .get_or_create(&l())
             .set(s.counts.connecting as i64);
-        s_rate.get_or_create(&l()).inc_by(s.counts.rate_limited);
-        s_handshake
-            .get_or_create(&l())
-            .inc_by(s.counts.handshake_limited);
         // The snapshot lists the busiest destinations (METRIC_TOP_DESTINATIONS) and
         // `other` counts the rest: label cardinality stays bounded.
         // What the listed destinations leave of a scope's gauge.
@@ -261,25 +259,33 @@ pub fn render(snap: &Snapshot, exported: &mut Exported) -> String {
                 (
                     d.rule.as_deref().unwrap_or_default(),
                     d.dst.as_str(),
-                    ([d.counts.active, d.counts.connecting], totals(&d.counts)),
+                    (
+                        [d.counts.active, d.counts.connecting],
+                        totals(&d.counts),
+                        d.breaker.as_ref(),
+                    ),
                 )
             })
-            .chain([("", "other", other)]);
-        for (rule, dst, ([active, connecting], [admitted, shed, would_shed, rate, handshake])) in
-            rows
-        {
+            .chain([("", "other", (other.0, other.1, None))]);
+        for (rule, dst, ([active, connecting], counts, breaker)) in rows {
             let l = vec![
                 ("scope", s.name.clone()),
                 ("rule", rule.to_string()),
                 ("dst", dst.to_string()),
             ];
             d_active.get_or_create(&l).set(active as i64);
-            d_adm.get_or_create(&l).inc_by(admitted);
-            d_shed.get_or_create(&l).inc_by(shed);
-            d_would.get_or_create(&l).inc_by(would_shed);
             d_connecting.get_or_create(&l).set(connecting as i64);
-            d_rate.get_or_create(&l).inc_by(rate);
-            d_handshake.get_or_create(&l).inc_by(handshake);
+            for (f, v) in d_totals.iter().zip(counts) {
+                f.get_or_create(&l).inc_by(v);
+            }
+            if let Some(b) = breaker {
+                let state = match b.state.as_str() {
+                    "open" => 1,
+                    "half_open" => 2,
+                    _ => 0,
+                };
+                breaker_state.get_or_create(&l).set(state);
+            }
         }
     }
     exported.listed = listed_now;
@@ -450,6 +456,7 @@ mod tests {
                 rule: Some("db".into()),
                 dst: format!("10.0.0.1:{port}"),
                 counts: counts(active, admitted),
+                breaker: None,
                 key: CounterKey {
                     port,
                     ..Default::default()
@@ -537,10 +544,10 @@ mod tests {
             "{text}"
         );
         assert!(!text.contains("# EOF"), "{text}");
-        // 7 series per listed destination, 7 for the rest.
+        // 11 series per listed destination, 11 for the rest.
         let series = text
             .lines()
             .filter(|l| l.starts_with("connguard_destination_"));
-        assert_eq!(series.count(), 14, "{text}");
+        assert_eq!(series.count(), 22, "{text}");
     }
 }

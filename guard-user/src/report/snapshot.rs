@@ -3,7 +3,7 @@
 use std::{cmp::Reverse, collections::HashMap, sync::Arc};
 
 use guard_common::{
-    Counter, CounterKey, NO_RULE,
+    BREAKER_HALF_OPEN, BREAKER_OPEN, BREAKER_SLOTS, Breaker, Counter, CounterKey, NO_RULE,
     addr::{endpoint, unmapped},
 };
 use serde::{Deserialize, Serialize};
@@ -103,6 +103,18 @@ pub struct Counts {
     pub rate_limited: u64,
     #[serde(default)]
     pub handshake_limited: u64,
+    /// Of `shed` and `would_shed`: attempts met by an open breaker (or half-open, past
+    /// its share).
+    #[serde(default)]
+    pub breaker_limited: u64,
+    /// Breaker transitions (totals) of the destination, or of the rule's or scope's
+    /// destinations: to open (from closed or half-open), to a half-open step, to closed.
+    #[serde(default)]
+    pub breaker_opened: u64,
+    #[serde(default)]
+    pub breaker_half_opened: u64,
+    #[serde(default)]
+    pub breaker_closed: u64,
 }
 
 impl From<&Counter> for Counts {
@@ -117,6 +129,10 @@ impl From<&Counter> for Counts {
             connecting: (c.connecting as i64).max(0) as u64,
             rate_limited: c.rate_limited,
             handshake_limited: c.handshake_limited,
+            breaker_limited: c.breaker_limited,
+            breaker_opened: c.breaker_opened,
+            breaker_half_opened: c.breaker_half_opened,
+            breaker_closed: c.breaker_closed,
         }
     }
 }
@@ -181,10 +197,68 @@ pub struct DestStats {
     pub dst: String,
     #[serde(flatten)]
     pub counts: Counts,
+    /// The endpoint's circuit breaker, when one governs it (absent from the answers of
+    /// older daemons).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub breaker: Option<BreakerStats>,
     /// The kernel's key of the counter, which /metrics keeps its series by. Not part of
     /// the JSON.
     #[serde(skip)]
     pub key: CounterKey,
+}
+
+/// A destination's breaker: where it stands and how it got there.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct BreakerStats {
+    /// "closed", "open" or "half_open".
+    pub state: String,
+    /// Half-open: the ramp step (0-based); null otherwise.
+    pub step: Option<u32>,
+    /// Percent of attempts it lets through now: 100 closed, 0 open, the step's share
+    /// half-open.
+    pub percent: u32,
+    /// Open: ms until it half-opens; null otherwise.
+    pub open_remaining_ms: Option<u64>,
+    /// The window's connect outcomes now: ended, failed and slow (since the last
+    /// opening or closing, which empty it).
+    pub window_ended: u32,
+    pub window_failures: u32,
+    pub window_slow: u32,
+}
+
+impl BreakerStats {
+    /// `b` read at CLOCK_MONOTONIC `now_ns`, under a policy whose ramp is `ramp`.
+    pub fn new(b: &Breaker, ramp: &[u8], now_ns: u64) -> Self {
+        let state = (b.status & 0xff) as u32;
+        let step = ((b.status >> 8) & 0xff) as u32;
+        let current = now_ns.checked_div(b.slot_ns).unwrap_or(0) as u16;
+        let (mut ended, mut failures, mut slow) = (0, 0, 0);
+        for w in b.slots {
+            if current.wrapping_sub((w >> 48) as u16) < BREAKER_SLOTS as u16 {
+                ended += ((w >> 32) & 0xffff) as u32;
+                failures += ((w >> 16) & 0xffff) as u32;
+                slow += (w & 0xffff) as u32;
+            }
+        }
+        let (name, percent) = match state {
+            BREAKER_OPEN => ("open", 0),
+            BREAKER_HALF_OPEN => (
+                "half_open",
+                ramp.get(step as usize).copied().unwrap_or(100) as u32,
+            ),
+            _ => ("closed", 100),
+        };
+        BreakerStats {
+            state: name.into(),
+            step: (state == BREAKER_HALF_OPEN).then_some(step),
+            percent,
+            open_remaining_ms: (state == BREAKER_OPEN)
+                .then(|| b.open_until.saturating_sub(now_ns) / 1_000_000),
+            window_ended: ended,
+            window_failures: failures,
+            window_slow: slow,
+        }
+    }
 }
 
 /// The scopes of `policy` with their counters from `dump`, destinations busiest first.
@@ -220,8 +294,32 @@ pub fn scopes(
             .map(Counts::from)
             .unwrap_or_default()
     };
+    // The ramps of the breakers, by rule id and by scope id: a destination's is its
+    // rule's, else its scope's.
+    let mut rule_ramps: HashMap<u32, &[u8]> = HashMap::new();
+    let mut scope_ramps: HashMap<u32, &[u8]> = HashMap::new();
+    for (s, (scope_id, rule_ids)) in policy.scopes.iter().zip(&scope_ids) {
+        if let (Some(id), Some(b)) = (scope_id, &s.breaker) {
+            scope_ramps.insert(*id, &b.ramp);
+        }
+        for (r, id) in s.rules.iter().zip(rule_ids) {
+            if let (Some(id), Some(b)) = (id, &r.breaker) {
+                rule_ramps.insert(*id, &b.ramp);
+            }
+        }
+    }
+    let now_ns = guard_common::monotonic_ns();
+    let breakers = dump.breakers;
     let mut destinations_of: HashMap<u32, Vec<DestStats>> = HashMap::new();
     for (k, c) in dump.destinations {
+        let breaker = breakers.get(&k).map(|b| {
+            let ramp = rule_ramps
+                .get(&k.rule_id)
+                .or_else(|| scope_ramps.get(&k.scope_id))
+                .copied()
+                .unwrap_or_default();
+            BreakerStats::new(b, ramp, now_ns)
+        });
         let rule = (k.rule_id != NO_RULE).then(|| {
             rule_names
                 .get(&k.rule_id)
@@ -235,6 +333,7 @@ pub fn scopes(
                 rule,
                 dst: endpoint(unmapped(k.addr), k.port),
                 counts: (&c).into(),
+                breaker,
                 key: k,
             });
     }
@@ -355,6 +454,7 @@ mod tests {
             rule: None,
             dst: dst.to_string(),
             counts,
+            breaker: None,
             key: CounterKey::default(),
         }
     }
