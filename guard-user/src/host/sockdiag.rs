@@ -164,11 +164,11 @@ pub fn tcp_sockets() -> anyhow::Result<Vec<TcpSocket>> {
 }
 
 /// The listeners and SYN_RECV entries of the current network namespace: the kernel
-/// skips every other socket, so the cost does not grow with TIME_WAIT entries (asking
+/// sends no other socket, so the answer does not grow with TIME_WAIT entries (asking
 /// for SYN_RECV includes request sockets, TCP_NEW_SYN_RECV, inet_diag_dump_icsk in
 /// net/ipv4/inet_diag.c).
 pub fn listeners_and_syn_recv() -> anyhow::Result<Vec<TcpSocket>> {
-    Diag::open()?.listeners_and_syn_recv()
+    Diag::open()?.listeners(true)
 }
 
 /// A sock_diag netlink socket, kept open: it answers for the network namespace it was
@@ -187,10 +187,17 @@ impl Diag {
         Ok(Diag(socket))
     }
 
-    /// The listeners and half-open connections (SYN_RECV) of its namespace: the kernel
-    /// skips every other state (inet_diag_dump_icsk(), net/ipv4/inet_diag.c).
-    pub fn listeners_and_syn_recv(&mut self) -> anyhow::Result<Vec<TcpSocket>> {
-        let states = StateFlags::from_bits_retain((1 << TCP_LISTEN) | (1 << TCP_SYN_RECV));
+    /// The listeners of its namespace, and with `syn_recv` its half-open connections
+    /// (SYN_RECV) too: the kernel skips every other state (inet_diag_dump_icsk(),
+    /// net/ipv4/inet_diag.c). Listeners alone cost a walk of the listening hash;
+    /// SYN_RECV entries sit in the established hash, shared by every namespace, which
+    /// the kernel then walks whole: the cost grows with every connection of the host.
+    pub fn listeners(&mut self, syn_recv: bool) -> anyhow::Result<Vec<TcpSocket>> {
+        let mut states = 1 << TCP_LISTEN;
+        if syn_recv {
+            states |= 1 << TCP_SYN_RECV;
+        }
+        let states = StateFlags::from_bits_retain(states);
         let mut out = Vec::new();
         for family in [AF_INET, AF_INET6] {
             self.dump(family, states.clone(), &[], &mut out)?;

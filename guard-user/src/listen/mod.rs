@@ -34,6 +34,8 @@ pub struct QueueReading {
     pub backlog: u32,
     /// Half-open connections (SYN_RECV) to the listener's address and port; shared by
     /// the members of a SO_REUSEPORT group, whose own counts sock_diag does not give.
+    /// Read every second, unless the polled program sheds on it (`max_syn_recv`):
+    /// then at every reading.
     pub syn_recv: u32,
 }
 
@@ -46,13 +48,15 @@ pub struct ListenerStats {
     /// The policy's ports, as inclusive [first, last] ranges.
     pub ports: Vec<[u16; 2]>,
     pub mode: String,
-    /// True while, at the last reading, a matching listener socket was past a limit.
+    /// True while, at the last reading, a matching listener socket was past a limit
+    /// (`max_syn_recv` judged on `syn_recv`, as old as it is).
     pub shedding: bool,
     /// SYNs answered with RST (enforce mode).
     pub rst_shed: u64,
     /// SYNs observe mode would have answered with RST.
     pub would_rst: u64,
-    /// The matching listener sockets at the last reading (every 50 ms).
+    /// The matching listener sockets at the last reading (every 50 ms; `syn_recv`
+    /// every second).
     pub queues: Vec<QueueReading>,
 }
 

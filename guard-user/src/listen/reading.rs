@@ -1,16 +1,18 @@
 //! Reading the guarded namespaces' listeners: each namespace's sock_diag socket is kept
-//! open (no thread and no setns per reading), and asked for LISTEN and SYN_RECV only.
+//! open (no thread and no setns per reading), and asked for LISTEN only, and for
+//! SYN_RECV too where a decision needs it, else once a second (`SYN_RECV_REFRESH`).
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap},
     fs::File,
     os::unix::fs::MetadataExt,
     path::{Path, PathBuf},
+    time::{Duration, Instant},
 };
 
 use guard_common::{
     ListenerEntry, ListenerKey,
     addr::{endpoint, mapped},
-    linux::TCP_LISTEN,
+    linux::TCP_SYN_RECV,
 };
 
 use super::{QueueReading, netns_name};
@@ -32,11 +34,26 @@ pub struct Reading {
     pub(super) unreadable: BTreeMap<String, String>,
 }
 
-/// The open sock_diag socket of each guarded namespace, with the inode of the namespace
-/// it answers for.
+/// How old the SYN_RECV entries of a reading may be when no decision needs them (they
+/// then only feed the `syn_recv` figure of stats and metrics). Asking for them makes the
+/// kernel walk its whole established hash table, shared by every namespace: with 50,000
+/// connections on the host, at every 50 ms reading, that took 70 % of a core.
+const SYN_RECV_REFRESH: Duration = Duration::from_secs(1);
+
+/// A guarded namespace's open sock_diag socket, with the inode of the namespace it
+/// answers for, and its SYN_RECV entries as last read.
+struct Namespace {
+    inode: u64,
+    diag: Diag,
+    syn_recv: Vec<TcpSocket>,
+    /// When `syn_recv` was read; none before the first reading.
+    syn_recv_read: Option<Instant>,
+}
+
+/// The guarded namespaces, by netns file (none: the daemon's own).
 #[derive(Default)]
 pub struct Reader {
-    diags: HashMap<Option<PathBuf>, (u64, Diag)>,
+    namespaces: HashMap<Option<PathBuf>, Namespace>,
 }
 
 impl Reader {
@@ -52,56 +69,87 @@ impl Reader {
         };
         let namespaces: BTreeSet<Option<PathBuf>> =
             policies.iter().map(|(p, _)| p.netns.clone()).collect();
-        self.diags.retain(|ns, _| namespaces.contains(ns));
+        self.namespaces.retain(|ns, _| namespaces.contains(ns));
         for ns in namespaces {
-            let read = self.sockets(ns.as_deref());
-            let (inode, sockets) = match read {
-                Ok(r) => r,
-                Err(e) => {
-                    self.diags.remove(&ns);
-                    reading
-                        .unreadable
-                        .insert(netns_name(ns.as_deref()), format!("{e:#}"));
-                    continue;
-                }
-            };
+            let guards: Vec<_> = policies.iter().filter(|(p, _)| p.netns == ns).collect();
+            // Only the polled program sheds on the daemon's SYN_RECV count; the per-SYN
+            // one reads each listener's own.
+            let decides_on_syn_recv =
+                !per_syn && guards.iter().any(|(p, _)| p.max_syn_recv.is_some());
+            let (inode, listeners, syn_recv) =
+                match self.sockets(ns.as_deref(), decides_on_syn_recv) {
+                    Ok(r) => r,
+                    Err(e) => {
+                        self.namespaces.remove(&ns);
+                        reading
+                            .unreadable
+                            .insert(netns_name(ns.as_deref()), format!("{e:#}"));
+                        continue;
+                    }
+                };
             let key_ns = if per_syn { inode as u32 } else { 0 };
-            for (p, id) in policies.iter().filter(|(p, _)| p.netns == ns) {
-                judge(p, *id, key_ns, &sockets, &mut reading);
+            for (p, id) in guards {
+                judge(p, *id, key_ns, &listeners, syn_recv, &mut reading);
             }
         }
         reading
     }
 
-    /// The namespace's inode and its listeners and SYN_RECV entries, through its open
-    /// sock_diag socket, opened anew when the path names another namespace.
-    fn sockets(&mut self, ns: Option<&Path>) -> anyhow::Result<(u64, Vec<TcpSocket>)> {
+    /// The namespace's inode, listeners and SYN_RECV entries, through its open sock_diag
+    /// socket, opened anew when the path names another namespace. The SYN_RECV entries
+    /// are read anew when `syn_recv_now` or they are SYN_RECV_REFRESH old, else are the
+    /// last ones read.
+    fn sockets(
+        &mut self,
+        ns: Option<&Path>,
+        syn_recv_now: bool,
+    ) -> anyhow::Result<(u64, Vec<TcpSocket>, &[TcpSocket])> {
         let path = ns.unwrap_or(Path::new("/proc/self/ns/net"));
         let inode = std::fs::metadata(path)?.ino();
         let key = ns.map(Path::to_path_buf);
-        if self.diags.get(&key).is_none_or(|(i, _)| *i != inode) {
+        if self.namespaces.get(&key).is_none_or(|n| n.inode != inode) {
             let file = File::open(path)?;
-            let inode = file.metadata()?.ino();
-            let diag = netns::within_open(&file, Diag::open)?;
-            self.diags.insert(key.clone(), (inode, diag));
+            let namespace = Namespace {
+                inode: file.metadata()?.ino(),
+                diag: netns::within_open(&file, Diag::open)?,
+                syn_recv: Vec::new(),
+                syn_recv_read: None,
+            };
+            self.namespaces.insert(key.clone(), namespace);
         }
-        let (inode, diag) = self.diags.get_mut(&key).expect("inserted above");
-        Ok((*inode, diag.listeners_and_syn_recv()?))
+        let n = self.namespaces.get_mut(&key).expect("inserted above");
+        let refresh = syn_recv_now
+            || n.syn_recv_read
+                .is_none_or(|t| t.elapsed() >= SYN_RECV_REFRESH);
+        let mut listeners = n.diag.listeners(refresh)?;
+        if refresh {
+            // Kept for the readings until the next refresh.
+            (n.syn_recv, listeners) = listeners.into_iter().partition(|s| s.state == TCP_SYN_RECV);
+            n.syn_recv_read = Some(Instant::now());
+        }
+        Ok((n.inode, listeners, &n.syn_recv))
     }
 }
 
-/// Adds the listeners of one policy in one namespace's socket table to `reading`: one
+/// Adds the listeners of one policy among one namespace's `listeners` to `reading`: one
 /// entry per (address, port), shared by a SO_REUSEPORT group's members. Its decision
 /// (for the polled program) sheds only when every member is past a limit, each member
-/// taken to hold an equal share of the port's SYN_RECV: SYNs are never refused while a
-/// member the kernel may hand them to has room.
-fn judge(p: &ListenerPolicy, id: u32, netns: u32, sockets: &[TcpSocket], reading: &mut Reading) {
+/// taken to hold an equal share of the port's SYN_RECV (among `half_open`, the
+/// namespace's SYN_RECV entries): SYNs are never refused while a member the kernel may
+/// hand them to has room.
+fn judge(
+    p: &ListenerPolicy,
+    id: u32,
+    netns: u32,
+    listeners: &[TcpSocket],
+    half_open: &[TcpSocket],
+    reading: &mut Reading,
+) {
     let mut groups: BTreeMap<ListenerKey, Vec<&TcpSocket>> = BTreeMap::new();
-    for l in sockets.iter().filter(|l| {
-        l.state == TCP_LISTEN
-            && p.ports
-                .iter()
-                .any(|r| (r.first..=r.last).contains(&l.sport))
+    for l in listeners.iter().filter(|l| {
+        p.ports
+            .iter()
+            .any(|r| (r.first..=r.last).contains(&l.sport))
             && p.addr.is_none_or(|a| a == l.src)
     }) {
         // A wildcard listener (0.0.0.0 or ::) is keyed all zeros.
@@ -119,7 +167,7 @@ fn judge(p: &ListenerPolicy, id: u32, netns: u32, sockets: &[TcpSocket], reading
         groups.entry(key).or_default().push(l);
     }
     for (key, members) in groups {
-        let syn_recv = syn_recv_of(sockets, members[0]);
+        let syn_recv = syn_recv_of(half_open, members[0]);
         let share = syn_recv.div_ceil(members.len() as u32);
         let mut all_over = true;
         for l in &members {
