@@ -221,6 +221,15 @@ pub struct BreakerConf {
     pub ramp: [u8; MAX_RAMP_STEPS],
 }
 
+/// Bits of the connect hook's `CONTROLS` (read-only data, set by the daemon from its
+/// first policy): the code of each control is verified and run only when set. Each is
+/// paths for the verifier, which on older kernels (6.1) cannot take them all at once.
+/// EVENTS: keys starting and stopping to shed.
+pub const CONTROL_RATE: u32 = 1;
+pub const CONTROL_HANDSHAKES: u32 = 2;
+pub const CONTROL_BREAKER: u32 = 4;
+pub const CONTROL_EVENTS: u32 = 8;
+
 /// Most steps a breaker's half-open ramp has.
 pub const MAX_RAMP_STEPS: usize = 8;
 /// Slots of a breaker's window (a power of two: its index is a mask).

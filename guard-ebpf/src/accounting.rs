@@ -29,8 +29,9 @@ pub fn replace(field: *mut u64, expected: u64, target: u64) -> bool {
     unsafe { atomic_cxchg::<u64, { SeqCst }, { SeqCst }>(field, expected, target) }.1
 }
 
-/// Raises `peak` to `value` unless a concurrent update already went higher.
-#[inline(always)]
+/// Raises `peak` to `value` unless a concurrent update already went higher. A BPF
+/// subprogram: the paths of its retries end at its return for the verifier.
+#[inline(never)]
 pub fn raise_peak(peak: *mut u64, value: u64) {
     let mut seen = unsafe { *peak };
     for _ in 0..8 {
@@ -176,8 +177,9 @@ fn charged_counters(state: *mut SockState) -> [*mut Counter; 3] {
 /// Takes a token from the counter's bucket of `burst` tokens refilled one per
 /// `interval` ns, at `now` (CLOCK_MONOTONIC ns); false when it holds none. A
 /// compare-and-swap of the theoretical arrival time, so concurrent attempts each take
-/// a distinct token. Beyond 8 lost races it admits, counted as an internal error.
-#[inline(always)]
+/// a distinct token. Beyond 8 lost races it admits, counted as an internal error. A BPF
+/// subprogram, like `raise_peak`.
+#[inline(never)]
 pub fn take_token(c: *mut Counter, interval: u64, burst: u32, now: u64) -> bool {
     let tat = unsafe { &raw mut (*c).rate_tat };
     let limit = now + interval * burst as u64;

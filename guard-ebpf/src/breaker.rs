@@ -82,8 +82,9 @@ fn status(state: u32, step: u32, phase: u32) -> u64 {
 /// The breaker of `key` under `conf` at `now` (CLOCK_MONOTONIC ns), as a word for
 /// `Decision::unpack`: 0 when its entry cannot be made (a full map: no breaker,
 /// fail-open). A function of its own (a BPF subprogram), so that its stack is not the
-/// connect hook's, which has little left; a word, because BTF cannot describe an Option.
-#[inline(always)]
+/// connect hook's, which has little left, and its paths end at its return for the
+/// verifier; a word, because BTF cannot describe an Option.
+#[inline(never)]
 pub fn decide(key: &CounterKey, conf: &BreakerConf, now: u64) -> u64 {
     match decision(key, conf, now) {
         Some(d) => VALID | d.shed as u64 | ((d.moved as u64) << 8) | ((d.phase as u64) << 32),
@@ -361,7 +362,7 @@ fn emit(
         kind,
         key,
         now,
-        Detail {
+        &Detail {
             level: z,
             reasons: z,
             step,

@@ -11,9 +11,10 @@ use aya_ebpf::{
     programs::SockAddrContext,
 };
 use guard_common::{
-    Candidates, CgroupKey, Counter, CounterKey, EVENT_BREAKER_HALF_OPEN, EVENT_BREAKER_OPENED,
-    EVENT_SHEDDING_STARTED, EVENT_SHEDDING_STOPPED, Limits, MAX_CANDIDATES, MODE_ENFORCE, NO_RULE,
-    PortUseKey, REASON_BREAKER, REASON_BUDGET, REASON_HANDSHAKES, REASON_OBSERVE, REASON_RATE,
+    CONTROL_BREAKER, CONTROL_EVENTS, CONTROL_HANDSHAKES, CONTROL_RATE, Candidates, CgroupKey,
+    Counter, CounterKey, EVENT_BREAKER_HALF_OPEN, EVENT_BREAKER_OPENED, EVENT_SHEDDING_STARTED,
+    EVENT_SHEDDING_STOPPED, Limits, MAX_CANDIDATES, MODE_ENFORCE, NO_RULE, PortUseKey,
+    REASON_BREAKER, REASON_BUDGET, REASON_HANDSHAKES, REASON_OBSERVE, REASON_RATE,
     RULE_KEY_FIXED_BITS, RuleAddrKey, RuleRef, STAT_INTERNAL_ERRORS, STAT_LEASE_EXPIRED, SockState,
     linux::IPPROTO_TCP,
 };
@@ -39,6 +40,18 @@ const SOCK_STREAM: u32 = 1;
 /// the call on the dead branch, because .rodata is frozen.
 #[unsafe(no_mangle)]
 static HAS_SET_RETVAL: u8 = 1;
+
+/// guard_common::CONTROL_* bits: the controls the daemon's policy uses. A clear bit
+/// makes its code dead for the verifier (.rodata is frozen), which then skips it.
+#[unsafe(no_mangle)]
+static CONTROLS: u32 = CONTROL_RATE | CONTROL_HANDSHAKES | CONTROL_BREAKER | CONTROL_EVENTS;
+
+/// Whether the daemon loaded this with `control` on.
+#[inline(always)]
+fn uses(control: u32) -> bool {
+    let controls = unsafe { core::ptr::read_volatile(&CONTROLS) };
+    controls & control != 0
+}
 
 /// The limits of a level that has none.
 static NO_LIMITS: Limits = Limits {
@@ -211,6 +224,35 @@ pub fn charge(
         _pad: 0,
         addr,
     };
+    // The clock only for a rate or a breaker: most scopes have neither. (Scalars of the
+    // breaker taken now: a pointer that lives on is a path of its own for the verifier.)
+    let has_breaker = uses(CONTROL_BREAKER) && breaker.window_ns != 0 && may_shed;
+    let breaker_errno = breaker.errno;
+    let has_rate = uses(CONTROL_RATE)
+        && (rule_limits.rate_interval_ns != 0 || scope.limits.rate_interval_ns != 0);
+    let now = if (has_rate && may_shed) || has_breaker {
+        unsafe { bpf_ktime_get_ns() }
+    } else {
+        0
+    };
+    // The breaker first, while the verifier has few paths to walk it on. Why the attempt
+    // is over a limit: REASON_* bits.
+    let mut reasons = if ports_over { REASON_BUDGET } else { 0 };
+    let (mut breaker_phase, mut owed, mut moved) = (0, false, 0);
+    if has_breaker {
+        match breaker::Decision::unpack(launder(state, breaker::decide(&dst, breaker, now))) {
+            Some(d) => {
+                if d.shed {
+                    reasons |= REASON_BREAKER;
+                }
+                breaker_phase = d.phase;
+                owed = !d.shed;
+                moved = d.moved;
+            }
+            None => count_stat(STAT_INTERNAL_ERRORS),
+        }
+    }
+
     // Limits by level: destination, rule, scope.
     let limits = [
         if per_endpoint { rule_limits } else { none },
@@ -238,30 +280,6 @@ pub fn charge(
             count_stat(STAT_INTERNAL_ERRORS);
         }
     }
-    // The clock only for a rate or a breaker: most scopes have neither.
-    let has_breaker = breaker.window_ns != 0 && may_shed;
-    let now = if (limits.iter().any(|l| l.rate_interval_ns != 0) && may_shed) || has_breaker {
-        unsafe { bpf_ktime_get_ns() }
-    } else {
-        0
-    };
-    // Why the attempt is over a limit: REASON_* bits.
-    let mut reasons = if ports_over { REASON_BUDGET } else { 0 };
-    let (mut breaker_phase, mut owed, mut moved) = (0, false, 0);
-    if has_breaker {
-        match breaker::Decision::unpack(launder(state, breaker::decide(&dst, breaker, now))) {
-            Some(d) => {
-                if d.shed {
-                    reasons |= REASON_BREAKER;
-                }
-                breaker_phase = d.phase;
-                owed = !d.shed;
-                moved = d.moved;
-            }
-            None => count_stat(STAT_INTERNAL_ERRORS),
-        }
-    }
-
     // Reserve at every level first, then look: concurrent connects each see a distinct
     // previous value, so a budget of N admits at most N. A seeded connection (not
     // `may_shed`) is established already: no handshake, no token.
@@ -293,12 +311,19 @@ pub fn charge(
         if !may_shed {
             continue;
         }
-        let connecting = add(unsafe { &raw mut (*c).connecting }, 1);
-        if l.max_connecting != 0 && connecting as i64 >= l.max_connecting as i64 {
+        let connecting = if uses(CONTROL_HANDSHAKES) {
+            add(unsafe { &raw mut (*c).connecting }, 1)
+        } else {
+            0
+        };
+        if uses(CONTROL_HANDSHAKES)
+            && l.max_connecting != 0
+            && connecting as i64 >= l.max_connecting as i64
+        {
             reasons |= REASON_HANDSHAKES;
             over_levels |= 1 << i;
         }
-        if l.rate_interval_ns != 0 {
+        if uses(CONTROL_RATE) && l.rate_interval_ns != 0 {
             if take_token(c, l.rate_interval_ns, l.rate_burst, now) {
                 tokens |= 1 << i;
             } else {
@@ -329,7 +354,7 @@ pub fn charge(
             if c.is_null() {
                 continue;
             }
-            if tokens & (1 << i) != 0 {
+            if uses(CONTROL_RATE) && tokens & (1 << i) != 0 {
                 add(
                     unsafe { &raw mut (*c).rate_tat },
                     limits[i].rate_interval_ns.wrapping_neg(),
@@ -346,19 +371,22 @@ pub fn charge(
             }
             if shed {
                 add(unsafe { &raw mut (*c).active }, u64::MAX);
-                add(unsafe { &raw mut (*c).connecting }, u64::MAX);
+                if uses(CONTROL_HANDSHAKES) {
+                    add(unsafe { &raw mut (*c).connecting }, u64::MAX);
+                }
                 add(unsafe { &raw mut (*c).shed }, 1);
             } else {
                 add(unsafe { &raw mut (*c).would_shed }, 1);
             }
-            if over_levels & (1 << i) != 0 {
-                let observe = if shed { 0 } else { REASON_OBSERVE };
-                shedding(c, &dst, i as u32, Some(reasons | observe));
-            }
+        }
+        // A breaker reports its own transitions: these are the other limits'.
+        if uses(CONTROL_EVENTS) && reasons & !REASON_BREAKER != 0 {
+            let observe = if shed { 0 } else { REASON_OBSERVE };
+            shedding_started(&counters, &dst, over_levels, reasons | observe);
         }
         if shed {
-            let errno = if reasons & REASON_BREAKER != 0 && breaker.errno != 0 {
-                breaker.errno
+            let errno = if reasons & REASON_BREAKER != 0 && breaker_errno != 0 {
+                breaker_errno
             } else {
                 scope.errno
             };
@@ -373,7 +401,7 @@ pub fn charge(
             (*counters[0]).epoch
         };
         (*state).charged = charged;
-        (*state).connecting = may_shed as u32;
+        (*state).connecting = (may_shed && uses(CONTROL_HANDSHAKES)) as u32;
         // An attempt that would have been shed (observe mode) owes its breaker nothing:
         // in enforce mode it would not have been made.
         (*state).breaker_owed = (owed && !over) as u32;
@@ -387,13 +415,13 @@ pub fn charge(
         let c = counters[i];
         if !c.is_null() {
             add(unsafe { &raw mut (*c).admitted }, 1);
-            if may_shed && !over {
-                shedding(c, &dst, i as u32, None);
-            }
             if (olds[i] as i64) >= 0 {
                 raise_peak(unsafe { &raw mut (*c).peak }, olds[i] + 1);
             }
         }
+    }
+    if uses(CONTROL_EVENTS) && may_shed && !over {
+        shedding_stopped(&counters, &dst);
     }
     Charge::Admitted
 }
@@ -407,19 +435,50 @@ fn launder(state: *mut SockState, v: u64) -> u64 {
     }
 }
 
-/// Reports the counter `c` of `dst`'s `level` starting to shed (with the `reasons` of
-/// the attempt that does), or, given None by an attempt admitted within every limit,
-/// stopping: one event per change, by the attempt that swaps `shedding_since`.
+/// The levels of `over_levels` that were not shedding start to, for `reasons`: one
+/// event per change, by the attempt that swaps the counter's `shedding_since`. A BPF
+/// subprogram, like `shedding_stopped`, so that the verifier's paths through it end at
+/// its return.
+#[inline(never)]
+fn shedding_started(
+    counters: &[*mut Counter; 3],
+    dst: &CounterKey,
+    over_levels: u32,
+    reasons: u32,
+) {
+    for (i, &c) in counters.iter().enumerate() {
+        if over_levels & (1 << i) != 0
+            && !c.is_null()
+            && unsafe { core::ptr::read_volatile(&raw const (*c).shedding_since) } == 0
+        {
+            report_shedding(c, dst, i as u32, reasons);
+        }
+    }
+}
+
+/// Every level that was shedding stops: an attempt was admitted within every limit.
+#[inline(never)]
+fn shedding_stopped(counters: &[*mut Counter; 3], dst: &CounterKey) {
+    for (i, &c) in counters.iter().enumerate() {
+        if !c.is_null() && unsafe { core::ptr::read_volatile(&raw const (*c).shedding_since) } != 0
+        {
+            report_shedding(c, dst, i as u32, 0);
+        }
+    }
+}
+
+/// The change found: started for `reasons`, or stopped for 0.
 #[inline(always)]
-fn shedding(c: *mut Counter, dst: &CounterKey, level: u32, reasons: Option<u32>) {
+fn report_shedding(c: *mut Counter, dst: &CounterKey, level: u32, reasons: u32) {
     let since = unsafe { &raw mut (*c).shedding_since };
     let seen = unsafe { core::ptr::read_volatile(since) };
-    let now = match reasons {
-        Some(_) if seen == 0 => unsafe { bpf_ktime_get_ns() },
-        None if seen != 0 => 0,
-        _ => return,
+    let now = unsafe { bpf_ktime_get_ns() };
+    let (kind, next) = if reasons != 0 {
+        (EVENT_SHEDDING_STARTED, now)
+    } else {
+        (EVENT_SHEDDING_STOPPED, 0)
     };
-    if !replace(since, seen, now) {
+    if (seen == 0) == (next == 0) || !replace(since, seen, next) {
         return;
     }
     let z = opaque_zero();
@@ -433,17 +492,13 @@ fn shedding(c: *mut Counter, dst: &CounterKey, level: u32, reasons: Option<u32>)
             addr: words_addr([z, z, z, z]),
         },
     };
-    let (kind, time) = match reasons {
-        Some(_) => (EVENT_SHEDDING_STARTED, now),
-        None => (EVENT_SHEDDING_STOPPED, unsafe { bpf_ktime_get_ns() }),
-    };
     events::emit(
         kind,
         &key,
-        time,
-        Detail {
+        now,
+        &Detail {
             level,
-            reasons: reasons.unwrap_or(z),
+            reasons,
             step: z,
             percent: z,
             counts: [z; 3],

@@ -98,6 +98,8 @@ struct Daemon {
     tw_rates: Mutex<TimeWaitRates>,
     /// What the kernel reported through EVENTS, named.
     events: Mutex<EventLog>,
+    /// The controls (guard_common::CONTROL_* bits) the connect programs were loaded with.
+    controls: u32,
     status: Mutex<PolicyStatus>,
     /// Held for a whole reload, so that reloads (SIGHUP, `connguard reload`) take turns.
     reloading: Mutex<()>,
@@ -135,6 +137,16 @@ impl Daemon {
         let result = read_policy(self.policy_path.as_deref())
             .map_err(|e| e.to_string())
             .and_then(|p| {
+                let missing = policy::controls(&p) & !self.controls;
+                if missing != 0 {
+                    return Err(format!(
+                        "{}: the policy uses {}, whose code the connect programs were loaded \
+                         without (the daemon loads what its first policy uses); restart the \
+                         daemon to load them",
+                        p.source,
+                        policy::control_names(missing)
+                    ));
+                }
                 let what = policy::describe(&p);
                 let listeners = p.listeners.clone();
                 // The walk, seconds on hosts with tens of thousands of cgroups, is made
@@ -646,7 +658,7 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
         mut ebpf,
         tracepoint,
         per_syn,
-    } = object::load(&features, &state)?;
+    } = object::load(&features, &state, policy::controls(&policy))?;
     if per_syn {
         log::info!("listener guards decide per SYN from the listener's own queues");
     } else {
@@ -696,6 +708,7 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
         )),
         tw_rates: Mutex::new(tw_rates),
         events: Mutex::default(),
+        controls: policy::controls(&policy),
         status: Mutex::new(PolicyStatus {
             source: source.clone(),
             generation: 1,

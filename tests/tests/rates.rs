@@ -223,3 +223,30 @@ fn an_established_connection_leaves_the_handshake_budget() {
     let s = d.wait_scope("s", Duration::from_secs(5), |s| n(s, "active") == 0);
     assert_eq!((n(&s, "active"), n(&s, "connecting")), (0, 0), "{s}");
 }
+
+/// The connect programs carry the code of the controls the first policy uses: a reload
+/// that adds a rate to a daemon started without one is rejected, saying to restart, and
+/// the policy in force stays.
+#[test]
+fn a_reload_that_adds_a_control_the_programs_lack_is_rejected() {
+    let cg = Cgroup::new("ratelate");
+    let text = policy(&cg, "enforce", "127.0.0.1", 9, "max_connections = 5");
+    let d = Daemon::start(&text);
+    std::fs::write(&d.policy, format!("{text}rate = \"10/s\"\n")).unwrap();
+    let r = d.cli(&["reload"]);
+    assert!(!r.status.success());
+    let err = String::from_utf8_lossy(&r.stderr);
+    assert!(
+        err.contains("the policy uses rate, whose code the connect programs were loaded without")
+            && err.contains("restart the daemon"),
+        "{err}"
+    );
+    let stats = d.stats();
+    assert_eq!(stats["policy"]["generation"], 1, "{stats}");
+    assert!(
+        stats["policy"]["last_error"]
+            .as_str()
+            .is_some_and(|e| e.contains("restart the daemon")),
+        "{stats}"
+    );
+}

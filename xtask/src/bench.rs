@@ -28,10 +28,12 @@ const RESET_PORT: u16 = 8082;
 const COSTS_PORT: u16 = 8089;
 const MODE_PORTS: u16 = 8090;
 /// The churn's modes, in the order the report lists them: no daemon; a daemon whose
-/// policy governs the churning client; the same daemon and policy with the churn from
-/// a cgroup no scope selects (ungoverned traffic); nftables.
-const MODES: [&str; 4] = ["no guard", "connguard", UNGOVERNED, "nftables"];
+/// policy governs the churning client; the same with a rate, a handshake budget and a
+/// breaker on the matching rule (none reached); the first daemon and policy with the
+/// churn from a cgroup no scope selects (ungoverned traffic); nftables.
+const MODES: [&str; 5] = ["no guard", "connguard", CONTROLS, UNGOVERNED, "nftables"];
 const UNGOVERNED: &str = "connguard, client ungoverned";
+const CONTROLS: &str = "connguard, rate + max_connecting + breaker";
 /// How the churn's client closes: after the server's FIN (leaving TIME_WAIT), or at
 /// once with SO_LINGER 0 (a RST): a shorter connection, where a fixed cost shows most.
 const CLOSES: [(&str, bool); 2] = [("orderly close", false), ("reset close", true)];
@@ -58,6 +60,11 @@ pub fn run(quick: bool) -> anyhow::Result<()> {
     // only while program costs are read; the previous setting comes back at the end.
     let _stats_off = BpfStats::set(false)?;
 
+    // 7: the daemon's own CPU with a listener guard, first: the churns below leave
+    // TIME_WAIT entries in the kernel's established hash (shared by every namespace),
+    // which each of the guard's readings walks.
+    let listener_cpu = listener_cpu(quick)?;
+
     let ns = Netns::new("cgbench");
     ns.exec("ip", &["link", "set", "lo", "up"]);
     // Client-first closes leave TIME_WAIT: reuse it, and give the range room.
@@ -82,7 +89,12 @@ pub fn run(quick: bool) -> anyhow::Result<()> {
         _servers: servers,
         _server_cg: server_cg,
     };
-    let policy = thousand_rules(&s.client.rel);
+    let policy = thousand_rules(&s.client.rel, "");
+    let with_controls = thousand_rules(
+        &s.client.rel,
+        "rate = \"1000000000/s\"\nburst = 1000000\nmax_connecting = 100000\n\
+         [scope.rule.breaker]\nmin_samples = 100000\n",
+    );
 
     // 1: churn, interleaved: no guard; connguard with 1,000 rules and destinations
     // tracked, from the governed client and from an ungoverned one; nftables ct count;
@@ -117,12 +129,12 @@ pub fn run(quick: bool) -> anyhow::Result<()> {
                         rate?
                     }
                     _ => {
-                        let (client, traffic) = if mode == UNGOVERNED {
-                            (&s.other, "ungoverned")
-                        } else {
-                            (&s.client, "governed")
+                        let (client, traffic, policy) = match mode {
+                            UNGOVERNED => (&s.other, "ungoverned", &policy),
+                            CONTROLS => (&s.client, "governed with controls", &with_controls),
+                            _ => (&s.client, "governed", &policy),
                         };
-                        let d = Daemon::start(&policy);
+                        let d = Daemon::start(policy);
                         spray(&s, destinations)?;
                         let rate = churn(&s, client, churn_n, port, reset)?;
                         let _stats_on = BpfStats::set(true)?;
@@ -365,6 +377,7 @@ pub fn run(quick: bool) -> anyhow::Result<()> {
         "stats_ms": stats_ms,
         "ports_ms": ports_ms,
         "daemon": {"idle": idle, "churn": busy},
+        "listener_guard_cpu": listener_cpu,
     });
     let target = std::env::var_os("CARGO_TARGET_DIR")
         .map_or_else(|| crate::root().join("target"), PathBuf::from);
@@ -373,6 +386,196 @@ pub fn run(quick: bool) -> anyhow::Result<()> {
     print!("{}", markdown(&report));
     eprintln!("bench: JSON in {}", path.display());
     Ok(())
+}
+
+/// The listener guard's namespace: the guarded listener (listen(128), accepting), and
+/// the servers that hold the established connections, each its share of them.
+const GUARDED_PORT: u16 = 9100;
+const HOLDING_PORTS: u16 = 9200;
+const HOLDERS: u64 = 5;
+/// Rounds of the listener guard's CPU, each in a namespace and with a daemon of its own.
+const LISTENER_CPU_ROUNDS: usize = 3;
+
+/// 7: the daemon's CPU (utime + stime of the whole process, its ended threads
+/// included) with one listener guard, on a namespace holding only the guarded listener
+/// and then also `connections` ESTABLISHED ones (5 servers and 5 clients in it, each
+/// with its share: a process may hold 20,000 fds here). The audit is put off past the
+/// window (`--audit 3600`): what is left is the listener watcher (a reading every
+/// 50 ms) and the daemon's other periodic jobs.
+fn listener_cpu(quick: bool) -> anyhow::Result<Value> {
+    let connections: u64 = if quick { 10_000 } else { 50_000 };
+    let window = Duration::from_secs(if quick { 5 } else { 20 });
+    let (mut alone, mut held, mut sockets) = (Vec::new(), Vec::new(), 0);
+    for round in 0..LISTENER_CPU_ROUNDS {
+        let ns = Netns::new("cglcpu");
+        ns.exec("ip", &["link", "set", "lo", "up"]);
+        // Each client's share from 127.0.0.1 to one server: ports enough, clear of the
+        // listeners'.
+        ns.exec(
+            "sysctl",
+            &["-qw", "net.ipv4.ip_local_port_range=10000 65000"],
+        );
+        let cg = Cgroup::new("bench-listen-cpu");
+        let listener = format!("127.0.0.1:{GUARDED_PORT}");
+        let servers: Vec<String> = (0..HOLDERS)
+            .map(|i| format!("127.0.0.1:{}", HOLDING_PORTS + i as u16))
+            .collect();
+        let mut listening = vec![["listen", &ns.path(), &listener, "128", "0"].map(String::from)];
+        for s in &servers {
+            listening.push(["listen", &ns.path(), s, "4096", "0"].map(String::from));
+        }
+        let _servers = holders(&cg, &listening, Duration::from_secs(10))?;
+        let d = Daemon::start_with(
+            &format!(
+                "[[listener]]\nname = \"api\"\nports = [\"{GUARDED_PORT}\"]\nnetns = \"{}\"\naccept_queue_watermark = 0.8\nmode = \"enforce\"\n",
+                ns.path()
+            ),
+            &["--audit", "3600"],
+        );
+        let started = Instant::now();
+        while d.stats()["listeners"][0]["queues"][0].is_null() {
+            anyhow::ensure!(
+                started.elapsed() < Duration::from_secs(5),
+                "the listener guard did not read its listener"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        // Past the start's own work (its audit, the first attachments).
+        std::thread::sleep(Duration::from_secs(3));
+        alone.push(process_cpu(d.pid(), window)?);
+        let per = (connections / HOLDERS).to_string();
+        let opening: Vec<[String; 6]> = servers
+            .iter()
+            .map(|s| ["open", &ns.path(), s, &per, "0", "2000"].map(String::from))
+            .collect();
+        let clients = holders(&cg, &opening, Duration::from_secs(120))?;
+        for (c, s) in clients.iter().zip(&servers) {
+            anyhow::ensure!(
+                c.outcome.ok == connections / HOLDERS,
+                "not every connection to {s} opened: {:?}",
+                c.outcome
+            );
+        }
+        sockets = tcp_in_use(&ns)?;
+        anyhow::ensure!(
+            sockets >= 2 * connections,
+            "{sockets} TCP sockets in the namespace, {connections} connections meant"
+        );
+        std::thread::sleep(Duration::from_secs(3));
+        held.push(process_cpu(d.pid(), window)?);
+        eprintln!(
+            "bench: listener guard CPU, round {}/{LISTENER_CPU_ROUNDS}: {:.2} % alone, {:.2} % with {connections} connections",
+            round + 1,
+            alone[round],
+            held[round]
+        );
+        // The daemon stops first, then the clients and servers with their cgroup.
+        drop(d);
+    }
+    let figures = |v: &[f64]| {
+        let mut s = summary(v);
+        s["rounds"] = json!(v);
+        s
+    };
+    Ok(json!({
+        "connections": connections,
+        "tcp_sockets": sockets,
+        "window_s": window.as_secs(),
+        "cpu_percent": {"listener only": figures(&alone), "established": figures(&held)},
+    }))
+}
+
+/// guard-probe in `cg` once for each of `runs`, started together, each a mode that prints
+/// its outcome and then holds its sockets; every outcome within `within`, or the probes
+/// are killed.
+fn holders<A: AsRef<[String]>>(
+    cg: &Cgroup,
+    runs: &[A],
+    within: Duration,
+) -> anyhow::Result<Vec<Holder>> {
+    use std::io::BufRead;
+    let deadline = Instant::now() + within;
+    let mut started = Vec::new();
+    for args in runs {
+        let mut child = cg
+            .command(connguard_tests::probe_bin())
+            .args(args.as_ref())
+            .stdout(Stdio::piped())
+            .spawn()
+            .context("start guard-probe")?;
+        let stdout = child.stdout.take().context("guard-probe stdout")?;
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut line = String::new();
+            let _ = std::io::BufReader::new(stdout).read_line(&mut line);
+            let _ = tx.send(line);
+        });
+        started.push((child, rx, args.as_ref().join(" ")));
+    }
+    let (mut held, mut failed) = (Vec::new(), None);
+    for (mut child, rx, args) in started {
+        let wait = match failed {
+            Some(_) => Duration::ZERO,
+            None => deadline.saturating_duration_since(Instant::now()),
+        };
+        let outcome = match rx.recv_timeout(wait) {
+            Ok(line) => serde_json::from_str(&line)
+                .map_err(|e| format!("guard-probe {args} printed {line:?}: {e}")),
+            Err(_) => Err(format!(
+                "guard-probe {args} gave no outcome within {within:?}"
+            )),
+        };
+        match outcome {
+            Ok(outcome) => held.push(Holder { child, outcome }),
+            Err(e) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                failed.get_or_insert(e);
+            }
+        }
+    }
+    match failed {
+        Some(e) => anyhow::bail!(e),
+        None => Ok(held),
+    }
+}
+
+/// The TCP sockets of `ns` in its socket tables (`TCP: inuse` of /proc/net/sockstat).
+fn tcp_in_use(ns: &Netns) -> anyhow::Result<u64> {
+    let out = Command::new("ip")
+        .args(["netns", "exec", &ns.name, "cat", "/proc/net/sockstat"])
+        .output()?;
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .find_map(|l| {
+            let mut w = l.strip_prefix("TCP: inuse ")?.split_whitespace();
+            w.next()?.parse().ok()
+        })
+        .context("no TCP line in the namespace's /proc/net/sockstat")
+}
+
+/// The CPU a process used over `window` (utime + stime of /proc/PID/stat, in clock
+/// ticks: its threads', those that ended included), in % of one core.
+fn process_cpu(pid: i32, window: Duration) -> anyhow::Result<f64> {
+    let tick: f64 = output("getconf", &["CLK_TCK"])
+        .parse()
+        .context("getconf CLK_TCK")?;
+    let ticks = || -> anyhow::Result<f64> {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+        // Fields 14 and 15, counted after the command name, which may hold spaces.
+        let mut fields = stat
+            .rsplit_once(')')
+            .context("/proc/PID/stat")?
+            .1
+            .split_whitespace()
+            .skip(11);
+        let mut next = || -> anyhow::Result<f64> { Ok(fields.next().context("utime")?.parse()?) };
+        Ok(next()? + next()?)
+    };
+    let (c0, t0) = (ticks()?, Instant::now());
+    std::thread::sleep(window);
+    let (c1, elapsed) = (ticks()?, t0.elapsed().as_secs_f64());
+    Ok((c1 - c0) / tick / elapsed * 100.0)
 }
 
 /// Long enough for the listener watcher's last 256 runs (50 ms apart) to fall in it.
@@ -480,8 +683,9 @@ fn hold_open(client: &Cgroup, ns: &Netns, target: &str, n: u64) -> anyhow::Resul
     Ok(held)
 }
 
-/// A policy of 1,000 rules: 999 on other networks, the last one matching loopback.
-fn thousand_rules(cgroup: &str) -> String {
+/// A policy of 1,000 rules: 999 on other networks, the last one matching loopback,
+/// with `controls` (TOML lines) besides its budget.
+fn thousand_rules(cgroup: &str, controls: &str) -> String {
     let mut p =
         format!("[[scope]]\nname = \"bench\"\ncgroup = \"{cgroup}\"\nmax_connections = 1000000\n");
     for i in 0..999 {
@@ -493,11 +697,12 @@ fn thousand_rules(cgroup: &str) -> String {
         );
     }
     p + "[[scope.rule]]\nname = \"loopback\"\ndst = [\"127.0.0.0/8\"]\nmax_connections = 100000\n"
+        + controls
 }
 
 /// The nftables equivalent of the churn's budget, which is not reached.
 const CHURN_NFT: &str = "chain out {\n    type filter hook output priority 0;\n    \
-    tcp dport { 8082, 8089-8093 } ct count over 1000000 reject with tcp reset\n  }";
+    tcp dport { 8082, 8089-8094 } ct count over 1000000 reject with tcp reset\n  }";
 
 /// A budget of 1 connection to 8081, answered with a RST past it.
 const SHED_NFT: &str = "chain out {\n    type filter hook output priority 0;\n    \
@@ -879,6 +1084,39 @@ fn markdown(r: &Value) -> String {
             "| {phase} | {:.1} | {:.2} |\n",
             f(&d[phase]["rss_mib"]),
             f(&d[phase]["cpu_percent"])
+        );
+    }
+    let lc = &r["listener_guard_cpu"];
+    out += &format!(
+        "\n| daemon with a listener guard, {LISTENER_CPU_ROUNDS} rounds of {} s: CPU % of a core (utime + stime) | median | min | max | rounds |\n|---|---|---|---|---|\n",
+        lc["window_s"]
+    );
+    for (phase, name) in [
+        (
+            "listener only",
+            "the guarded namespace holds the listener alone".to_string(),
+        ),
+        (
+            "established",
+            format!(
+                "the same with {} ESTABLISHED connections ({} TCP sockets)",
+                lc["connections"], lc["tcp_sockets"]
+            ),
+        ),
+    ] {
+        let c = &lc["cpu_percent"][phase];
+        let rounds: Vec<String> = c["rounds"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|v| format!("{:.2}", f(v)))
+            .collect();
+        out += &format!(
+            "| {name} | {:.2} | {:.2} | {:.2} | {} |\n",
+            f(&c["median"]),
+            f(&c["min"]),
+            f(&c["max"]),
+            rounds.join(", ")
         );
     }
 

@@ -1,5 +1,6 @@
 //! `cargo xtask demo`: wrk with 300 connections against nginx, without and with a
-//! connguard budget of 50, told as a short story.
+//! connguard budget of 50; then a retry storm against a failing dependency, without and
+//! with a circuit breaker, and its recovery through the ramp: told as a short story.
 use std::{
     io::{BufRead, BufReader},
     path::Path,
@@ -8,7 +9,7 @@ use std::{
 };
 
 use anyhow::{Context, bail};
-use connguard_tests::{Cgroup, Nginx, wrk};
+use connguard_tests::{Cgroup, Netns, Nginx, wrk};
 
 const CONNECTIONS: u64 = 300;
 const BUDGET: u64 = 50;
@@ -43,25 +44,7 @@ pub fn run(connguard: &Path) -> anyhow::Result<()> {
         policy.display(),
         indent(&text)
     );
-    let mut daemon = Command::new(connguard)
-        .arg("run")
-        .arg("--policy")
-        .arg(&policy)
-        .arg("--socket")
-        .arg(&socket)
-        .args(["--metrics", "off"])
-        .stderr(Stdio::piped())
-        .spawn()
-        .context("starting connguard")?;
-    let mut lines = BufReader::new(daemon.stderr.take().context("stderr")?).lines();
-    loop {
-        match lines.next() {
-            Some(Ok(line)) if line.contains("ready") => break,
-            Some(Ok(_)) => continue,
-            _ => bail!("connguard exited before it was ready"),
-        }
-    }
-    std::thread::spawn(move || lines.for_each(drop));
+    let mut daemon = start(connguard, &policy, &socket)?;
 
     let after = wrk(&client, &nginx, CONNECTIONS, SECONDS);
     println!(
@@ -84,9 +67,163 @@ pub fn run(connguard: &Path) -> anyhow::Result<()> {
     std::thread::sleep(Duration::from_millis(100));
     let _ = std::fs::remove_dir_all(&dir);
     println!(
-        "6. connguard stopped: its programs are detached and the client is unguarded again (fail-open)."
+        "6. connguard stopped: its programs are detached and the client is unguarded again (fail-open).\n"
     );
+    retry_storm(connguard, &client)
+}
+
+/// The dependency of the retry storm: a port in a namespace of its own.
+const DEPENDENCY: &str = "127.0.0.1:9400";
+
+/// Part two: a failing dependency, retries multiplying, the breaker opening, the
+/// dependency recovering through the ramp.
+fn retry_storm(connguard: &Path, client: &Cgroup) -> anyhow::Result<()> {
+    let ns = Netns::new("demo-dep");
+    ns.exec("ip", &["link", "set", "lo", "up"]);
+    println!(
+        "7. A dependency fails: nothing listens on {DEPENDENCY} in namespace {}. 20 clients call it, each retrying 5 times \
+         (curl --retry 5 --retry-connrefused): 120 connection attempts.",
+        ns.name
+    );
+    let syns = storm(client, &ns)?;
+    println!("   Without connguard, {syns} SYNs reached the failing dependency.\n");
+
+    let dir = std::env::temp_dir().join(format!("connguard-demo-storm-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let policy = dir.join("storm.toml");
+    let text = format!(
+        "[[scope]]\nname = \"client\"\ncgroup = \"{}\"\n\n[[scope.rule]]\nname = \"dependency\"\ndst = [\"127.0.0.1\"]\nports = [\"9400\"]\n\n\
+         [scope.rule.breaker]\nmin_samples = 10\nfailure_ratio = 0.5\nopen_for = \"2s\"\nramp = [10, 50, 100]\nstep_successes = 3\n",
+        client.rel
+    );
+    std::fs::write(&policy, &text)?;
+    let socket = dir.join("connguard.sock");
+    println!(
+        "8. Start connguard with a circuit breaker on the dependency:\n\n{}",
+        indent(&text)
+    );
+    let daemon = start(connguard, &policy, &socket)?;
+    let syns = storm(client, &ns)?;
+    println!(
+        "   The same storm: {syns} SYNs reached the dependency; the breaker opened after 10 refusals and every later \
+         attempt failed at once, no SYN sent.\n"
+    );
+    println!(
+        "9. The dependency recovers (a server on {DEPENDENCY}). Once its open time is over (2 s, doubled at each opening \
+         in a row: a retry let through half-open may have met the dependency still down), the breaker half-opens and lets \
+         through 10 %, then 50 %, then everything, each step after 3 successes in a row. 40 connects, one at a time:"
+    );
+    let server = Cgroup::new("demo-dep-server");
+    let _serving = server.hold_args(&["serve", &ns.path(), "9400"]);
+    wait_half_open(connguard, &socket)?;
+    let out = client.probe(&["shedlat", &ns.path(), DEPENDENCY, "40"]);
+    println!(
+        "   {} connected, {} refused at once by the breaker.\n",
+        out.ok,
+        out.errors("ECONNREFUSED")
+    );
+    let events = Command::new(connguard)
+        .args(["events", "--once", "--socket"])
+        .arg(&socket)
+        .output()?;
+    println!(
+        "10. `connguard events` told it as it happened:\n\n{}",
+        indent(&String::from_utf8_lossy(&events.stdout))
+    );
+    terminate(daemon.id());
+    let mut daemon = daemon;
+    let _ = daemon.wait();
+    let _ = std::fs::remove_dir_all(&dir);
     Ok(())
+}
+
+/// Waits (10 s at most) until the dependency's breaker is no longer open.
+fn wait_half_open(connguard: &Path, socket: &Path) -> anyhow::Result<()> {
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    while std::time::Instant::now() < until {
+        let out = Command::new(connguard)
+            .args(["stats", "--json", "--socket"])
+            .arg(socket)
+            .output()?;
+        let stats: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+        let open = stats["scopes"][0]["destinations"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|d| d["breaker"]["state"] == "open");
+        if !open {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    bail!("the breaker stayed open")
+}
+
+/// 20 curl processes in `client`, each trying `DEPENDENCY` in `ns` once and retrying 5
+/// times a second apart; the SYNs the namespace sent (its Tcp ActiveOpens).
+fn storm(client: &Cgroup, ns: &Netns) -> anyhow::Result<u64> {
+    let before = active_opens(ns)?;
+    let curls = (0..20)
+        .map(|_| {
+            client
+                .command("ip")
+                .args(["netns", "exec", &ns.name, "curl", "-s", "-o", "/dev/null"])
+                .args(["--retry", "5", "--retry-connrefused", "--retry-delay", "1"])
+                .arg(format!("http://{DEPENDENCY}/"))
+                .spawn()
+                .context("running curl")
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    for mut c in curls {
+        c.wait()?;
+    }
+    Ok(active_opens(ns)? - before)
+}
+
+/// `Tcp: ActiveOpens` of the namespace (/proc/net/snmp).
+fn active_opens(ns: &Netns) -> anyhow::Result<u64> {
+    let out = Command::new("ip")
+        .args(["netns", "exec", &ns.name, "cat", "/proc/net/snmp"])
+        .output()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mut tcp = text.lines().filter(|l| l.starts_with("Tcp:"));
+    let (names, values) = (
+        tcp.next().context("no Tcp:")?,
+        tcp.next().context("no Tcp:")?,
+    );
+    let i = names
+        .split_whitespace()
+        .position(|w| w == "ActiveOpens")
+        .context("no ActiveOpens")?;
+    Ok(values
+        .split_whitespace()
+        .nth(i)
+        .context("no value")?
+        .parse()?)
+}
+
+/// `connguard run` on `policy`, once it says it is ready.
+fn start(connguard: &Path, policy: &Path, socket: &Path) -> anyhow::Result<std::process::Child> {
+    let mut daemon = Command::new(connguard)
+        .arg("run")
+        .arg("--policy")
+        .arg(policy)
+        .arg("--socket")
+        .arg(socket)
+        .args(["--metrics", "off"])
+        .stderr(Stdio::piped())
+        .spawn()
+        .context("starting connguard")?;
+    let mut lines = BufReader::new(daemon.stderr.take().context("stderr")?).lines();
+    loop {
+        match lines.next() {
+            Some(Ok(line)) if line.contains("ready") => break,
+            Some(Ok(_)) => continue,
+            _ => bail!("connguard exited before it was ready"),
+        }
+    }
+    std::thread::spawn(move || lines.for_each(drop));
+    Ok(daemon)
 }
 
 fn indent(text: &str) -> String {

@@ -49,8 +49,9 @@ pub struct Loaded {
 /// Loads every program, with the pinned maps of `state` (adopted, or created and
 /// pinned), and attaches the host-wide one (the state tracepoint), pinned; the
 /// connection programs are attached to cgroups by `cgroup_links`. `features` must have
-/// passed `require`.
-pub fn load(features: &Features, state: &State) -> anyhow::Result<Loaded> {
+/// passed `require`; `controls` (guard_common::CONTROL_* bits) are the connect hook's
+/// controls to load.
+pub fn load(features: &Features, state: &State, controls: u32) -> anyhow::Result<Loaded> {
     let has_set_retval = u8::from(features.has(Feature::SetRetval));
     let offsets = if features.has(Feature::ListenerPerSyn) {
         super::btf::sock_offsets()
@@ -61,6 +62,7 @@ pub fn load(features: &Features, state: &State) -> anyhow::Result<Loaded> {
     };
     let mut loader = EbpfLoader::new();
     loader.override_global("HAS_SET_RETVAL", &has_set_retval, true);
+    loader.override_global("CONTROLS", &controls, true);
     if let Some(o) = &offsets {
         loader.override_global("SOCK_OFFSETS", o, true);
     }
@@ -70,7 +72,17 @@ pub fn load(features: &Features, state: &State) -> anyhow::Result<Loaded> {
     let mut ebpf = loader.load(OBJECT).context("loading the eBPF object")?;
     for name in CGROUP_SOCK_ADDR {
         let prog: &mut CgroupSockAddr = program(&mut ebpf, name)?.try_into()?;
+        let started = std::time::Instant::now();
         prog.load().with_context(|| format!("loading {name}"))?;
+        // The verifier's work, which grows with the paths through the program: the
+        // figure to watch when the connect hooks grow (1,000,000 is the limit).
+        log::debug!(
+            "{name}: verified {:?} instructions in {:?}",
+            prog.info()
+                .ok()
+                .and_then(|i| i.verified_instruction_count()),
+            started.elapsed()
+        );
     }
     for name in CGROUP_SOCK {
         let prog: &mut CgroupSock = program(&mut ebpf, name)?.try_into()?;

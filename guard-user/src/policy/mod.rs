@@ -264,6 +264,47 @@ pub const ERRNOS: &[(&str, i32)] = &[
     ("EAGAIN", libc::EAGAIN),
 ];
 
+/// The controls (guard_common::CONTROL_* bits) the policy's connect hook needs: a
+/// rate, max_connecting, a breaker; and the shedding events, with any of them.
+pub fn controls(p: &Policy) -> u32 {
+    use guard_common::{CONTROL_BREAKER, CONTROL_EVENTS, CONTROL_HANDSHAKES, CONTROL_RATE};
+    let mut bits = 0;
+    let limits = p.scopes.iter().flat_map(|s| {
+        std::iter::once((&s.limits, &s.breaker))
+            .chain(s.rules.iter().map(|r| (&r.limits, &r.breaker)))
+    });
+    for (l, b) in limits {
+        if l.rate.is_some() {
+            bits |= CONTROL_RATE;
+        }
+        if l.max_connecting.is_some() {
+            bits |= CONTROL_HANDSHAKES;
+        }
+        if b.is_some() {
+            bits |= CONTROL_BREAKER;
+        }
+    }
+    if bits != 0 {
+        bits |= CONTROL_EVENTS;
+    }
+    bits
+}
+
+/// The policy keys that `controls` bits stand for, for messages.
+pub fn control_names(bits: u32) -> String {
+    use guard_common::{CONTROL_BREAKER, CONTROL_HANDSHAKES, CONTROL_RATE};
+    [
+        (CONTROL_RATE, "rate"),
+        (CONTROL_HANDSHAKES, "max_connecting"),
+        (CONTROL_BREAKER, "breaker"),
+    ]
+    .iter()
+    .filter(|(b, _)| bits & b != 0)
+    .map(|(_, n)| *n)
+    .collect::<Vec<_>>()
+    .join(", ")
+}
+
 /// A one-line summary of a policy, for logs and `connguard check`.
 pub fn describe(p: &Policy) -> String {
     let rules: usize = p.scopes.iter().map(|s| s.rules.len()).sum();

@@ -95,9 +95,11 @@ impl EventRecord {
         }
     }
 
-    /// One line for people.
+    /// One line for people, the time of day in UTC first.
     pub fn line(&self) -> String {
-        let mut s = format!("{} {}", self.unix_ms, self.kind);
+        let (secs, ms) = (self.unix_ms / 1000, self.unix_ms % 1000);
+        let (h, m, sec) = (secs / 3600 % 24, secs / 60 % 60, secs % 60);
+        let mut s = format!("{h:02}:{m:02}:{sec:02}.{ms:03} {}", self.kind);
         let _ = write!(s, " scope {}", self.scope);
         if let Some(r) = &self.rule {
             let _ = write!(s, " rule {r}");
