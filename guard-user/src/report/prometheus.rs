@@ -474,6 +474,7 @@ mod tests {
                 time_wait_created: 0,
                 rules: Vec::new(),
                 destinations,
+                open_breakers: Vec::new(),
             }],
             internal_errors: 0,
             lost_events: 0,

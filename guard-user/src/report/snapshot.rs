@@ -150,6 +150,21 @@ pub struct ScopeStats {
     pub time_wait_created: u64,
     pub rules: Vec<RuleStats>,
     pub destinations: Vec<DestStats>,
+    /// The destinations whose breaker is open or half-open, all of them (whatever the
+    /// request's cut of `destinations`; absent from the answers of older daemons).
+    #[serde(default)]
+    pub open_breakers: Vec<OpenBreaker>,
+}
+
+/// A destination whose breaker is not closed.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct OpenBreaker {
+    pub rule: Option<String>,
+    pub dst: String,
+    /// "open" or "half_open".
+    pub state: String,
+    /// Percent of attempts it lets through now.
+    pub percent: u32,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -354,6 +369,21 @@ pub fn scopes(
         let all = scope_id
             .and_then(|id| destinations_of.remove(&id))
             .unwrap_or_default();
+        // Before the destinations are cut to the busiest: `top` asks for none.
+        let open_breakers = all
+            .iter()
+            .filter(|d| d.breaker.as_ref().is_some_and(|b| b.state != "closed"))
+            .map(|d| OpenBreaker {
+                rule: d.rule.as_deref().map(str::to_string),
+                dst: d.dst.clone(),
+                state: d
+                    .breaker
+                    .as_ref()
+                    .map(|b| b.state.clone())
+                    .unwrap_or_default(),
+                percent: d.breaker.as_ref().map_or(0, |b| b.percent),
+            })
+            .collect();
         let order = busiest_first(&all, top);
         let destinations = in_order(all, &order);
         out.push(ScopeStats {
@@ -371,6 +401,7 @@ pub fn scopes(
                 .unwrap_or(0),
             rules,
             destinations,
+            open_breakers,
         });
     }
     out

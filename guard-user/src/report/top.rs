@@ -252,13 +252,25 @@ fn draw(f: &mut Frame, netns: &str, v: &View, at: &str) {
     .block(Block::bordered().title(title));
     f.render_widget(scope_table, scopes);
 
-    let lines: Vec<Line> = match &v.ports {
+    let mut lines: Vec<Line> = match &v.ports {
         Ok(r) if r.warnings.is_empty() => vec![Line::from(
             "no destination or source address near exhaustion",
         )],
         Ok(r) => r.warnings.iter().map(|w| Line::from(w.as_str())).collect(),
         Err(e) => vec![Line::from(e.as_str())],
     };
+    for s in v.stats.iter().flat_map(|s| &s.scopes) {
+        for b in &s.open_breakers {
+            lines.push(Line::from(format!(
+                "breaker {} ({}% let through): scope {} rule {} dst {}",
+                b.state,
+                b.percent,
+                s.name,
+                b.rule.as_deref().unwrap_or("-"),
+                b.dst
+            )));
+        }
+    }
     f.render_widget(
         Paragraph::new(lines)
             .wrap(Wrap { trim: true })
