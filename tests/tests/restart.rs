@@ -264,17 +264,28 @@ fn the_audit_corrects_a_count_set_wrong_behind_its_back() {
     let held = cg.hold(&server.addr, 3, 3);
     assert_eq!(held.outcome.ok, 3, "{:?}", held.outcome);
     // Scope "a" has id 0: its SCOPE_COUNTERS entry, active 7 instead of 3 (a leak of 4).
-    let counter = |v: [u64; 6]| -> Vec<String> {
-        v.iter()
-            .flat_map(|x| x.to_le_bytes())
-            .map(|b| b.to_string())
-            .collect()
+    // The bytes of a whole guard_common::Counter (its size grows with its fields).
+    let counter = |active: u64, peak: u64, admitted: u64| -> Vec<String> {
+        let c = guard_common::Counter {
+            active,
+            peak,
+            admitted,
+            ..Default::default()
+        };
+        // SAFETY: Counter is repr(C), all u64: its bytes are plain data.
+        let bytes = unsafe {
+            std::slice::from_raw_parts(
+                (&raw const c).cast::<u8>(),
+                std::mem::size_of::<guard_common::Counter>(),
+            )
+        };
+        bytes.iter().map(|b| b.to_string()).collect()
     };
     let map = format!(
         "/sys/fs/bpf/connguard/v{}/maps/SCOPE_COUNTERS",
         guard_common::STATE_LAYOUT
     );
-    let value = counter([7, 3, 3, 0, 0, 0]);
+    let value = counter(7, 3, 3);
     let mut args = vec![
         "map", "update", "pinned", &map, "key", "0", "0", "0", "0", "value",
     ];
