@@ -138,14 +138,17 @@ fn decision(key: &CounterKey, conf: &BreakerConf, now: u64) -> Option<Decision> 
             return decision(true, phase, 0);
         }
         let next = status(BREAKER_HALF_OPEN, 0, phase.wrapping_add(1));
-        if !cas(unsafe { &raw mut (*b).status }, st, next) {
-            // Another attempt moved it first; this one waits for the next.
-            return decision(true, phase, 0);
-        }
+        // The half-open fields are made new before the status says half-open: an
+        // attempt on another CPU that sees the new status must not see the last phase's.
+        // (Nothing reads them while it is open.)
         unsafe {
             (*b).successes = 0;
             (*b).half_open_failed = 0;
             (*b).ramp_credit = 0;
+        }
+        if !cas(unsafe { &raw mut (*b).status }, st, next) {
+            // Another attempt moved it first; this one waits for the next.
+            return decision(true, phase, 0);
         }
         emit(
             key,
@@ -179,12 +182,13 @@ fn decision(key: &CounterKey, conf: &BreakerConf, now: u64) -> Option<Decision> 
         } else {
             status(BREAKER_HALF_OPEN, up, phase.wrapping_add(1))
         };
-        if !cas(unsafe { &raw mut (*b).status }, st, next) {
-            return decision(true, phase, moved);
-        }
+        // As above: the step's fields are new before the step is.
         unsafe {
             (*b).successes = 0;
             (*b).ramp_credit = 0;
+        }
+        if !cas(unsafe { &raw mut (*b).status }, st, next) {
+            return decision(true, phase, moved);
         }
         phase = phase.wrapping_add(1);
         if percent >= 100 {
@@ -201,7 +205,8 @@ fn decision(key: &CounterKey, conf: &BreakerConf, now: u64) -> Option<Decision> 
     }
     // Let through each attempt that takes the credit past a multiple of 100: exactly
     // the step's share of attempts, spread evenly.
-    let percent = if (step as usize) < MAX_RAMP_STEPS {
+    // A step past the ramp (a reload shortened it) lets everything through.
+    let percent = if (step as usize) < MAX_RAMP_STEPS && step < conf.n_steps {
         conf.ramp[step as usize] as u64
     } else {
         100
@@ -224,6 +229,17 @@ fn open(
     counts: [u32; 3],
 ) -> u32 {
     let phase = (st >> 32) as u32;
+    let in_row = unsafe { (*b).opens_in_row };
+    let shift = if in_row < 16 { in_row } else { 16 };
+    // Capped before the shift, which could overflow.
+    let open_ns = if conf.open_ns > conf.max_open_ns >> shift {
+        conf.max_open_ns
+    } else {
+        conf.open_ns << shift
+    };
+    // Written before the status says open: an attempt on another CPU that sees it open
+    // must see when it half-opens (nothing reads this in another state).
+    unsafe { (*b).open_until = now + open_ns };
     if !cas(
         unsafe { &raw mut (*b).status },
         st,
@@ -231,14 +247,7 @@ fn open(
     ) {
         return 0;
     }
-    let in_row = unsafe { (*b).opens_in_row };
-    let shift = if in_row < 16 { in_row } else { 16 };
-    let mut open_ns = conf.open_ns << shift;
-    if open_ns > conf.max_open_ns {
-        open_ns = conf.max_open_ns;
-    }
     unsafe {
-        (*b).open_until = now + open_ns;
         (*b).opens_in_row = in_row + 1;
         clear(b);
     }

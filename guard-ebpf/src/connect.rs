@@ -285,9 +285,9 @@ pub fn charge(
     // `may_shed`) is established already: no handshake, no token.
     let mut olds = [0u64; 3];
     let mut tokens = 0u32;
-    // Bit i: level i is over one of its limits (the watermark and the breaker are the
-    // destination's).
-    let mut over_levels = (reasons != 0) as u32;
+    // Bit i: level i is over one of its limits (the watermark is the destination's; the
+    // breaker reports its own).
+    let mut over_levels = (reasons & REASON_BUDGET != 0) as u32;
     for i in 0..3 {
         let c = counters[i];
         if c.is_null() {

@@ -571,8 +571,9 @@ fn parse_duration(text: &str) -> Result<u64, String> {
             ));
         }
     };
-    match n.parse::<u64>() {
-        Ok(n) if (1..=24 * 60 * 60 * 1000).contains(&n) => Ok(n * ns),
+    const DAY_NS: u64 = 24 * 60 * 60 * 1_000_000_000;
+    match n.parse::<u64>().ok().and_then(|n| n.checked_mul(ns)) {
+        Some(d) if (1..=DAY_NS).contains(&d) => Ok(d),
         _ => Err(format!(
             "{text:?} is not a whole number of {unit}, at least 1 and at most a day"
         )),
