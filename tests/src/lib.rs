@@ -692,6 +692,30 @@ impl Netns {
         ns
     }
 
+    /// `Tcp: ActiveOpens` of the namespace (/proc/net/snmp): connections that sent a SYN.
+    pub fn active_opens(&self) -> u64 {
+        let out = Command::new("ip")
+            .args(["netns", "exec", &self.name, "cat", "/proc/net/snmp"])
+            .output()
+            .expect("ip netns exec cat /proc/net/snmp");
+        let text = String::from_utf8_lossy(&out.stdout);
+        let mut tcp = text.lines().filter(|l| l.starts_with("Tcp:"));
+        let (names, values) = (
+            tcp.next().expect("Tcp: names"),
+            tcp.next().expect("Tcp: values"),
+        );
+        let i = names
+            .split_whitespace()
+            .position(|w| w == "ActiveOpens")
+            .expect("ActiveOpens in /proc/net/snmp");
+        values
+            .split_whitespace()
+            .nth(i)
+            .expect("ActiveOpens value")
+            .parse()
+            .expect("a number")
+    }
+
     pub fn exec(&self, cmd: &str, args: &[&str]) {
         let mut all = vec!["netns", "exec", &self.name, cmd];
         all.extend_from_slice(args);

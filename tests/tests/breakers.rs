@@ -3,7 +3,7 @@
 //! handshakes (netem delay on a veth), a retry storm from curl; and the events that
 //! report each transition.
 use std::{
-    process::{Command, Stdio},
+    process::Stdio,
     thread,
     time::{Duration, Instant},
 };
@@ -20,22 +20,6 @@ fn policy(cg: &Cgroup, mode: &str, dst: &str, port: u16, breaker: &str) -> Strin
          [scope.rule.breaker]\n{breaker}\n",
         cg.rel
     )
-}
-
-/// `Tcp: ActiveOpens` of the namespace (/proc/net/snmp): connections that sent a SYN.
-fn active_opens(ns: &Netns) -> u64 {
-    let out = Command::new("ip")
-        .args(["netns", "exec", &ns.name, "cat", "/proc/net/snmp"])
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    let mut tcp = text.lines().filter(|l| l.starts_with("Tcp:"));
-    let (names, values) = (tcp.next().unwrap(), tcp.next().unwrap());
-    let i = names
-        .split_whitespace()
-        .position(|w| w == "ActiveOpens")
-        .expect("ActiveOpens in /proc/net/snmp");
-    values.split_whitespace().nth(i).unwrap().parse().unwrap()
 }
 
 /// `connguard events --json --once`: the kinds of the daemon's events, in order, with
@@ -121,10 +105,10 @@ fn a_breaker_opens_on_refusals_sheds_without_a_syn_and_recovers_through_its_ramp
     let d = Daemon::start(&text);
 
     // 20 refused by the kernel (a RST each), then 10 shed: no SYN for those.
-    let before = active_opens(&ns);
+    let before = ns.active_opens();
     let out = connects(&cg, &ns, &addr, 30, None);
     assert_eq!(out.errors("ECONNREFUSED"), 30, "{out:?}");
-    assert_eq!(active_opens(&ns) - before, 20, "SYNs sent");
+    assert_eq!(ns.active_opens() - before, 20, "SYNs sent");
     let b = breaker(&d, &addr);
     assert_eq!(
         (b["state"].as_str(), b["percent"].as_u64()),
@@ -155,10 +139,10 @@ fn a_breaker_opens_on_refusals_sheds_without_a_syn_and_recovers_through_its_ramp
 
     // Half-open at 10 %: of 10 attempts the 10th goes, is refused, and opens it again.
     thread::sleep(Duration::from_millis(1100));
-    let before = active_opens(&ns);
+    let before = ns.active_opens();
     let out = connects(&cg, &ns, &addr, 10, None);
     assert_eq!(out.errors("ECONNREFUSED"), 10, "{out:?}");
-    assert_eq!(active_opens(&ns) - before, 1, "one SYN at 10 %");
+    assert_eq!(ns.active_opens() - before, 1, "one SYN at 10 %");
     let out = connects(&cg, &ns, &addr, 1, None);
     assert_eq!(out.errors("ECONNREFUSED"), 1, "{out:?}");
     let b = breaker(&d, &addr);
@@ -229,10 +213,10 @@ fn observe_mode_counts_what_the_breaker_would_shed() {
         9302,
         "min_samples = 20",
     ));
-    let before = active_opens(&ns);
+    let before = ns.active_opens();
     let out = connects(&cg, &ns, addr, 30, None);
     assert_eq!(out.errors("ECONNREFUSED"), 30, "{out:?}");
-    assert_eq!(active_opens(&ns) - before, 30, "observe sends every SYN");
+    assert_eq!(ns.active_opens() - before, 30, "observe sends every SYN");
     let s = d.scope("s");
     let dst = destination(&s, addr);
     assert_eq!(
@@ -351,7 +335,7 @@ fn a_curl_retry_storm_stays_under_the_breaker() {
         9304,
         "min_samples = 10\nopen_for = \"60s\"",
     ));
-    let before = active_opens(&ns);
+    let before = ns.active_opens();
     let curls: Vec<_> = (0..20)
         .map(|_| {
             cg.command("ip")
@@ -368,7 +352,7 @@ fn a_curl_retry_storm_stays_under_the_breaker() {
         let status = c.wait().unwrap();
         assert!(!status.success(), "curl reached a closed port");
     }
-    let syns = active_opens(&ns) - before;
+    let syns = ns.active_opens() - before;
     assert!(
         (10..=29).contains(&syns),
         "{syns} SYNs sent by 120 attempts"

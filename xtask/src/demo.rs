@@ -162,7 +162,7 @@ fn wait_half_open(connguard: &Path, socket: &Path) -> anyhow::Result<()> {
 /// 20 curl processes in `client`, each trying `DEPENDENCY` in `ns` once and retrying 5
 /// times a second apart; the SYNs the namespace sent (its Tcp ActiveOpens).
 fn storm(client: &Cgroup, ns: &Netns) -> anyhow::Result<u64> {
-    let before = active_opens(ns)?;
+    let before = ns.active_opens();
     let curls = (0..20)
         .map(|_| {
             client
@@ -177,29 +177,7 @@ fn storm(client: &Cgroup, ns: &Netns) -> anyhow::Result<u64> {
     for mut c in curls {
         c.wait()?;
     }
-    Ok(active_opens(ns)? - before)
-}
-
-/// `Tcp: ActiveOpens` of the namespace (/proc/net/snmp).
-fn active_opens(ns: &Netns) -> anyhow::Result<u64> {
-    let out = Command::new("ip")
-        .args(["netns", "exec", &ns.name, "cat", "/proc/net/snmp"])
-        .output()?;
-    let text = String::from_utf8_lossy(&out.stdout);
-    let mut tcp = text.lines().filter(|l| l.starts_with("Tcp:"));
-    let (names, values) = (
-        tcp.next().context("no Tcp:")?,
-        tcp.next().context("no Tcp:")?,
-    );
-    let i = names
-        .split_whitespace()
-        .position(|w| w == "ActiveOpens")
-        .context("no ActiveOpens")?;
-    Ok(values
-        .split_whitespace()
-        .nth(i)
-        .context("no value")?
-        .parse()?)
+    Ok(ns.active_opens() - before)
 }
 
 /// `connguard run` on `policy`, once it says it is ready.
