@@ -545,6 +545,9 @@ pub struct SockOffsets {
     pub max_ack_backlog: u32,
     /// icsk_accept_queue.qlen (atomic_t): half-open requests (SYN_RECV).
     pub syn_queue: u32,
+    /// icsk_accept_queue.young (atomic_t): the half-open requests whose SYN-ACK has not
+    /// been retransmitted yet (under the 1 s initial RTO): handshakes in flight.
+    pub young: u32,
     /// __sk_common.skc_net (possible_net_t: struct net *).
     pub net: u32,
     /// ns.inum (unsigned int), in struct net.

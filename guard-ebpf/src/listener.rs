@@ -11,8 +11,9 @@
 //! a reuseport group's SYNs are shed only for the member past its watermark.
 //!
 //! `listener_shed` decides per SYN from that socket's own queues (sk_ack_backlog,
-//! sk_max_ack_backlog, icsk_accept_queue.qlen), read through bpf_skc_to_tcp_sock() at
-//! the offsets of SOCK_OFFSETS; `listener_shed_polled`, for kernels that refuse it,
+//! sk_max_ack_backlog, icsk_accept_queue.qlen and .young), read through
+//! bpf_skc_to_tcp_sock() at the offsets of SOCK_OFFSETS; `listener_shed_polled`, for
+//! kernels that refuse it,
 //! applies the daemon's decision from its reading. Both shed nothing LISTENER_TTL_NS
 //! after the daemon stops renewing them: the per-SYN one after its last heartbeat
 //! (LISTENER_HEARTBEAT, every 100 ms), the polled one after the reading of its entry.
@@ -50,6 +51,7 @@ static SOCK_OFFSETS: SockOffsets = SockOffsets {
     ack_backlog: 0,
     max_ack_backlog: 0,
     syn_queue: 0,
+    young: 0,
     net: 0,
     net_inum: 0,
 };
@@ -170,15 +172,33 @@ struct Queues {
     accept_queue: u32,
     backlog: u32,
     syn_recv: u32,
+    /// Half-open requests under their first SYN-ACK retransmit.
+    young: u32,
 }
 
 /// Whether `q` is at or past a limit of `entry`. A backlog of 0 still queues one
 /// connection: compare against 1.
+///
+/// The watermark is compared with the accept queue plus the handshakes in flight that
+/// will join it: a burst of SYNs comes in before any of its handshakes completes, and
+/// the accept queue alone would let the whole burst pass. In flight is `young`: a
+/// request leaves it at its first SYN-ACK retransmit (reqsk_timer_handler,
+/// net/ipv4/inet_connection_sock.c), so a client that stopped answering a second ago
+/// holds no capacity. Once qlen reaches the backlog the kernel answers SYNs with cookies
+/// or drops them itself (inet_csk_reqsk_queue_is_full, tcp_conn_request in
+/// net/ipv4/tcp_input.c): a SYN flood. Then the accept queue alone counts, so that the
+/// flood does not turn into a RST for every client that cookies would have served.
 #[inline(always)]
 fn past_limits(entry: &ListenerEntry, q: &Queues) -> bool {
     let backlog = if q.backlog == 0 { 1 } else { q.backlog as u64 };
+    let in_flight = if (q.syn_recv as u64) < backlog {
+        q.young as u64
+    } else {
+        0
+    };
     (entry.accept_queue_permille != 0
-        && q.accept_queue as u64 * 1000 >= entry.accept_queue_permille as u64 * backlog)
+        && (q.accept_queue as u64 + in_flight) * 1000
+            >= entry.accept_queue_permille as u64 * backlog)
         || (entry.max_syn_recv != 0 && q.syn_recv >= entry.max_syn_recv)
 }
 
@@ -274,6 +294,7 @@ fn own_queues(sk: *mut core::ffi::c_void) -> (u32, Queues) {
                 &raw const (*o).max_ack_backlog,
             ))),
             syn_recv: u32_at(at(core::ptr::read_volatile(&raw const (*o).syn_queue))),
+            young: u32_at(at(core::ptr::read_volatile(&raw const (*o).young))),
         };
         let net: *const u8 =
             core::ptr::read_volatile(at(core::ptr::read_volatile(&raw const (*o).net)).cast());

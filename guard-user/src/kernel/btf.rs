@@ -27,6 +27,7 @@ pub fn sock_offsets() -> anyhow::Result<SockOffsets> {
         ack_backlog: field("tcp_sock", &in_sock("sk_ack_backlog"), 4)?,
         max_ack_backlog: field("tcp_sock", &in_sock("sk_max_ack_backlog"), 4)?,
         syn_queue: field("tcp_sock", &["inet_conn", "icsk_accept_queue", "qlen"], 4)?,
+        young: field("tcp_sock", &["inet_conn", "icsk_accept_queue", "young"], 4)?,
         net: field(
             "tcp_sock",
             &[&sock[..], &["__sk_common", "skc_net"]].concat(),
@@ -108,5 +109,6 @@ mod tests {
         let o = super::sock_offsets().expect("offsets from /sys/kernel/btf/vmlinux");
         assert_eq!(o.max_ack_backlog, o.ack_backlog + 4, "{o:?}");
         assert!(o.net < 136 && o.syn_queue > o.max_ack_backlog, "{o:?}");
+        assert_eq!(o.young, o.syn_queue + 4, "{o:?}");
     }
 }
