@@ -39,8 +39,9 @@ pub const STAT_COUNT: u32 = 3;
 /// Version of the layout of the pinned maps (`names::map::PINNED`): their types, keys,
 /// values and sizes. A daemon adopts pinned state of its own layout only; bump this with
 /// any change to them. 3: `STATS` grew (STAT_LOST_EVENTS). 4: `Counter` grew (the
-/// handshake count, the token bucket, the reasons of sheds).
-pub const STATE_LAYOUT: u32 = 4;
+/// handshake count, the token bucket, the reasons of sheds). 5: `Counter` grew (the
+/// breaker's failures and its clear word); the controls' times are the tick clock's.
+pub const STATE_LAYOUT: u32 = 5;
 
 /// setsockopt(2) level and option name of a seeding request: the daemon, at a start with
 /// no pinned state, asks the `seed` program (attached for that moment) to count a
@@ -135,7 +136,9 @@ pub struct ScopeConf {
     /// ephemeral range (see `PORT_USE`); 0 = no watermark. A matching rule's own
     /// watermark takes precedence.
     pub port_watermark: u32,
-    pub _pad: u32,
+    /// Drawn anew (odd, so never 0) each time the daemon applies a policy: a
+    /// destination's breaker is looked at again after a reload (`Counter::breaker_clear`).
+    pub serial: u32,
 }
 
 /// Key of `PORT_USE`: a destination in a network namespace. Value: the thousandths of
@@ -416,6 +419,12 @@ pub struct Counter {
     /// from now at the earliest; an attempt that would move it past now + burst
     /// intervals has no token.
     pub rate_tat: u64,
+    /// Failed and slow handshakes reported to the destination's breaker (total).
+    pub breaker_bad: u64,
+    /// `ScopeConf::serial << 32 | breaker_bad` (low 32 bits) when the connect hook last
+    /// found the destination's breaker closed with nothing due: while it still matches,
+    /// a connect skips the breaker (no lookup, no window walk). u64::MAX once it opened.
+    pub breaker_clear: u64,
 }
 
 /// Socket-local storage (`SOCKS`, a BPF_MAP_TYPE_SK_STORAGE): created with the TCP
@@ -554,6 +563,20 @@ pub struct SockOffsets {
     pub net_inum: u32,
 }
 
+/// The controls' clock (rate buckets, breakers, shedding events), read-only data set by
+/// the daemon: CLOCK_MONOTONIC ns at the kernel tick's resolution, as
+/// `jiffies_64 * tick_ns - offset_ns` (wrapping). The kernel advances jiffies from
+/// CLOCK_MONOTONIC (tick_do_update_jiffies64, kernel/time/tick-sched.c), so the offset
+/// holds; the verifier inlines bpf_jiffies64 into a load, where bpf_ktime_get_ns is a
+/// helper call that cost about 200 ns per connect on this project's VMs.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TickClock {
+    /// ns per jiffy (TICK_NSEC: CLOCK_MONOTONIC_COARSE's resolution).
+    pub tick_ns: u64,
+    pub offset_ns: u64,
+}
+
 /// CLOCK_MONOTONIC in ns: the clock of the programs' bpf_ktime_get_ns (the lease's).
 #[cfg(feature = "user")]
 pub fn monotonic_ns() -> u64 {
@@ -583,6 +606,7 @@ mod pod {
     unsafe impl aya::Pod for ListenerKey {}
     unsafe impl aya::Pod for ListenerEntry {}
     unsafe impl aya::Pod for SockOffsets {}
+    unsafe impl aya::Pod for TickClock {}
     unsafe impl aya::Pod for EaddrKey {}
     unsafe impl aya::Pod for IdKey {}
 }

@@ -78,6 +78,8 @@ pub fn counter(key: &CounterKey) -> Option<*mut Counter> {
         breaker_closed: z,
         shedding_since: z,
         rate_tat: z,
+        breaker_bad: z,
+        breaker_clear: z,
     };
     let _ = COUNTERS.insert(key, fresh, BPF_NOEXIST as u64);
     COUNTERS.get_ptr_mut(key)
@@ -144,23 +146,29 @@ pub fn end_handshake(state: *mut SockState) {
     }
 }
 
+/// The destination counter the socket's admission charged, if it charged one and it is
+/// still there; else null.
+#[inline(always)]
+pub fn dst_counter(state: *mut SockState) -> *mut Counter {
+    let (charged, dst_epoch) = unsafe { ((*state).charged, (*state).dst_epoch) };
+    if charged & 1 == 0 {
+        return core::ptr::null_mut();
+    }
+    match COUNTERS.get_ptr_mut(unsafe { &(*state).dst }) {
+        // The daemon forgets idle destination entries; one created again since this
+        // admission does not hold it.
+        Some(c) if unsafe { (*c).epoch } == dst_epoch => c,
+        _ => core::ptr::null_mut(),
+    }
+}
+
 /// The counters the socket's admission charged (null where a level was not): bit 0 of
 /// `charged` destination, 1 rule, 2 scope.
 #[inline(always)]
 fn charged_counters(state: *mut SockState) -> [*mut Counter; 3] {
-    let (dst, charged, dst_epoch) = unsafe { ((*state).dst, (*state).charged, (*state).dst_epoch) };
-    let dst_counter = if charged & 1 == 0 {
-        core::ptr::null_mut()
-    } else {
-        match COUNTERS.get_ptr_mut(&dst) {
-            // The daemon forgets idle destination entries; one created again since this
-            // admission does not hold it.
-            Some(c) if unsafe { (*c).epoch } == dst_epoch => c,
-            _ => core::ptr::null_mut(),
-        }
-    };
+    let (dst, charged) = unsafe { ((*state).dst, (*state).charged) };
     [
-        dst_counter,
+        dst_counter(state),
         if charged & 2 != 0 {
             rule_counter(dst.rule_id)
         } else {

@@ -10,9 +10,17 @@
 //! the move from SYN_SENT to TCP_CLOSE a failure: refused (a RST to the SYN), timed out
 //! (the kernel's SYN retries ran out), unreachable (an ICMP error), or abandoned by its
 //! owner (closed while connecting: an application's own connect timeout).
+//!
+//! A closed breaker with nothing due costs a connect no lookup: the connect hook keeps
+//! in the destination's counter the generation and failure count at which `decide` last
+//! found it so (`Counter::breaker_clear`), and skips the breaker while both still hold.
+//! A failed or slow outcome adds to the count after it is in the window, so the next
+//! connect decides again; an opening makes the word stale. A closed breaker thus opens
+//! at the first attempt after a failed or slow outcome that takes the window past a
+//! ratio.
 use core::intrinsics::{AtomicOrdering::SeqCst, atomic_cxchg, atomic_xchg};
 
-use aya_ebpf::{bindings::BPF_NOEXIST, helpers::generated::bpf_ktime_get_ns};
+use aya_ebpf::bindings::BPF_NOEXIST;
 use guard_common::{
     BREAKER_CLOSED, BREAKER_HALF_OPEN, BREAKER_OPEN, BREAKER_SLOTS, Breaker, BreakerConf,
     CounterKey, EVENT_BREAKER_CLOSED, EVENT_BREAKER_HALF_OPEN, EVENT_BREAKER_OPENED,
@@ -20,11 +28,17 @@ use guard_common::{
 };
 
 use crate::{
-    accounting::add,
+    accounting::{add, dst_counter},
+    clock,
     events::{self, Detail},
     maps::BREAKERS,
     net::opaque_zero,
 };
+
+/// The phase of an attempt admitted past a clear breaker (no lookup: its phase is not
+/// known). Only a half-open phase is ever compared, and a breaker would need 2^32
+/// transitions to reach this one.
+const NO_PHASE: u32 = u32::MAX;
 
 /// A zeroed breaker in read-only data, inserted as it is (one built on the stack costs
 /// a byte-by-byte memset).
@@ -53,6 +67,9 @@ const SLOW: u64 = 1;
 /// What the breaker says of one attempt.
 pub struct Decision {
     pub shed: bool,
+    /// Closed, and the window short of every ratio: nothing is due until an outcome
+    /// fails or is slow.
+    pub clear: bool,
     /// The phase an admitted attempt's outcome counts in.
     pub phase: u32,
     /// The transition this attempt made (an EVENT_BREAKER_* kind), or 0.
@@ -60,19 +77,25 @@ pub struct Decision {
 }
 
 impl Decision {
+    /// The word of an attempt that a clear breaker lets through without a look.
+    pub const PASS_CLEAR: u64 = VALID | CLEAR | (NO_PHASE as u64) << 32;
+
     /// Out of `decide`'s word: None for 0.
     #[inline(always)]
     pub fn unpack(word: u64) -> Option<Decision> {
         (word & VALID != 0).then(|| Decision {
             shed: word & 1 != 0,
+            clear: word & CLEAR != 0,
             phase: (word >> 32) as u32,
             moved: ((word >> 8) & 0xff) as u32,
         })
     }
 }
 
-/// Bit of `decide`'s word: a decision (else the breaker's entry could not be made).
+/// Bits of `decide`'s word: a decision (else the breaker's entry could not be made);
+/// `Decision::clear`.
 const VALID: u64 = 2;
+const CLEAR: u64 = 4;
 
 #[inline(always)]
 fn status(state: u32, step: u32, phase: u32) -> u64 {
@@ -87,7 +110,13 @@ fn status(state: u32, step: u32, phase: u32) -> u64 {
 #[inline(never)]
 pub fn decide(key: &CounterKey, conf: &BreakerConf, now: u64) -> u64 {
     match decision(key, conf, now) {
-        Some(d) => VALID | d.shed as u64 | ((d.moved as u64) << 8) | ((d.phase as u64) << 32),
+        Some(d) => {
+            VALID
+                | d.shed as u64
+                | (d.clear as u64 * CLEAR)
+                | ((d.moved as u64) << 8)
+                | ((d.phase as u64) << 32)
+        }
         None => 0,
     }
 }
@@ -110,7 +139,14 @@ fn decision(key: &CounterKey, conf: &BreakerConf, now: u64) -> Option<Decision> 
             (*b).slow_ns = conf.slow_ns;
         }
     }
-    let decision = |shed: bool, phase: u32, moved: u32| Some(Decision { shed, phase, moved });
+    let decision = |shed: bool, phase: u32, moved: u32| {
+        Some(Decision {
+            shed,
+            clear: false,
+            phase,
+            moved,
+        })
+    };
     let mut st = unsafe { core::ptr::read_volatile(&raw const (*b).status) };
     let state = (st & 0xff) as u32;
     let phase = (st >> 32) as u32;
@@ -127,7 +163,12 @@ fn decision(key: &CounterKey, conf: &BreakerConf, now: u64) -> Option<Decision> 
                 || (conf.slow_permille != 0
                     && slow as u64 * 1000 >= conf.slow_permille as u64 * ended as u64));
         if !trips {
-            return decision(false, phase, 0);
+            return Some(Decision {
+                shed: false,
+                clear: true,
+                phase,
+                moved: 0,
+            });
         }
         let moved = open(b, st, conf, now, key, [ended, failed, slow]);
         return decision(true, phase, moved);
@@ -306,13 +347,26 @@ pub fn outcome(state: *mut SockState, failed: bool) {
     {
         return;
     }
-    let Some(b) = BREAKERS.get_ptr_mut(unsafe { &(*state).dst }) else {
+    let b = BREAKERS.get_ptr_mut(unsafe { &(*state).dst });
+    let now = clock::now_ns();
+    let slow = b.is_some_and(|b| {
+        let slow_ns = unsafe { (*b).slow_ns };
+        !failed && slow_ns != 0 && now.wrapping_sub(unsafe { (*state).connect_ns }) >= slow_ns
+    });
+    if let Some(b) = b {
+        count(b, now, failed, slow);
+    }
+    // Once in the window (or with no entry, which the next decision makes again): the
+    // next connect decides.
+    if failed || slow {
+        let c = dst_counter(state);
+        if !c.is_null() {
+            add(unsafe { &raw mut (*c).breaker_bad }, 1);
+        }
+    }
+    let Some(b) = b else {
         return;
     };
-    let now = unsafe { bpf_ktime_get_ns() };
-    let slow_ns = unsafe { (*b).slow_ns };
-    let slow = !failed && slow_ns != 0 && now - unsafe { (*state).connect_ns } >= slow_ns;
-    count(b, now, failed, slow);
     let st = unsafe { core::ptr::read_volatile(&raw const (*b).status) };
     if (st & 0xff) as u32 == BREAKER_HALF_OPEN
         && (st >> 32) as u32 == unsafe { (*state).breaker_phase }

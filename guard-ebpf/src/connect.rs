@@ -5,7 +5,7 @@
 //! (net/ipv4/af_inet.c); TCP Fast Open (sendmsg with MSG_FASTOPEN) runs them too.
 use aya_ebpf::{
     EbpfContext,
-    helpers::generated::{bpf_get_netns_cookie, bpf_ktime_get_ns},
+    helpers::generated::bpf_get_netns_cookie,
     macros::cgroup_sock_addr,
     maps::lpm_trie::Key,
     programs::SockAddrContext,
@@ -24,7 +24,7 @@ use crate::{
         add, count_stat, counter, raise_peak, release, replace, rule_counter, scope_counter,
         take_token,
     },
-    breaker,
+    breaker, clock,
     events::{self, Detail},
     maps::{ACTIVE_GEN, PORT_USE, RULES, SCOPES, lease_held, storage},
     net::{ipv4_mapped, opaque_zero, words_addr},
@@ -231,16 +231,53 @@ pub fn charge(
     let has_rate = uses(CONTROL_RATE)
         && (rule_limits.rate_interval_ns != 0 || scope.limits.rate_interval_ns != 0);
     let now = if (has_rate && may_shed) || has_breaker {
-        unsafe { bpf_ktime_get_ns() }
+        clock::now_ns()
     } else {
         0
     };
-    // The breaker first, while the verifier has few paths to walk it on. Why the attempt
-    // is over a limit: REASON_* bits.
+    // The destination's counter, which also says when its breaker is clear. A level
+    // whose counter cannot be created (full map) is skipped, and counted as an internal
+    // error: fail-open for that level, the others still hold. A level not counted holds
+    // null (not None: LLVM may fill the payload of a None from any register, and the
+    // verifier refuses to read one never set).
+    let dc = match counter(&dst) {
+        Some(c) => c,
+        None => core::ptr::null_mut(),
+    };
+    // The breaker before the other levels' counters, while the verifier has few paths
+    // to walk it on. Why the attempt is over a limit: REASON_* bits.
     let mut reasons = if ports_over { REASON_BUDGET } else { 0 };
     let (mut breaker_phase, mut owed, mut moved) = (0, false, 0);
     if has_breaker {
-        match breaker::Decision::unpack(launder(state, breaker::decide(&dst, breaker, now))) {
+        // What a clear breaker left in the destination's counter, and what it leaves
+        // now: both read before the breaker's window is.
+        let (seen, clear) = if dc.is_null() {
+            (0, u64::MAX)
+        } else {
+            let bad = unsafe { core::ptr::read_volatile(&raw const (*dc).breaker_bad) };
+            (
+                unsafe { core::ptr::read_volatile(&raw const (*dc).breaker_clear) },
+                (scope.serial as u64) << 32 | (bad & 0xffff_ffff),
+            )
+        };
+        let word = if seen == clear {
+            breaker::Decision::PASS_CLEAR
+        } else {
+            let word = breaker::decide(&dst, breaker, now);
+            if let Some(d) = breaker::Decision::unpack(word)
+                && !dc.is_null()
+            {
+                if d.clear {
+                    // Not over a word an opening wrote meanwhile.
+                    let _ = replace(unsafe { &raw mut (*dc).breaker_clear }, seen, clear);
+                } else if d.moved == EVENT_BREAKER_OPENED {
+                    unsafe { core::ptr::write_volatile(&raw mut (*dc).breaker_clear, u64::MAX) };
+                }
+            }
+            word
+        };
+        // One path on from here, whichever way the word came.
+        match breaker::Decision::unpack(launder(state, word)) {
             Some(d) => {
                 if d.shed {
                     reasons |= REASON_BREAKER;
@@ -259,19 +296,9 @@ pub fn charge(
         if per_endpoint { none } else { rule_limits },
         &scope.limits,
     ];
-    // A level whose counter cannot be created (full map) is skipped, and counted as an
-    // internal error: fail-open for that level, the others still hold. A level not
-    // counted holds null (not None: LLVM may fill the payload of a None from any
-    // register, and the verifier refuses to read one never set). Rule and scope
-    // counters are array entries, present for every id the daemon hands out.
-    let counters = [
-        match counter(&dst) {
-            Some(c) => c,
-            None => core::ptr::null_mut(),
-        },
-        rule_counter(rule_id),
-        scope_counter(scope.scope_id),
-    ];
+    // Rule and scope counters are array entries, present for every id the daemon hands
+    // out.
+    let counters = [dc, rule_counter(rule_id), scope_counter(scope.scope_id)];
     let mut charged = 0u32;
     for i in 0..3 {
         if !counters[i].is_null() {
@@ -420,7 +447,15 @@ pub fn charge(
             }
         }
     }
-    if uses(CONTROL_EVENTS) && may_shed && !over {
+    // Read here, so that the common case (nothing was shedding) makes no call.
+    if uses(CONTROL_EVENTS)
+        && may_shed
+        && !over
+        && counters.iter().any(|&c| {
+            !c.is_null()
+                && unsafe { core::ptr::read_volatile(&raw const (*c).shedding_since) } != 0
+        })
+    {
         shedding_stopped(&counters, &dst);
     }
     Charge::Admitted
@@ -460,8 +495,7 @@ fn shedding_started(
 #[inline(never)]
 fn shedding_stopped(counters: &[*mut Counter; 3], dst: &CounterKey) {
     for (i, &c) in counters.iter().enumerate() {
-        if !c.is_null() && unsafe { core::ptr::read_volatile(&raw const (*c).shedding_since) } != 0
-        {
+        if !c.is_null() {
             report_shedding(c, dst, i as u32, 0);
         }
     }
@@ -472,7 +506,7 @@ fn shedding_stopped(counters: &[*mut Counter; 3], dst: &CounterKey) {
 fn report_shedding(c: *mut Counter, dst: &CounterKey, level: u32, reasons: u32) {
     let since = unsafe { &raw mut (*c).shedding_since };
     let seen = unsafe { core::ptr::read_volatile(since) };
-    let now = unsafe { bpf_ktime_get_ns() };
+    let now = clock::now_ns();
     let (kind, next) = if reasons != 0 {
         (EVENT_SHEDDING_STARTED, now)
     } else {

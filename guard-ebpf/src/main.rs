@@ -13,6 +13,7 @@
 mod accounting;
 mod adjust;
 mod breaker;
+mod clock;
 mod connect;
 mod events;
 mod listener;

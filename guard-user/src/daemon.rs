@@ -35,7 +35,7 @@ use crate::{
     },
     host::{cgroup, cgroup_watch::CgroupWatch, mounts},
     kernel::{
-        batch,
+        batch, clock,
         features::{Feature, Features},
         maps::Maps,
         object,
@@ -185,6 +185,12 @@ impl Daemon {
 
     /// Makes `policy` the one in force, with `tree` a walk of the cgroups for it.
     fn apply(&self, policy: Policy, tree: Tree) -> anyhow::Result<()> {
+        match clock::tick_ns() {
+            Ok(tick_ns) => policy::coarse_rates(&policy, tick_ns)
+                .iter()
+                .for_each(|w| log::warn!("{w}")),
+            Err(e) => log::warn!("{e:#}"),
+        }
         let Tree { governed, watched } = tree;
         let detached = lock(&self.generations).apply(policy, governed, &mut lock(&self.ebpf))?;
         self.cgroup_watch.set(&watched);

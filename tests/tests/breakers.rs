@@ -198,6 +198,60 @@ fn a_breaker_opens_on_refusals_sheds_without_a_syn_and_recovers_through_its_ramp
     );
 }
 
+/// A connect skips a breaker it last found closed with nothing due until an outcome
+/// fails or a policy is applied again, and then looks again. A destination with 3
+/// refusals and then 3 successes is short of failure_ratio 0.8; a reload, then a reload to
+/// 0.5 (the kernel's two policy generations are back where they were), and its next
+/// attempt is shed with no SYN. A destination first tried between the reloads opens at
+/// exactly `min_samples` (5) refusals: 8 attempts, 5 SYNs.
+#[test]
+fn a_breaker_skipped_while_clear_is_looked_at_again_after_a_failure_or_a_reload() {
+    let ns = Netns::new("cgbrkr");
+    ns.exec("ip", &["link", "set", "lo", "up"]);
+    let cg = Cgroup::new("brkr");
+    let (a, b) = ("127.0.0.1:9311", "127.0.0.1:9312");
+    let text = |ratio: &str| {
+        format!(
+            "[[scope]]\nname = \"s\"\ncgroup = \"{}\"\n\n[[scope.rule]]\nname = \"r\"\n\
+             dst = [\"127.0.0.1\"]\nports = [\"9311-9312\"]\n[scope.rule.breaker]\n\
+             min_samples = 5\nfailure_ratio = {ratio}\nopen_for = \"60s\"\n",
+            cg.rel
+        )
+    };
+    let d = Daemon::start(&text("0.8"));
+    let reload = |text: String| {
+        std::fs::write(&d.policy, text).unwrap();
+        let r = d.cli(&["reload"]);
+        assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    };
+    // Refusals first: the successes after them leave the breaker clear, and skipped.
+    let out = connects(&cg, &ns, a, 3, None);
+    assert_eq!(out.errors("ECONNREFUSED"), 3, "{out:?}");
+    {
+        let _server = serve(&ns, 9311);
+        assert_eq!(connects(&cg, &ns, a, 3, None).ok, 3);
+    }
+    assert_eq!(breaker(&d, a)["state"], "closed", "{}", breaker(&d, a));
+
+    reload(text("0.8") + "errno = \"ECONNREFUSED\"\n");
+    let before = ns.active_opens();
+    let out = connects(&cg, &ns, b, 8, None);
+    assert_eq!(out.errors("ECONNREFUSED"), 8, "{out:?}");
+    assert_eq!(ns.active_opens() - before, 5, "SYNs to a new destination");
+    assert_eq!(breaker(&d, b)["state"], "open", "{}", breaker(&d, b));
+
+    reload(text("0.5"));
+    let before = ns.active_opens();
+    let out = connects(&cg, &ns, a, 1, None);
+    assert_eq!(out.errors("ECONNREFUSED"), 1, "{out:?}");
+    assert_eq!(
+        ns.active_opens() - before,
+        0,
+        "a SYN past a breaker due to open"
+    );
+    assert_eq!(breaker(&d, a)["state"], "open", "{}", breaker(&d, a));
+}
+
 /// Observe mode runs the same machine: every attempt goes out, what enforce mode would
 /// shed is counted, and the breaker opens at the same attempt.
 #[test]

@@ -21,7 +21,7 @@ use anyhow::Context;
 use aya::{Ebpf, maps::lpm_trie::Key};
 use guard_common::{CgroupKey, MAX_CGROUP_LEVEL, RuleAddrKey, ScopeConf};
 
-use super::{ids::Ids, scopes::Governed};
+use super::{ids::Ids, scopes::Governed, seed::random_key};
 use crate::{
     host::cgroup,
     kernel::{
@@ -49,6 +49,8 @@ pub struct Generations {
     gen_: u32,
     ids: Arc<Ids>,
     policy: Option<Arc<Policy>>,
+    /// The policy's `ScopeConf::serial`, new at each apply.
+    serial: u32,
     /// What the active generation holds (the selected cgroups, and the levels they are
     /// at), to diff against on rescan.
     written_scopes: BTreeMap<u64, ScopeConf>,
@@ -91,6 +93,7 @@ impl Generations {
             gen_: 0,
             ids,
             policy: None,
+            serial: 0,
             written_scopes: BTreeMap::new(),
             written_levels: 0,
             governed: BTreeMap::new(),
@@ -136,7 +139,9 @@ impl Generations {
         // Ids are assigned on a copy: a refused policy takes none.
         let mut ids = Ids::clone(&self.ids);
         ids.assign(&policy)?;
-        let confs = scope_confs(&ids, &policy)?;
+        // Odd, so never 0: a destination's counter made since reads as never clear.
+        let serial = random_key()? as u32 | 1;
+        let confs = scope_confs(&ids, &policy, serial)?;
         let (scopes, levels) = selected(&governed, &confs);
         let tops = tops(&governed);
         for g in governed.values() {
@@ -204,6 +209,7 @@ impl Generations {
         self.gen_ = next;
         self.ids = Arc::new(ids);
         self.policy = Some(Arc::new(policy));
+        self.serial = serial;
         self.governed = governed;
         Ok(detached)
     }
@@ -300,7 +306,7 @@ impl Generations {
         retry: bool,
     ) -> anyhow::Result<Detached> {
         let policy = self.policy.clone().context("no policy in force")?;
-        let confs = scope_confs(&self.ids, &policy)?;
+        let confs = scope_confs(&self.ids, &policy, self.serial)?;
         let (scopes, levels) = selected(governed, &confs);
         let gen_ = self.gen_;
         // New entries first, then the levels to look at, then what went: a socket
@@ -430,8 +436,9 @@ fn tops(governed: &BTreeMap<u64, Governed>) -> BTreeMap<u64, PathBuf> {
         .collect()
 }
 
-/// The scopes as the kernel sees them; `ids.assign(policy)` must have run.
-fn scope_confs(ids: &Ids, policy: &Policy) -> anyhow::Result<Vec<ScopeConf>> {
+/// The scopes as the kernel sees them, with the apply's `serial`; `ids.assign(policy)`
+/// must have run.
+fn scope_confs(ids: &Ids, policy: &Policy, serial: u32) -> anyhow::Result<Vec<ScopeConf>> {
     policy
         .scopes
         .iter()
@@ -439,7 +446,7 @@ fn scope_confs(ids: &Ids, policy: &Policy) -> anyhow::Result<Vec<ScopeConf>> {
             let id = ids
                 .scope(&s.name)
                 .with_context(|| format!("scope {:?} has no id", s.name))?;
-            Ok(scope_conf(s, id))
+            Ok(scope_conf(s, id, serial))
         })
         .collect()
 }

@@ -109,7 +109,7 @@ fn inode_of(fd: &OwnedFd) -> Option<u64> {
 }
 
 /// A random key, never 0 (getrandom(2)).
-fn random_key() -> anyhow::Result<u64> {
+pub(super) fn random_key() -> anyhow::Result<u64> {
     let mut key = 0u64;
     while key == 0 {
         // SAFETY: getrandom writes at most 8 bytes into `key`.

@@ -4,6 +4,7 @@
 pub mod batch;
 pub mod btf;
 pub mod cgroup_links;
+pub mod clock;
 pub mod features;
 pub mod maps;
 pub mod object;

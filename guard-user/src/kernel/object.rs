@@ -60,7 +60,9 @@ pub fn load(features: &Features, state: &State, controls: u32) -> anyhow::Result
     } else {
         None
     };
+    let tick_clock = super::clock::tick_clock().context("measuring the kernel tick")?;
     let mut loader = EbpfLoader::new();
+    loader.override_global("TICK_CLOCK", &tick_clock, true);
     loader.override_global("HAS_SET_RETVAL", &has_set_retval, true);
     loader.override_global("CONTROLS", &controls, true);
     if let Some(o) = &offsets {

@@ -13,7 +13,7 @@ use ipnet::{IpNet, Ipv6Net};
 use super::{BreakerPolicy, Limits, Rate, Rule, Scope};
 
 /// A scope as SCOPES holds it, under its stable id.
-pub fn scope_conf(scope: &Scope, scope_id: u32) -> ScopeConf {
+pub fn scope_conf(scope: &Scope, scope_id: u32, serial: u32) -> ScopeConf {
     ScopeConf {
         scope_id,
         mode: scope.mode,
@@ -22,7 +22,7 @@ pub fn scope_conf(scope: &Scope, scope_id: u32) -> ScopeConf {
         limits: limits(&scope.limits),
         breaker: breaker(scope.breaker.as_ref()),
         port_watermark: scope.port_watermark.unwrap_or(0),
-        _pad: 0,
+        serial,
     }
 }
 

@@ -290,6 +290,35 @@ pub fn controls(p: &Policy) -> u32 {
     bits
 }
 
+/// Warnings for rates whose bucket holds less than one kernel tick (`tick_ns`) of
+/// tokens: the kernel reads the controls' clock at the tick's resolution, so such a
+/// bucket refills at most `burst` tokens a tick, below its rate.
+pub fn coarse_rates(p: &Policy, tick_ns: u64) -> Vec<String> {
+    let levels = p.scopes.iter().flat_map(|s| {
+        std::iter::once((format!("scope {}", s.name), &s.limits)).chain(
+            s.rules
+                .iter()
+                .map(move |r| (format!("scope {} rule {}", s.name, r.name), &r.limits)),
+        )
+    });
+    levels
+        .filter_map(|(name, l)| {
+            let r = l.rate.as_ref()?;
+            (r.interval_ns().saturating_mul(r.burst as u64) < tick_ns).then(|| {
+                format!(
+                    "{name}: rate {r} with burst {} holds less than one kernel tick ({} µs) of \
+                     tokens, so it admits at most {} a tick ({}/s): raise burst to {} or more",
+                    r.burst,
+                    tick_ns / 1000,
+                    r.burst,
+                    r.burst as u64 * 1_000_000_000 / tick_ns,
+                    tick_ns.div_ceil(r.interval_ns()),
+                )
+            })
+        })
+        .collect()
+}
+
 /// The policy keys that `controls` bits stand for, for messages.
 pub fn control_names(bits: u32) -> String {
     use guard_common::{CONTROL_BREAKER, CONTROL_HANDSHAKES, CONTROL_RATE};
@@ -322,5 +351,34 @@ pub fn mode_name(mode: u32) -> &'static str {
         "enforce"
     } else {
         "observe"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// At HZ 250 (a 4 ms tick), 10,000/s is 40 tokens a tick: a burst of 10 is warned
+    /// about, a burst of 40 is not; 100/s (one token each 10 ms) never is.
+    #[test]
+    fn rates_that_hold_less_than_a_tick_are_warned_about() {
+        let policy = |rate: &str, burst: u32| {
+            super::parse::parse(
+                &format!(
+                    "[[scope]]\nname = \"s\"\ncgroup = \"a\"\n[[scope.rule]]\nname = \"r\"\n\
+                     rate = \"{rate}\"\nburst = {burst}\n"
+                ),
+                "test.toml",
+            )
+            .unwrap()
+        };
+        let tick = 4_000_000;
+        let w = super::coarse_rates(&policy("10000/s", 10), tick);
+        assert_eq!(w.len(), 1, "{w:?}");
+        assert!(
+            w[0].starts_with("scope s rule r: rate 10000/s with burst 10")
+                && w[0].contains("at most 10 a tick (2500/s): raise burst to 40"),
+            "{w:?}"
+        );
+        assert!(super::coarse_rates(&policy("10000/s", 40), tick).is_empty());
+        assert!(super::coarse_rates(&policy("100/s", 1), tick).is_empty());
     }
 }
