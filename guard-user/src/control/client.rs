@@ -34,17 +34,22 @@ fn answer<T: DeserializeOwned>(mut stream: UnixStream, request: Request) -> anyh
     let mut text = String::new();
     stream
         .read_to_string(&mut text)
-        .map_err(|e| match e.kind() {
-            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
-                anyhow::anyhow!("the daemon did not answer `{request}` in time")
-            }
-            _ => e.into(),
-        })?;
+        .map_err(|e| in_time(e, request))?;
     if text.starts_with(ERROR_HEAD_STR) {
         let reply: ErrorReply = serde_json::from_str(&text)?;
         bail!("the daemon answered: {}", reply.error);
     }
     serde_json::from_str(&text).with_context(|| format!("reading the daemon's answer to {request}"))
+}
+
+/// A read error, said plainly when it is the wait of `send` running out.
+fn in_time(e: std::io::Error, request: Request) -> anyhow::Error {
+    match e.kind() {
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+            anyhow::anyhow!("the daemon did not answer `{request}` in time")
+        }
+        _ => e.into(),
+    }
 }
 
 /// A connection to the daemon on `socket`.
@@ -58,11 +63,12 @@ fn connect(socket: &Path) -> anyhow::Result<UnixStream> {
 fn send(mut stream: UnixStream, request: Request) -> anyhow::Result<UnixStream> {
     // A stalled daemon must not freeze the caller (`top` polls every second); a reload
     // walks the cgroup tree, which takes seconds on hosts with tens of thousands of
-    // cgroups, and gets as long as the daemon gives any reply.
-    let wait = if matches!(request, Request::Reload) {
-        Duration::from_secs(60)
-    } else {
-        Duration::from_secs(5)
+    // cgroups, and gets as long as the daemon gives any reply; so does a whole
+    // snapshot, whose 262,144 destinations at most took over 5 s in a qemu TCG guest.
+    let wait = match request {
+        Request::Reload => Duration::from_secs(60),
+        Request::Stats { top: None } => Duration::from_secs(30),
+        _ => Duration::from_secs(5),
     };
     stream.set_read_timeout(Some(wait))?;
     stream.write_all(format!("{request}\n").as_bytes())?;
@@ -73,14 +79,12 @@ fn send(mut stream: UnixStream, request: Request) -> anyhow::Result<UnixStream> 
 /// Copies the daemon's answer to `stats` to `out` as it arrives, without decoding it,
 /// then a newline; fails with the daemon's error when it answers with one.
 pub fn copy_stats(socket: &Path, out: &mut impl Write) -> anyhow::Result<()> {
-    let mut answer = BufReader::with_capacity(
-        1 << 16,
-        send(connect(socket)?, Request::Stats { top: None })?,
-    );
+    let request = Request::Stats { top: None };
+    let mut answer = BufReader::with_capacity(1 << 16, send(connect(socket)?, request)?);
     // An error answer is a small {"error": ...} object; a snapshot starts {"policy":.
     let mut head = Vec::new();
     while head.len() < ERROR_HEAD.len() {
-        let chunk = answer.fill_buf()?;
+        let chunk = answer.fill_buf().map_err(|e| in_time(e, request))?;
         if chunk.is_empty() {
             break;
         }
@@ -99,7 +103,7 @@ pub fn copy_stats(socket: &Path, out: &mut impl Write) -> anyhow::Result<()> {
     out.write_all(&head)?;
     let mut last = last_byte(&head);
     loop {
-        let chunk = answer.fill_buf()?;
+        let chunk = answer.fill_buf().map_err(|e| in_time(e, request))?;
         if chunk.is_empty() {
             break;
         }
