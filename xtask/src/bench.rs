@@ -367,6 +367,20 @@ pub fn run(quick: bool) -> anyhow::Result<()> {
         "round_ratio_to_no_guard": by_close(&|c, m| summary(&per_round(c, m))),
         // By traffic (governed, ungoverned) and close.
         "program_ns_per_run": nested(&costs, &|v| summary(v)),
+        // connect4's cost with a rate, max_connecting and a breaker on the matching rule
+        // less its cost without them, round by round (the rounds run both).
+        "controls_connect4_extra_ns": CLOSES
+            .iter()
+            .map(|(close, _)| {
+                let ns = |traffic: &str| costs[&format!("{traffic}, {close}")]["connect4"].clone();
+                let extra: Vec<f64> = ns("governed with controls")
+                    .iter()
+                    .zip(ns("governed"))
+                    .map(|(with, without)| with - without)
+                    .collect();
+                (close.to_string(), summary(&extra))
+            })
+            .collect::<serde_json::Map<_, _>>(),
         "program_runs_per_connection": nested(&runs, &|v| json!(median(v))),
         "cgroup_recreation": recreation,
         "shed_latency_ns": {
@@ -1122,6 +1136,7 @@ fn markdown(r: &Value) -> String {
 
     // The performance targets.
     let ratio = |close: &str, mode: &str| f(&r["round_ratio_to_no_guard"][close][mode]["median"]);
+    let controls_extra = |close: &str| f(&r["controls_connect4_extra_ns"][close]["median"]);
     let governed = "governed, orderly close";
     let cost = |p: &str| f(&r["program_ns_per_run"][governed][p]["median"]);
     let admission = cost("connect4");
@@ -1161,6 +1176,16 @@ fn markdown(r: &Value) -> String {
             "connect4 ≤ 250 ns (1,000 rules, tracked destinations)".into(),
             format!("{admission:.0} ns"),
             Some(admission <= 250.0),
+        ),
+        (
+            "connect4 with a rate, max_connecting and a breaker: ≤ 100 ns more (per-round median)"
+                .into(),
+            CLOSES
+                .iter()
+                .map(|(c, _)| format!("{c} {:.0} ns", controls_extra(c)))
+                .collect::<Vec<_>>()
+                .join("; "),
+            Some(CLOSES.iter().all(|(c, _)| controls_extra(c) <= 100.0)),
         ),
         (
             "ungoverned: no connection program runs (only the host-wide tracepoint)".into(),
