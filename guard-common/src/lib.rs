@@ -136,8 +136,9 @@ pub struct ScopeConf {
     /// ephemeral range (see `PORT_USE`); 0 = no watermark. A matching rule's own
     /// watermark takes precedence.
     pub port_watermark: u32,
-    /// Drawn anew (odd, so never 0) each time the daemon applies a policy: a
-    /// destination's breaker is looked at again after a reload (`Counter::breaker_clear`).
+    /// New (odd, so never 0) each time the daemon applies a policy: random at its first,
+    /// 2 more at each after; a destination's breaker is looked at again after a reload
+    /// (`Counter::breaker_clear`).
     pub serial: u32,
 }
 
@@ -419,11 +420,12 @@ pub struct Counter {
     /// from now at the earliest; an attempt that would move it past now + burst
     /// intervals has no token.
     pub rate_tat: u64,
-    /// Failed and slow handshakes reported to the destination's breaker (total).
+    /// Failed and slow handshakes reported to the destination's breaker, and its
+    /// openings (total).
     pub breaker_bad: u64,
     /// `ScopeConf::serial << 32 | breaker_bad` (low 32 bits) when the connect hook last
     /// found the destination's breaker closed with nothing due: while it still matches,
-    /// a connect skips the breaker (no lookup, no window walk). u64::MAX once it opened.
+    /// a connect skips the breaker (no lookup, no window walk).
     pub breaker_clear: u64,
 }
 

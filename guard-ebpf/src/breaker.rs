@@ -12,12 +12,14 @@
 //! owner (closed while connecting: an application's own connect timeout).
 //!
 //! A closed breaker with nothing due costs a connect no lookup: the connect hook keeps
-//! in the destination's counter the generation and failure count at which `decide` last
-//! found it so (`Counter::breaker_clear`), and skips the breaker while both still hold.
-//! A failed or slow outcome adds to the count after it is in the window, so the next
-//! connect decides again; an opening makes the word stale. A closed breaker thus opens
-//! at the first attempt after a failed or slow outcome that takes the window past a
-//! ratio.
+//! in the destination's counter the policy's serial and the count of failed and slow
+//! outcomes and openings at which `decide` last found it so (`Counter::breaker_clear`,
+//! `breaker_bad`), and skips the breaker while both still hold. A failed or slow outcome
+//! adds to the count after it is in the window, and an opening adds to it, so the next
+//! connect decides again, whatever word a concurrent decision wrote. A closed breaker
+//! thus opens at the first attempt after a failed or slow outcome, a reload or another
+//! opening that finds the window past a ratio (a window that gets there by successes
+//! alone, or by older outcomes ageing out, waits for the next failed or slow one).
 use core::intrinsics::{AtomicOrdering::SeqCst, atomic_cxchg, atomic_xchg};
 
 use aya_ebpf::bindings::BPF_NOEXIST;
@@ -351,7 +353,8 @@ pub fn outcome(state: *mut SockState, failed: bool) {
     let now = clock::now_ns();
     let slow = b.is_some_and(|b| {
         let slow_ns = unsafe { (*b).slow_ns };
-        !failed && slow_ns != 0 && now.wrapping_sub(unsafe { (*state).connect_ns }) >= slow_ns
+        // Saturating: a restart measures the clock's offset anew, a few µs apart.
+        !failed && slow_ns != 0 && now.saturating_sub(unsafe { (*state).connect_ns }) >= slow_ns
     });
     if let Some(b) = b {
         count(b, now, failed, slow);

@@ -268,10 +268,11 @@ pub fn charge(
                 && !dc.is_null()
             {
                 if d.clear {
-                    // Not over a word an opening wrote meanwhile.
                     let _ = replace(unsafe { &raw mut (*dc).breaker_clear }, seen, clear);
                 } else if d.moved == EVENT_BREAKER_OPENED {
-                    unsafe { core::ptr::write_volatile(&raw mut (*dc).breaker_clear, u64::MAX) };
+                    // Stales every clear word, this one and one a concurrent decision
+                    // made from the window before the opening.
+                    add(unsafe { &raw mut (*dc).breaker_bad }, 1);
                 }
             }
             word

@@ -186,7 +186,7 @@ impl Daemon {
     /// Makes `policy` the one in force, with `tree` a walk of the cgroups for it.
     fn apply(&self, policy: Policy, tree: Tree) -> anyhow::Result<()> {
         match clock::tick_ns() {
-            Ok(tick_ns) => policy::coarse_rates(&policy, tick_ns)
+            Ok(tick_ns) => policy::coarse_controls(&policy, tick_ns)
                 .iter()
                 .for_each(|w| log::warn!("{w}")),
             Err(e) => log::warn!("{e:#}"),

@@ -214,7 +214,7 @@ fn a_breaker_skipped_while_clear_is_looked_at_again_after_a_failure_or_a_reload(
         format!(
             "[[scope]]\nname = \"s\"\ncgroup = \"{}\"\n\n[[scope.rule]]\nname = \"r\"\n\
              dst = [\"127.0.0.1\"]\nports = [\"9311-9312\"]\n[scope.rule.breaker]\n\
-             min_samples = 5\nfailure_ratio = {ratio}\nopen_for = \"60s\"\n",
+             min_samples = 5\nfailure_ratio = {ratio}\nwindow = \"60s\"\nopen_for = \"60s\"\n",
             cg.rel
         )
     };

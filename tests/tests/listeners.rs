@@ -320,7 +320,7 @@ fn wait_listed(d: &Daemon, index: usize, n: usize) {
 
 /// 50 clients at once, no pacing, against listen(8) with a watermark of 0.5, across a
 /// veth pair: the decision is made per SYN from the listener's own queues, so 4 complete
-/// (5 where two CPUs check SYNs at the same moment), the others are refused by a RST at
+/// (one more per other CPU checking SYNs at the same moment), the others are refused by a RST at
 /// once, and none waits a SYN retransmit; with SYN cookies off, on and always on.
 #[test]
 fn a_burst_stops_at_the_watermark_per_syn() {
@@ -339,13 +339,17 @@ fn a_burst_stops_at_the_watermark_per_syn() {
         // The guard counts the accept queue and the handshakes in flight, so a batch of
         // SYNs (a qemu TCG guest's veth hands over several before any handshake
         // completes) stops at the watermark too. SYNs checked at the same moment on
-        // both CPUs each see the other's as not yet made: one more can get in. With
-        // cookies always on the kernel keeps no request for a handshake in flight, so
-        // a batch can pass the watermark (never a retransmit: asserted below).
+        // several CPUs each see the others' as not yet made: one more per other CPU can
+        // get in. With cookies always on the kernel keeps no request for a handshake in
+        // flight, so a batch can pass the watermark (never a retransmit: asserted below).
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get() as u64);
         if syncookies == "2" {
             assert!(o.ok >= 4, "syncookies={syncookies}: {o:?}");
         } else {
-            assert!((4..=5).contains(&o.ok), "syncookies={syncookies}: {o:?}");
+            assert!(
+                (4..=3 + cpus).contains(&o.ok),
+                "syncookies={syncookies}: {o:?}"
+            );
         }
         assert_eq!(
             (o.errors("ECONNREFUSED"), o.errors("TIMEOUT")),

@@ -139,8 +139,12 @@ impl Generations {
         // Ids are assigned on a copy: a refused policy takes none.
         let mut ids = Ids::clone(&self.ids);
         ids.assign(&policy)?;
-        // Odd, so never 0: a destination's counter made since reads as never clear.
-        let serial = random_key()? as u32 | 1;
+        // Odd, so never 0 (a destination's counter made since reads as never clear);
+        // random at the first apply, so that a restart's differs from the last daemon's.
+        let serial = match self.serial {
+            0 => random_key()? as u32 | 1,
+            last => last.wrapping_add(2),
+        };
         let confs = scope_confs(&ids, &policy, serial)?;
         let (scopes, levels) = selected(&governed, &confs);
         let tops = tops(&governed);

@@ -26,7 +26,7 @@ pub fn tick_ns() -> anyhow::Result<u64> {
     Ok(res.tv_sec as u64 * 1_000_000_000 + res.tv_nsec as u64)
 }
 
-/// Measures the clock; takes up to one clock tick (10 ms at USER_HZ 100).
+/// Measures the clock; takes up to SAMPLES clock ticks (10 ms each at USER_HZ 100).
 pub fn tick_clock() -> anyhow::Result<TickClock> {
     let tick_ns = tick_ns()?;
     // SAFETY: sysconf has no preconditions.
@@ -34,34 +34,38 @@ pub fn tick_clock() -> anyhow::Result<TickClock> {
     if tick_ns == 0 || user_hz <= 0 {
         bail!("no kernel tick: CLOCK_MONOTONIC_COARSE resolution {tick_ns} ns, USER_HZ {user_hz}");
     }
-    let clock_ticks = || {
-        let mut t = libc::tms {
-            tms_utime: 0,
-            tms_stime: 0,
-            tms_cutime: 0,
-            tms_cstime: 0,
-        };
-        // SAFETY: times writes the struct it is given; its return is never an error on
-        // Linux (a value that looks negative is a large tick count).
-        unsafe { libc::times(&mut t) as u64 }
-    };
+    // SAFETY: times(NULL) only returns the count; its return is never an error on
+    // Linux (a value that looks negative is a large count).
+    let clock_ticks = || unsafe { libc::times(std::ptr::null_mut()) } as u64;
+    // A thread preempted between the two reads sees CLOCK_MONOTONIC late, which makes
+    // the offset smaller: the largest of a few is the truest.
     let deadline = Instant::now() + Duration::from_secs(1);
-    let first = clock_ticks();
-    loop {
-        let ticks = clock_ticks();
-        let mono = guard_common::monotonic_ns();
-        if ticks != first {
-            let jiffies = jiffies_at(ticks, tick_ns, 1_000_000_000 / user_hz as u64);
-            return Ok(TickClock {
-                tick_ns,
-                offset_ns: jiffies.wrapping_mul(tick_ns).wrapping_sub(mono),
-            });
-        }
-        if Instant::now() > deadline {
-            bail!("times(2) did not move in 1 s");
+    let mut offset_ns = None::<u64>;
+    let mut last = clock_ticks();
+    for _ in 0..SAMPLES {
+        loop {
+            let ticks = clock_ticks();
+            let mono = guard_common::monotonic_ns();
+            if ticks != last {
+                let jiffies = jiffies_at(ticks, tick_ns, 1_000_000_000 / user_hz as u64);
+                let offset = jiffies.wrapping_mul(tick_ns).wrapping_sub(mono);
+                offset_ns = Some(offset_ns.map_or(offset, |o| o.max(offset)));
+                last = ticks;
+                break;
+            }
+            if Instant::now() > deadline {
+                bail!("times(2) did not move in 1 s");
+            }
         }
     }
+    Ok(TickClock {
+        tick_ns,
+        offset_ns: offset_ns.unwrap_or_default(),
+    })
 }
+
+/// Moments a clock tick began that the offset is taken from.
+const SAMPLES: usize = 3;
 
 /// The least jiffies count whose clock ticks (of `per_tick_ns` each) are `ticks`, with
 /// jiffies of `tick_ns`: the jiffies at the moment the tick count became `ticks`.

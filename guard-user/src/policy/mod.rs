@@ -290,33 +290,48 @@ pub fn controls(p: &Policy) -> u32 {
     bits
 }
 
-/// Warnings for rates whose bucket holds less than one kernel tick (`tick_ns`) of
-/// tokens: the kernel reads the controls' clock at the tick's resolution, so such a
-/// bucket refills at most `burst` tokens a tick, below its rate.
-pub fn coarse_rates(p: &Policy, tick_ns: u64) -> Vec<String> {
+/// Warnings for controls finer than the kernel tick (`tick_ns`), at which the kernel
+/// reads their clock: a rate whose bucket holds less than one tick of tokens refills at
+/// most `burst` tokens a tick, below its rate; a `slow_connect_ms` under two ticks
+/// tells handshakes apart by a tick's error.
+pub fn coarse_controls(p: &Policy, tick_ns: u64) -> Vec<String> {
     let levels = p.scopes.iter().flat_map(|s| {
-        std::iter::once((format!("scope {}", s.name), &s.limits)).chain(
-            s.rules
-                .iter()
-                .map(move |r| (format!("scope {} rule {}", s.name, r.name), &r.limits)),
+        std::iter::once((format!("scope {}", s.name), &s.limits, &s.breaker)).chain(
+            s.rules.iter().map(move |r| {
+                (
+                    format!("scope {} rule {}", s.name, r.name),
+                    &r.limits,
+                    &r.breaker,
+                )
+            }),
         )
     });
-    levels
-        .filter_map(|(name, l)| {
-            let r = l.rate.as_ref()?;
-            (r.interval_ns().saturating_mul(r.burst as u64) < tick_ns).then(|| {
-                format!(
-                    "{name}: rate {r} with burst {} holds less than one kernel tick ({} µs) of \
-                     tokens, so it admits at most {} a tick ({}/s): raise burst to {} or more",
-                    r.burst,
-                    tick_ns / 1000,
-                    r.burst,
-                    r.burst as u64 * 1_000_000_000 / tick_ns,
-                    tick_ns.div_ceil(r.interval_ns()),
-                )
-            })
-        })
-        .collect()
+    let tick_us = tick_ns / 1000;
+    let mut warnings = Vec::new();
+    for (name, limits, breaker) in levels {
+        if let Some(r) = &limits.rate
+            && r.interval_ns().saturating_mul(r.burst as u64) < tick_ns
+        {
+            warnings.push(format!(
+                "{name}: rate {r} with burst {} holds less than one kernel tick ({tick_us} µs) \
+                 of tokens, so it admits at most {} a tick ({}/s): raise burst to {} or more",
+                r.burst,
+                r.burst,
+                r.burst as u64 * 1_000_000_000 / tick_ns,
+                tick_ns.div_ceil(r.interval_ns()),
+            ));
+        }
+        if let Some(slow) = breaker.as_ref().and_then(|b| b.slow_connect_ns)
+            && slow < 2 * tick_ns
+        {
+            warnings.push(format!(
+                "{name}: slow_connect_ms {} is under two kernel ticks ({tick_us} µs each): \
+                 handshake durations are known to a tick",
+                slow / 1_000_000
+            ));
+        }
+    }
+    warnings
 }
 
 /// The policy keys that `controls` bits stand for, for messages.
@@ -357,9 +372,10 @@ pub fn mode_name(mode: u32) -> &'static str {
 #[cfg(test)]
 mod tests {
     /// At HZ 250 (a 4 ms tick), 10,000/s is 40 tokens a tick: a burst of 10 is warned
-    /// about, a burst of 40 is not; 100/s (one token each 10 ms) never is.
+    /// about, a burst of 40 is not; 100/s (one token each 10 ms) never is. A
+    /// slow_connect_ms of 7 is under two ticks, 8 is not.
     #[test]
-    fn rates_that_hold_less_than_a_tick_are_warned_about() {
+    fn controls_finer_than_the_tick_are_warned_about() {
         let policy = |rate: &str, burst: u32| {
             super::parse::parse(
                 &format!(
@@ -371,14 +387,29 @@ mod tests {
             .unwrap()
         };
         let tick = 4_000_000;
-        let w = super::coarse_rates(&policy("10000/s", 10), tick);
+        let w = super::coarse_controls(&policy("10000/s", 10), tick);
         assert_eq!(w.len(), 1, "{w:?}");
         assert!(
             w[0].starts_with("scope s rule r: rate 10000/s with burst 10")
                 && w[0].contains("at most 10 a tick (2500/s): raise burst to 40"),
             "{w:?}"
         );
-        assert!(super::coarse_rates(&policy("10000/s", 40), tick).is_empty());
-        assert!(super::coarse_rates(&policy("100/s", 1), tick).is_empty());
+        assert!(super::coarse_controls(&policy("10000/s", 40), tick).is_empty());
+        assert!(super::coarse_controls(&policy("100/s", 1), tick).is_empty());
+        let slow = |ms: u32| {
+            let text = format!(
+                "[[scope]]\nname = \"s\"\ncgroup = \"a\"\n[scope.breaker]\n\
+                 slow_connect_ms = {ms}\nslow_ratio = 0.5\n"
+            );
+            super::coarse_controls(&super::parse::parse(&text, "t.toml").unwrap(), tick)
+        };
+        assert_eq!(
+            slow(7),
+            [
+                "scope s: slow_connect_ms 7 is under two kernel ticks (4000 µs each): \
+              handshake durations are known to a tick"
+            ]
+        );
+        assert!(slow(8).is_empty());
     }
 }
