@@ -127,9 +127,10 @@ fn a_breaker_opens_on_refusals_sheds_without_a_syn_and_recovers_through_its_ramp
         (20, 10, 10, 1),
         "{dst}"
     );
-    // Shed in microseconds: the connect hook's answer (the bound leaves room for TCG).
+    // Shed in microseconds on the host: the connect hook's answer (the bound leaves
+    // room for a TCG guest, far from a SYN's 1 s retransmit).
     let shed = connects(&cg, &ns, &addr, 20, None);
-    assert!(shed.categories["p99_ns"] < 10_000_000, "{shed:?}");
+    assert!(shed.categories["p99_ns"] < 100_000_000, "{shed:?}");
 
     // A reload that keeps the names keeps the breaker open.
     std::fs::write(&d.policy, format!("{text}errno = \"ECONNREFUSED\"\n")).unwrap();
