@@ -18,6 +18,9 @@ use std::{
 use anyhow::{Context, bail, ensure};
 use serde::{Deserialize, Serialize};
 
+/// The variable the restart churn test reads its length from, and the guests' value.
+const CHURN_SECONDS_VAR: &str = "CONNGUARD_CHURN_SECONDS";
+const GUEST_CHURN_SECONDS: u32 = 60;
 /// What the guests need on the host.
 const PACKAGES: &[&str] = &[
     "qemu-system-x86",
@@ -177,11 +180,13 @@ pub fn run(
     } else {
         args.join(" ")
     };
+    // The restart churn runs 5 minutes on the host and 1 in each guest: the same
+    // kernel paths, and the matrix fits CI's 90 minutes.
     let script = work.join("cmd.sh");
     let connguard = root.join("target/release/connguard");
     let mut text = format!(
         "cd {}\nK=$({} kernel --json) && FILTER='{}' || {{ FILTER='{filters}'; echo BELOW_MINIMUM; }}\n\
-         echo \"FEATURES $K\"\nstatus=0\n",
+         echo \"FEATURES $K\"\nstatus=0\nexport {CHURN_SECONDS_VAR}={GUEST_CHURN_SECONDS}\n",
         root.display(),
         connguard.display(),
         args.join(" "),
