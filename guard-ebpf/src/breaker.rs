@@ -25,12 +25,12 @@ use core::intrinsics::{AtomicOrdering::SeqCst, atomic_cxchg, atomic_xchg};
 use aya_ebpf::bindings::BPF_NOEXIST;
 use guard_common::{
     BREAKER_CLOSED, BREAKER_HALF_OPEN, BREAKER_OPEN, BREAKER_SLOTS, Breaker, BreakerConf,
-    CounterKey, EVENT_BREAKER_CLOSED, EVENT_BREAKER_HALF_OPEN, EVENT_BREAKER_OPENED,
+    Counter, CounterKey, EVENT_BREAKER_CLOSED, EVENT_BREAKER_HALF_OPEN, EVENT_BREAKER_OPENED,
     MAX_RAMP_STEPS, SockState,
 };
 
 use crate::{
-    accounting::{add, dst_counter},
+    accounting::{add, dst_counter, replace},
     clock,
     events::{self, Detail},
     maps::BREAKERS,
@@ -79,9 +79,6 @@ pub struct Decision {
 }
 
 impl Decision {
-    /// The word of an attempt that a clear breaker lets through without a look.
-    pub const PASS_CLEAR: u64 = VALID | CLEAR | (NO_PHASE as u64) << 32;
-
     /// Out of `decide`'s word: None for 0.
     #[inline(always)]
     pub fn unpack(word: u64) -> Option<Decision> {
@@ -104,13 +101,52 @@ fn status(state: u32, step: u32, phase: u32) -> u64 {
     state as u64 | ((step as u64) << 8) | ((phase as u64) << 32)
 }
 
+/// `decide`'s word for `key`, or a pass without a look while the destination's counter
+/// `dc` says the breaker is clear under the policy of `serial`. Keeps that word: stored
+/// when the decision finds the breaker clear, made stale when it opens it.
+#[inline(always)]
+pub fn decide_unless_clear(
+    dc: *mut Counter,
+    serial: u32,
+    key: &CounterKey,
+    conf: &BreakerConf,
+    now: u64,
+) -> u64 {
+    // What a clear breaker left, and what it leaves now: both read before the window is.
+    let (seen, clear) = if dc.is_null() {
+        (0, u64::MAX)
+    } else {
+        let bad = unsafe { core::ptr::read_volatile(&raw const (*dc).breaker_bad) };
+        (
+            unsafe { core::ptr::read_volatile(&raw const (*dc).breaker_clear) },
+            (serial as u64) << 32 | (bad & 0xffff_ffff),
+        )
+    };
+    if seen == clear {
+        return VALID | (NO_PHASE as u64) << 32;
+    }
+    let word = decide(key, conf, now);
+    if let Some(d) = Decision::unpack(word)
+        && !dc.is_null()
+    {
+        if d.clear {
+            let _ = replace(unsafe { &raw mut (*dc).breaker_clear }, seen, clear);
+        } else if d.moved == EVENT_BREAKER_OPENED {
+            // Stales every clear word, this one and one a concurrent decision made from
+            // the window before the opening.
+            add(unsafe { &raw mut (*dc).breaker_bad }, 1);
+        }
+    }
+    word
+}
+
 /// The breaker of `key` under `conf` at `now` (CLOCK_MONOTONIC ns), as a word for
 /// `Decision::unpack`: 0 when its entry cannot be made (a full map: no breaker,
 /// fail-open). A function of its own (a BPF subprogram), so that its stack is not the
 /// connect hook's, which has little left, and its paths end at its return for the
 /// verifier; a word, because BTF cannot describe an Option.
 #[inline(never)]
-pub fn decide(key: &CounterKey, conf: &BreakerConf, now: u64) -> u64 {
+fn decide(key: &CounterKey, conf: &BreakerConf, now: u64) -> u64 {
     match decision(key, conf, now) {
         Some(d) => {
             VALID

@@ -249,34 +249,7 @@ pub fn charge(
     let mut reasons = if ports_over { REASON_BUDGET } else { 0 };
     let (mut breaker_phase, mut owed, mut moved) = (0, false, 0);
     if has_breaker {
-        // What a clear breaker left in the destination's counter, and what it leaves
-        // now: both read before the breaker's window is.
-        let (seen, clear) = if dc.is_null() {
-            (0, u64::MAX)
-        } else {
-            let bad = unsafe { core::ptr::read_volatile(&raw const (*dc).breaker_bad) };
-            (
-                unsafe { core::ptr::read_volatile(&raw const (*dc).breaker_clear) },
-                (scope.serial as u64) << 32 | (bad & 0xffff_ffff),
-            )
-        };
-        let word = if seen == clear {
-            breaker::Decision::PASS_CLEAR
-        } else {
-            let word = breaker::decide(&dst, breaker, now);
-            if let Some(d) = breaker::Decision::unpack(word)
-                && !dc.is_null()
-            {
-                if d.clear {
-                    let _ = replace(unsafe { &raw mut (*dc).breaker_clear }, seen, clear);
-                } else if d.moved == EVENT_BREAKER_OPENED {
-                    // Stales every clear word, this one and one a concurrent decision
-                    // made from the window before the opening.
-                    add(unsafe { &raw mut (*dc).breaker_bad }, 1);
-                }
-            }
-            word
-        };
+        let word = breaker::decide_unless_clear(dc, scope.serial, &dst, breaker, now);
         // One path on from here, whichever way the word came.
         match breaker::Decision::unpack(launder(state, word)) {
             Some(d) => {
