@@ -264,16 +264,27 @@ pub const ERRNOS: &[(&str, i32)] = &[
     ("EAGAIN", libc::EAGAIN),
 ];
 
+/// Every scope and rule of the policy, named for messages, with its limits and breaker.
+fn levels(p: &Policy) -> impl Iterator<Item = (String, &Limits, &Option<BreakerPolicy>)> {
+    p.scopes.iter().flat_map(|s| {
+        std::iter::once((format!("scope {}", s.name), &s.limits, &s.breaker)).chain(
+            s.rules.iter().map(move |r| {
+                (
+                    format!("scope {} rule {}", s.name, r.name),
+                    &r.limits,
+                    &r.breaker,
+                )
+            }),
+        )
+    })
+}
+
 /// The controls (guard_common::CONTROL_* bits) the policy's connect hook needs: a
 /// rate, max_connecting, a breaker; and the shedding events, with any of them.
 pub fn controls(p: &Policy) -> u32 {
     use guard_common::{CONTROL_BREAKER, CONTROL_EVENTS, CONTROL_HANDSHAKES, CONTROL_RATE};
     let mut bits = 0;
-    let limits = p.scopes.iter().flat_map(|s| {
-        std::iter::once((&s.limits, &s.breaker))
-            .chain(s.rules.iter().map(|r| (&r.limits, &r.breaker)))
-    });
-    for (l, b) in limits {
+    for (_, l, b) in levels(p) {
         if l.rate.is_some() {
             bits |= CONTROL_RATE;
         }
@@ -295,20 +306,9 @@ pub fn controls(p: &Policy) -> u32 {
 /// most `burst` tokens a tick, below its rate; a `slow_connect_ms` under two ticks
 /// tells handshakes apart by a tick's error.
 pub fn coarse_controls(p: &Policy, tick_ns: u64) -> Vec<String> {
-    let levels = p.scopes.iter().flat_map(|s| {
-        std::iter::once((format!("scope {}", s.name), &s.limits, &s.breaker)).chain(
-            s.rules.iter().map(move |r| {
-                (
-                    format!("scope {} rule {}", s.name, r.name),
-                    &r.limits,
-                    &r.breaker,
-                )
-            }),
-        )
-    });
     let tick_us = tick_ns / 1000;
     let mut warnings = Vec::new();
-    for (name, limits, breaker) in levels {
+    for (name, limits, breaker) in levels(p) {
         if let Some(r) = &limits.rate
             && r.interval_ns().saturating_mul(r.burst as u64) < tick_ns
         {
