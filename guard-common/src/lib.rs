@@ -41,7 +41,9 @@ pub const STAT_COUNT: u32 = 3;
 /// any change to them. 3: `STATS` grew (STAT_LOST_EVENTS). 4: `Counter` grew (the
 /// handshake count, the token bucket, the reasons of sheds). 5: `Counter` grew (the
 /// breaker's failures and its clear word); the controls' times are the tick clock's.
-pub const STATE_LAYOUT: u32 = 5;
+/// 6: `Counter`'s fields the connect hook reads put first, in 64 bytes;
+/// `SockState::connecting` a set of levels.
+pub const STATE_LAYOUT: u32 = 6;
 
 /// setsockopt(2) level and option name of a seeding request: the daemon, at a start with
 /// no pinned state, asks the `seed` program (attached for that moment) to count a
@@ -375,7 +377,8 @@ pub struct CounterKey {
 }
 
 /// Value of `COUNTERS`, `SCOPE_COUNTERS` and `RULE_COUNTERS`; every field is updated
-/// with atomic instructions.
+/// with atomic instructions. The fields a connect reads come first, in 64 bytes: one or
+/// two cache lines, where they were spread over three.
 /// Units: connections.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -385,20 +388,36 @@ pub struct Counter {
     /// lists) takes it below 0 until the next audits correct it back; no budget is
     /// spent then.
     pub active: u64,
-    /// Highest `active` seen.
-    pub peak: u64,
     /// Connections admitted (total).
     pub admitted: u64,
-    /// Connections refused (enforce mode, total).
-    pub shed: u64,
-    /// Connections that would have been refused (observe mode, total).
-    pub would_shed: u64,
+    /// Highest `active` seen.
+    pub peak: u64,
+    /// CLOCK_MONOTONIC ns of the first shed (or would-be shed) since the last admission
+    /// within every limit; 0 while none: one event when it starts, one when it stops.
+    pub shedding_since: u64,
+    /// Admitted and in the handshake: not yet established, nor closed.
+    pub connecting: u64,
+    /// The token bucket of the new-connection rate, as the generic cell rate
+    /// algorithm's theoretical arrival time: the CLOCK_MONOTONIC ns at which the bucket
+    /// is full again (in the past: full). An admission moves it one interval later,
+    /// from now at the earliest; an attempt that would move it past now + burst
+    /// intervals has no token.
+    pub rate_tat: u64,
+    /// `ScopeConf::serial << 32 | breaker_bad` (low 32 bits) when the connect hook last
+    /// found the destination's breaker closed with nothing due: while it still matches,
+    /// a connect skips the breaker (no lookup, no window walk).
+    pub breaker_clear: u64,
+    /// Failed and slow handshakes reported to the destination's breaker, and its
+    /// openings (total).
+    pub breaker_bad: u64,
     /// When this entry was created (ns since boot): tells a destination entry that the
     /// daemon forgot and the kernel created again from the one an admission charged.
     /// 0 in the scope and rule arrays, whose entries are never forgotten.
     pub epoch: u64,
-    /// Admitted and in the handshake: not yet established, nor closed.
-    pub connecting: u64,
+    /// Connections refused (enforce mode, total).
+    pub shed: u64,
+    /// Connections that would have been refused (observe mode, total).
+    pub would_shed: u64,
     /// Of `shed` and `would_shed`: attempts over the new-connection rate, over
     /// `max_connecting`, and met by an open breaker (an attempt over several counts in
     /// each).
@@ -411,22 +430,6 @@ pub struct Counter {
     pub breaker_opened: u64,
     pub breaker_half_opened: u64,
     pub breaker_closed: u64,
-    /// CLOCK_MONOTONIC ns of the first shed (or would-be shed) since the last admission
-    /// within every limit; 0 while none: one event when it starts, one when it stops.
-    pub shedding_since: u64,
-    /// The token bucket of the new-connection rate, as the generic cell rate
-    /// algorithm's theoretical arrival time: the CLOCK_MONOTONIC ns at which the bucket
-    /// is full again (in the past: full). An admission moves it one interval later,
-    /// from now at the earliest; an attempt that would move it past now + burst
-    /// intervals has no token.
-    pub rate_tat: u64,
-    /// Failed and slow handshakes reported to the destination's breaker, and its
-    /// openings (total).
-    pub breaker_bad: u64,
-    /// `ScopeConf::serial << 32 | breaker_bad` (low 32 bits) when the connect hook last
-    /// found the destination's breaker closed with nothing due: while it still matches,
-    /// a connect skips the breaker (no lookup, no window walk).
-    pub breaker_clear: u64,
 }
 
 /// Socket-local storage (`SOCKS`, a BPF_MAP_TYPE_SK_STORAGE): created with the TCP
@@ -446,8 +449,9 @@ pub struct SockState {
     /// Bit i set: level i (0 destination, 1 rule, 2 scope) was charged. A level whose
     /// counter could not be found or created (full map) is neither checked nor charged.
     pub charged: u32,
-    /// 1 while the admission is counted in `connecting` at its charged levels; swapped
-    /// to 0 by the one path that ends the handshake (established, or released).
+    /// Bit i set (as in `charged`): level i counts the admission in `connecting`, which
+    /// only levels with max_connecting do; swapped to 0 by the one path that ends the
+    /// handshake (established, or released).
     pub connecting: u32,
     /// 1 while the connect's outcome is owed to its destination's breaker; swapped to 0
     /// by the path that reports it (established, or closed from SYN_SENT).

@@ -133,14 +133,13 @@ pub fn release(state: *mut SockState) -> bool {
 /// is established (sock_ops ACTIVE_ESTABLISHED_CB) or released, whichever is first.
 #[inline(always)]
 pub fn end_handshake(state: *mut SockState) {
-    if state.is_null()
-        || unsafe { core::ptr::read_volatile(&raw const (*state).connecting) } != 1
-        || unsafe { atomic_xchg::<u32, { SeqCst }>(&raw mut (*state).connecting, 0) } != 1
+    if state.is_null() || unsafe { core::ptr::read_volatile(&raw const (*state).connecting) } == 0
     {
         return;
     }
-    for c in charged_counters(state) {
-        if !c.is_null() {
+    let levels = unsafe { atomic_xchg::<u32, { SeqCst }>(&raw mut (*state).connecting, 0) };
+    for (i, c) in charged_counters(state).into_iter().enumerate() {
+        if levels & (1 << i) != 0 && !c.is_null() {
             add(unsafe { &raw mut (*c).connecting }, u64::MAX);
         }
     }

@@ -284,8 +284,13 @@ pub fn charge(
     // Reserve at every level first, then look: concurrent connects each see a distinct
     // previous value, so a budget of N admits at most N. A seeded connection (not
     // `may_shed`) is established already: no handshake, no token.
-    let mut olds = [0u64; 3];
+    // Zeros the compiler cannot see: a literal [0; 3] becomes a call to a byte-by-byte
+    // memset subprogram.
+    let z = opaque_zero() as u64;
+    let mut olds = [z; 3];
     let mut tokens = 0u32;
+    // Bit i: level i counts this attempt in `connecting` (it sets max_connecting).
+    let mut handshakes = 0u32;
     // Bit i: level i is over one of its limits (the watermark is the destination's; the
     // breaker reports its own).
     let mut over_levels = (reasons & REASON_BUDGET != 0) as u32;
@@ -312,17 +317,13 @@ pub fn charge(
         if !may_shed {
             continue;
         }
-        let connecting = if uses(CONTROL_HANDSHAKES) {
-            add(unsafe { &raw mut (*c).connecting }, 1)
-        } else {
-            0
-        };
-        if uses(CONTROL_HANDSHAKES)
-            && l.max_connecting != 0
-            && connecting as i64 >= l.max_connecting as i64
-        {
-            reasons |= REASON_HANDSHAKES;
-            over_levels |= 1 << i;
+        if uses(CONTROL_HANDSHAKES) && l.max_connecting != 0 {
+            handshakes |= 1 << i;
+            let connecting = add(unsafe { &raw mut (*c).connecting }, 1);
+            if connecting as i64 >= l.max_connecting as i64 {
+                reasons |= REASON_HANDSHAKES;
+                over_levels |= 1 << i;
+            }
         }
         if uses(CONTROL_RATE) && l.rate_interval_ns != 0 {
             if take_token(c, l.rate_interval_ns, l.rate_burst, now) {
@@ -336,11 +337,15 @@ pub fn charge(
     // The paths of the levels' branches meet here as one.
     let flags = launder(
         state,
-        reasons as u64 | (tokens as u64) << 8 | (over_levels as u64) << 16,
+        reasons as u64
+            | (tokens as u64) << 8
+            | (over_levels as u64) << 16
+            | (handshakes as u64) << 24,
     );
     let reasons = (flags & 0xff) as u32;
     let tokens = (flags >> 8) as u32 & 0xff;
     let over_levels = (flags >> 16) as u32 & 0xff;
+    let handshakes = (flags >> 24) as u32 & 0xff;
     let over = reasons != 0;
     if over && may_shed {
         // Shed in enforce mode while the daemon's lease holds; else admitted, counted as
@@ -372,7 +377,7 @@ pub fn charge(
             }
             if shed {
                 add(unsafe { &raw mut (*c).active }, u64::MAX);
-                if uses(CONTROL_HANDSHAKES) {
+                if uses(CONTROL_HANDSHAKES) && handshakes & (1 << i) != 0 {
                     add(unsafe { &raw mut (*c).connecting }, u64::MAX);
                 }
                 add(unsafe { &raw mut (*c).shed }, 1);
@@ -402,7 +407,7 @@ pub fn charge(
             (*counters[0]).epoch
         };
         (*state).charged = charged;
-        (*state).connecting = (may_shed && uses(CONTROL_HANDSHAKES)) as u32;
+        (*state).connecting = handshakes;
         // An attempt that would have been shed (observe mode) owes its breaker nothing:
         // in enforce mode it would not have been made.
         (*state).breaker_owed = (owed && !over) as u32;

@@ -161,8 +161,10 @@ fn a_reload_keeps_the_bucket_and_a_faster_rate_starts_from_empty() {
 }
 
 /// `max_connecting = 5` against a destination that never answers: of 50 connects at
-/// once, exactly 5 wait in SYN_SENT and 45 fail with ECONNREFUSED at once. When the 5
-/// give up, their handshakes end, and 5 new ones may start.
+/// once, exactly 5 wait in SYN_SENT and 45 fail with ECONNREFUSED at once. While they
+/// wait, the destination (the level with the limit) counts 5 `connecting`, the rule and
+/// the scope (no limit) none. When the 5 give up, their handshakes end, and 5 new ones
+/// may start.
 #[test]
 fn max_connecting_lets_five_handshakes_wait_and_refuses_the_rest_at_once() {
     let ns = Netns::with_blackhole("cghs");
@@ -175,7 +177,26 @@ fn max_connecting_lets_five_handshakes_wait_and_refuses_the_rest_at_once() {
         "max_connecting = 5",
     ));
     for round in 1..=2u64 {
-        let out = cg.probe(&["handshakes", &ns.path(), "192.0.2.2:80", "50", "1000"]);
+        let (out, waiting) = std::thread::scope(|t| {
+            let probe =
+                t.spawn(|| cg.probe(&["handshakes", &ns.path(), "192.0.2.2:80", "50", "1000"]));
+            let waiting = d.wait_scope("s", Duration::from_secs(1), |s| {
+                s["destinations"].as_array().is_some_and(|ds| {
+                    ds.iter()
+                        .any(|d| d["dst"] == "192.0.2.2:80" && d["connecting"] == 5)
+                })
+            });
+            (probe.join().unwrap(), waiting)
+        });
+        assert_eq!(
+            (
+                n(destination(&waiting, "192.0.2.2:80"), "connecting"),
+                n(&waiting["rules"][0], "connecting"),
+                n(&waiting, "connecting")
+            ),
+            (5, 0, 0),
+            "round {round}, while 5 wait: {waiting}"
+        );
         assert_eq!(
             (out.errors("TIMEOUT"), out.errors("ECONNREFUSED"), out.ok),
             (5, 45, 0),
