@@ -37,12 +37,12 @@ pub const STAT_LOST_EVENTS: u32 = 2;
 pub const STAT_COUNT: u32 = 3;
 
 /// Version of the layout of the pinned maps (`names::map::PINNED`): their types, keys,
-/// values and sizes. A daemon adopts pinned state of its own layout only; bump this with
-/// any change to them. 3: `STATS` grew (STAT_LOST_EVENTS). 4: `Counter` grew (the
-/// handshake count, the token bucket, the reasons of sheds). 5: `Counter` grew (the
-/// breaker's failures and its clear word); the controls' times are the tick clock's.
-/// 6: `Counter`'s fields the connect hook reads put first, in 64 bytes;
-/// `SockState::connecting` a set of levels.
+/// values and sizes, and the meaning of their fields. A daemon adopts pinned state of its
+/// own layout only; bump this with any change to them. 3: `STATS` grew
+/// (STAT_LOST_EVENTS). 4: `Counter` grew (the handshake count, the token bucket, the
+/// reasons of sheds). 5: `Counter` grew (the breaker's failures and its clear word); the
+/// controls' times are the tick clock's. 6: `Counter`'s fields the connect hook reads put
+/// first; `SockState::connecting` a set of levels.
 pub const STATE_LAYOUT: u32 = 6;
 
 /// setsockopt(2) level and option name of a seeding request: the daemon, at a start with
@@ -377,8 +377,9 @@ pub struct CounterKey {
 }
 
 /// Value of `COUNTERS`, `SCOPE_COUNTERS` and `RULE_COUNTERS`; every field is updated
-/// with atomic instructions. The fields a connect reads come first, in 64 bytes: one or
-/// two cache lines, where they were spread over three.
+/// with atomic instructions. The fields a connect reads come first (`epoch` only for
+/// the destination): 72 bytes, where they were spread over 136 and three or four cache
+/// lines (map values are 8-byte aligned, not 64).
 /// Units: connections.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -395,7 +396,8 @@ pub struct Counter {
     /// CLOCK_MONOTONIC ns of the first shed (or would-be shed) since the last admission
     /// within every limit; 0 while none: one event when it starts, one when it stops.
     pub shedding_since: u64,
-    /// Admitted and in the handshake: not yet established, nor closed.
+    /// Admitted and in the handshake: not yet established, nor closed. Counted only at
+    /// a level whose limits set max_connecting (0 at the others).
     pub connecting: u64,
     /// The token bucket of the new-connection rate, as the generic cell rate
     /// algorithm's theoretical arrival time: the CLOCK_MONOTONIC ns at which the bucket

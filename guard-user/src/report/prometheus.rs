@@ -159,7 +159,7 @@ pub fn render(snap: &Snapshot, exported: &mut Exported) -> String {
     let s_connecting = gauge(
         &mut reg,
         "scope_connecting_connections",
-        "Connections of the scope in the handshake (admitted, SYN_SENT)",
+        "Connections of the scope in the handshake (admitted, SYN_SENT), counted when the scope sets max_connecting",
     );
     let d_active = gauge(
         &mut reg,
@@ -170,7 +170,7 @@ pub fn render(snap: &Snapshot, exported: &mut Exported) -> String {
     let d_connecting = gauge(
         &mut reg,
         "destination_connecting_connections",
-        "Connections in the handshake (admitted, SYN_SENT) per destination",
+        "Connections in the handshake (admitted, SYN_SENT) per destination, counted when its rule sets max_connecting per endpoint (the rest summed as dst=\"other\")",
     );
     let breaker_state = gauge(
         &mut reg,
@@ -249,7 +249,7 @@ pub fn render(snap: &Snapshot, exported: &mut Exported) -> String {
             f(&s.counts).saturating_sub(sum)
         };
         let other = (
-            [unlisted(|c| c.active), unlisted(|c| c.connecting)],
+            [unlisted(|c| c.active), s.unlisted_connecting],
             exported.other(s, &mut listed_now),
         );
         let rows = s
@@ -475,6 +475,7 @@ mod tests {
                 rules: Vec::new(),
                 destinations,
                 open_breakers: Vec::new(),
+                unlisted_connecting: 2,
             }],
             internal_errors: 0,
             lost_events: 0,
@@ -516,6 +517,13 @@ mod tests {
         assert_eq!(
             value(&text, "connguard_destination_active_connections", OTHER),
             Some(3),
+            "{text}"
+        );
+        // The unlisted destinations' own handshakes, not the scope's count less the
+        // listed ones (the scope counts none without a max_connecting of its own).
+        assert_eq!(
+            value(&text, "connguard_destination_connecting_connections", OTHER),
+            Some(2),
             "{text}"
         );
         assert!(exported.lists(&CounterKey {

@@ -94,8 +94,8 @@ pub struct Counts {
     pub admitted: u64,
     pub shed: u64,
     pub would_shed: u64,
-    /// Admitted and in the handshake (SYN_SENT) now (absent from the answers of older
-    /// daemons, like the two below).
+    /// Admitted and in the handshake (SYN_SENT) now, at a level that sets max_connecting;
+    /// 0 at the others (absent from the answers of older daemons, like the two below).
     #[serde(default)]
     pub connecting: u64,
     /// Of `shed` and `would_shed`: attempts over the rate, and over `max_connecting`.
@@ -154,6 +154,11 @@ pub struct ScopeStats {
     /// request's cut of `destinations`; absent from the answers of older daemons).
     #[serde(default)]
     pub open_breakers: Vec<OpenBreaker>,
+    /// `connecting` summed over the destinations the request's cut left out: the
+    /// metrics' `other` row. Not the scope's own `connecting` less the listed ones, which
+    /// counts only when the scope itself sets max_connecting.
+    #[serde(skip)]
+    pub unlisted_connecting: u64,
 }
 
 /// A destination whose breaker is not closed.
@@ -384,8 +389,11 @@ pub fn scopes(
                 percent: d.breaker.as_ref().map_or(0, |b| b.percent),
             })
             .collect();
+        let connecting = |ds: &[DestStats]| ds.iter().map(|d| d.counts.connecting).sum::<u64>();
+        let all_connecting = connecting(&all);
         let order = busiest_first(&all, top);
         let destinations = in_order(all, &order);
+        let unlisted_connecting = all_connecting - connecting(&destinations);
         out.push(ScopeStats {
             name: s.name.clone(),
             cgroup: if s.cgroup.is_empty() {
@@ -402,6 +410,7 @@ pub fn scopes(
             rules,
             destinations,
             open_breakers,
+            unlisted_connecting,
         });
     }
     out
