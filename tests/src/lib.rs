@@ -815,6 +815,18 @@ pub fn listener_policy(ns: &Netns, mode: &str) -> String {
     )
 }
 
+/// The variable that sets the restart churn test's length in seconds (default 300), which
+/// the kernel matrix's runner sets in each guest.
+pub const CHURN_SECONDS_VAR: &str = "CONNGUARD_CHURN_SECONDS";
+
+/// The restart churn test's length: CHURN_SECONDS_VAR, else 5 minutes.
+pub fn churn_length() -> Duration {
+    Duration::from_secs(std::env::var(CHURN_SECONDS_VAR).map_or(300, |s| {
+        s.parse()
+            .unwrap_or_else(|_| panic!("{CHURN_SECONDS_VAR}={s}: not a number of seconds"))
+    }))
+}
+
 /// A free TCP port on 127.0.0.1 (bound, then released for a server to take).
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")

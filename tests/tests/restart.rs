@@ -312,9 +312,7 @@ fn the_audit_corrects_a_count_set_wrong_behind_its_back() {
 /// audit correction.
 #[test]
 fn minutes_of_mixed_churn_with_three_restarts_leave_every_count_at_zero() {
-    let run = Duration::from_secs(std::env::var("CONNGUARD_CHURN_SECONDS").map_or(300, |s| {
-        s.parse().expect("CONNGUARD_CHURN_SECONDS: seconds")
-    }));
+    let run = connguard_tests::churn_length();
     let ns = connguard_tests::Netns::with_blackhole("cgchurn");
     let cg = Cgroup::new("churn");
     let policy = format!(

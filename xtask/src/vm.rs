@@ -16,10 +16,10 @@ use std::{
 };
 
 use anyhow::{Context, bail, ensure};
+use connguard_tests::CHURN_SECONDS_VAR;
 use serde::{Deserialize, Serialize};
 
-/// The variable the restart churn test reads its length from, and the guests' value.
-const CHURN_SECONDS_VAR: &str = "CONNGUARD_CHURN_SECONDS";
+/// The restart churn test's length in the guests, in seconds.
 const GUEST_CHURN_SECONDS: u32 = 60;
 /// What the guests need on the host.
 const PACKAGES: &[&str] = &[
