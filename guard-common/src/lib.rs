@@ -74,7 +74,7 @@ pub struct SeedRequest {
 }
 
 /// A correction of the daemon's audit, given to the `adjust` program as the data of a
-/// BPF_PROG_TEST_RUN after a 14-byte Ethernet header: `active` of one counter set from
+/// BPF_PROG_TEST_RUN after a 14-byte Ethernet header: one count of one counter set from
 /// `expected` to `target` with a compare-and-swap, so that a concurrent update is never
 /// lost (the correction waits for the next audit instead).
 #[repr(C)]
@@ -85,10 +85,17 @@ pub struct Adjustment {
     pub key: CounterKey,
     /// 0 destination, 1 rule, 2 scope.
     pub level: u32,
+    /// The count corrected: ADJUST_ACTIVE or ADJUST_CONNECTING.
+    pub count: u32,
+    pub _pad: u32,
     /// Connections (`active` is two's complement: see [`Counter`]).
     pub expected: u64,
     pub target: u64,
 }
+
+/// `Adjustment::count`: `Counter::active` or `Counter::connecting`.
+pub const ADJUST_ACTIVE: u32 = 0;
+pub const ADJUST_CONNECTING: u32 = 1;
 
 /// Key of `IDS`: a scope name (`kind` ID_SCOPE), or a scope name, a NUL and a rule name
 /// (`kind` ID_RULE), NUL-padded. Value: the id (u32). Names are at most

@@ -3,7 +3,7 @@
 //! changes a count with the same atomics the other programs use, which a map update
 //! from user space (a whole value written) would race.
 use aya_ebpf::{macros::classifier, programs::TcContext};
-use guard_common::Adjustment;
+use guard_common::{ADJUST_CONNECTING, Adjustment};
 
 use crate::{
     accounting::{replace, rule_counter, scope_counter},
@@ -32,7 +32,12 @@ pub fn adjust(ctx: TcContext) -> i32 {
     if c.is_null() {
         return 1;
     }
-    if replace(unsafe { &raw mut (*c).active }, a.expected, a.target) {
+    let count = if a.count == ADJUST_CONNECTING {
+        unsafe { &raw mut (*c).connecting }
+    } else {
+        unsafe { &raw mut (*c).active }
+    };
+    if replace(count, a.expected, a.target) {
         0
     } else {
         2

@@ -25,7 +25,7 @@ use crate::{
     },
     diagnose::attribution::{SAMPLE_EVERY, TimeWaitRates, daemon_ports, eaddrnotavail_counts},
     enforce::{
-        audit::{Audit, Correction, Key},
+        audit::{Audit, Correction, Count, Key},
         counters::Counters,
         generations::Generations,
         lease::{self, Lease},
@@ -388,8 +388,8 @@ impl Daemon {
         }
     }
 
-    /// Recounts the active connections from the live sockets, and corrects a counter
-    /// that differs for two audits in a row (see `enforce::audit`).
+    /// Recounts the active and connecting counts from the live sockets, and corrects a
+    /// count that differs for two audits in a row (see `enforce::audit`).
     fn audit(&self) -> anyhow::Result<()> {
         let ids = lock(&self.generations).ids();
         let before = lock(&self.counters).dump(ids.counts());
@@ -399,7 +399,13 @@ impl Daemon {
         let rules = ids.rule_names();
         let scope = |id| ids.scope_name(id).unwrap_or("?").to_string();
         let rule = |id| rules.get(&id).copied().unwrap_or("(no rule)").to_string();
-        for Correction { key, counted, live } in made {
+        for Correction {
+            key,
+            count,
+            counted,
+            live,
+        } in made
+        {
             let what = match key {
                 Key::Scope(id) => format!("scope {}", scope(id)),
                 Key::Rule(id) => format!("rule {}", rule(id)),
@@ -410,8 +416,12 @@ impl Daemon {
                     guard_common::addr::endpoint(guard_common::addr::unmapped(k.addr), k.port)
                 ),
             };
+            let counts = match count {
+                Count::Active => "active connection(s)",
+                Count::Connecting => "connection(s) in the handshake",
+            };
             log::warn!(
-                "audit: {what} counted {counted} active connection(s), the sockets hold {live}: corrected (a bug: please report it)"
+                "audit: {what} counted {counted} {counts}, the sockets hold {live}: corrected (a bug: please report it)"
             );
         }
         Ok(())

@@ -252,6 +252,28 @@ fn connections_opened_before_the_first_start_are_seeded_and_released_once() {
     assert_eq!(n(&s, "active"), 0, "{s}");
 }
 
+/// Writes `counter` as scope 0's entry of the pinned SCOPE_COUNTERS, with bpftool:
+/// behind the daemon's back, as a bug would.
+fn set_scope_counter(counter: guard_common::Counter) {
+    // SAFETY: Counter is repr(C), all u64: its bytes are plain data.
+    let bytes = unsafe {
+        std::slice::from_raw_parts(
+            (&raw const counter).cast::<u8>(),
+            std::mem::size_of::<guard_common::Counter>(),
+        )
+    };
+    let value: Vec<String> = bytes.iter().map(|b| b.to_string()).collect();
+    let map = format!(
+        "/sys/fs/bpf/connguard/v{}/maps/SCOPE_COUNTERS",
+        guard_common::STATE_LAYOUT
+    );
+    let mut args = vec![
+        "map", "update", "pinned", &map, "key", "0", "0", "0", "0", "value",
+    ];
+    args.extend(value.iter().map(String::as_str));
+    connguard_tests::run("bpftool", &args);
+}
+
 /// The audit recounts the live sockets every second (`--audit 1`, the tests' default):
 /// a counter set wrong behind the daemon's back (with bpftool, in the pinned map) is
 /// corrected after two audits agree, logged with its key, and counted.
@@ -263,34 +285,13 @@ fn the_audit_corrects_a_count_set_wrong_behind_its_back() {
     let mut d = Daemon::start(&policy);
     let held = cg.hold(&server.addr, 3, 3);
     assert_eq!(held.outcome.ok, 3, "{:?}", held.outcome);
-    // Scope "a" has id 0: its SCOPE_COUNTERS entry, active 7 instead of 3 (a leak of 4).
-    // The bytes of a whole guard_common::Counter (its size grows with its fields).
-    let counter = |active: u64, peak: u64, admitted: u64| -> Vec<String> {
-        let c = guard_common::Counter {
-            active,
-            peak,
-            admitted,
-            ..Default::default()
-        };
-        // SAFETY: Counter is repr(C), all u64: its bytes are plain data.
-        let bytes = unsafe {
-            std::slice::from_raw_parts(
-                (&raw const c).cast::<u8>(),
-                std::mem::size_of::<guard_common::Counter>(),
-            )
-        };
-        bytes.iter().map(|b| b.to_string()).collect()
-    };
-    let map = format!(
-        "/sys/fs/bpf/connguard/v{}/maps/SCOPE_COUNTERS",
-        guard_common::STATE_LAYOUT
-    );
-    let value = counter(7, 3, 3);
-    let mut args = vec![
-        "map", "update", "pinned", &map, "key", "0", "0", "0", "0", "value",
-    ];
-    args.extend(value.iter().map(String::as_str));
-    connguard_tests::run("bpftool", &args);
+    // Scope "a" has id 0: active 7 instead of 3 (a leak of 4).
+    set_scope_counter(guard_common::Counter {
+        active: 7,
+        peak: 3,
+        admitted: 3,
+        ..Default::default()
+    });
     d.expected_corrections = 1;
     let s = d.wait_scope("a", WAIT, |s| n(s, "active") == 3);
     assert_eq!(n(&s, "active"), 3, "corrected: {s}");
@@ -303,6 +304,56 @@ fn the_audit_corrects_a_count_set_wrong_behind_its_back() {
     drop(held);
     let s = d.wait_scope("a", WAIT, |s| n(s, "active") == 0);
     assert_eq!(n(&s, "active"), 0, "{s}");
+}
+
+/// A handshake count set wrong (4 in the handshake where the 3 connections are
+/// established) is corrected too: left alone, a leak of `connecting` would shed every
+/// attempt once it reached `max_connecting`. With `max_connecting = 4`, the scope sheds
+/// until the audit corrects it, then admits.
+#[test]
+fn the_audit_corrects_a_handshake_count_set_wrong_behind_its_back() {
+    let server = Server::start("127.0.0.1:0");
+    let cg = Cgroup::new("audit-hs");
+    let policy = format!(
+        "[[scope]]\nname = \"a\"\ncgroup = \"{}\"\nmax_connecting = 4\n",
+        cg.rel
+    );
+    let mut d = Daemon::start(&policy);
+    let held = cg.hold(&server.addr, 3, 3);
+    assert_eq!(held.outcome.ok, 3, "{:?}", held.outcome);
+    let s = d.scope("a");
+    assert_eq!((n(&s, "active"), n(&s, "connecting")), (3, 0), "{s}");
+    set_scope_counter(guard_common::Counter {
+        active: 3,
+        peak: 3,
+        admitted: 3,
+        connecting: 4,
+        ..Default::default()
+    });
+    let out = cg.probe(&["connect", &server.addr.to_string(), "1", "1"]);
+    assert_eq!(
+        out.errors("ECONNREFUSED"),
+        1,
+        "4 counted in the handshake: {out:?}"
+    );
+    d.expected_corrections = 1;
+    let s = d.wait_scope("a", WAIT, |s| n(s, "connecting") == 0);
+    assert_eq!(
+        (n(&s, "active"), n(&s, "connecting")),
+        (3, 0),
+        "corrected: {s}"
+    );
+    assert_eq!(n(&d.stats(), "audit_corrections"), 1);
+    let log = d.log.lock().unwrap().clone();
+    assert!(
+        log.contains("audit: scope a counted 4 connection(s) in the handshake, the sockets hold 0"),
+        "{log}"
+    );
+    let out = cg.probe(&["connect", &server.addr.to_string(), "1", "1"]);
+    assert_eq!(out.ok, 1, "after the correction: {out:?}");
+    drop(held);
+    let s = d.wait_scope("a", WAIT, |s| n(s, "active") == 0);
+    assert_eq!((n(&s, "active"), n(&s, "connecting")), (0, 0), "{s}");
 }
 
 /// Five minutes (CONNGUARD_CHURN_SECONDS: the kernel matrix's guests run one) of

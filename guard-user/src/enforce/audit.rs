@@ -1,12 +1,13 @@
-//! The audit: every `--audit` seconds the active counts are recounted from the live
-//! sockets and compared with the counters; a difference that holds still over two
-//! audits is corrected, logged with its key, and counted (`audit_corrections`). At rest
-//! it finds nothing: a correction is a bug report.
+//! The audit: every `--audit` seconds the active and connecting counts are recounted
+//! from the live sockets and compared with the counters; a difference that holds still
+//! over two audits is corrected, logged with its key, and counted (`audit_corrections`).
+//! At rest it finds nothing: a correction is a bug report.
 //!
 //! The recount reads every TCP connection's storage through sock_diag
 //! (INET_DIAG_REQ_SK_BPF_STORAGES), in every network namespace of the host: a socket
-//! holding an admission counts at each level it charged, and at destination level only
-//! while the entry it charged is the one there (same epoch). A key whose counter moved
+//! holding an admission counts as active at each level it charged, and as connecting at
+//! each level its handshake is still counted at (`SockState::connecting`); at
+//! destination level only while the entry it charged is the one there (same epoch). A key whose counter moved
 //! while the sockets were read is left for the next audit, and so is one whose difference
 //! is new: a connect between its reservation and the storage write, or a release between
 //! the two, differs for an instant, never for two audits. A namespace whose table cannot
@@ -23,7 +24,9 @@ use std::{
 };
 
 use anyhow::Context;
-use guard_common::{Adjustment, Counter, CounterKey, NO_RULE, SockState};
+use guard_common::{
+    ADJUST_ACTIVE, ADJUST_CONNECTING, Adjustment, Counter, CounterKey, NO_RULE, SockState,
+};
 
 use super::counters::CounterDump;
 use crate::{
@@ -39,10 +42,33 @@ pub enum Key {
     Scope(u32),
 }
 
-/// A difference: the counter's active and admitted, and the live count.
+/// A count the audit checks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Count {
+    /// `Counter::active`: admitted and not yet closed.
+    Active,
+    /// `Counter::connecting`: admitted and in the handshake.
+    Connecting,
+}
+
+impl Count {
+    const ALL: [Count; 2] = [Count::Active, Count::Connecting];
+
+    fn of(self, c: &Counter) -> u64 {
+        match self {
+            Count::Active => c.active,
+            Count::Connecting => c.connecting,
+        }
+    }
+}
+
+/// Live sockets, by counter and count.
+pub type Live = HashMap<(Key, Count), u64>;
+
+/// A difference: the counter's count and admitted, and the live count.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Seen {
-    active: u64,
+    counted: u64,
     admitted: u64,
     live: u64,
 }
@@ -51,6 +77,7 @@ struct Seen {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Correction {
     pub key: Key,
+    pub count: Count,
     pub counted: u64,
     pub live: u64,
 }
@@ -61,7 +88,7 @@ pub struct Audit {
     socks: OwnedFd,
     adjust: OwnedFd,
     /// Differences found by the last audit.
-    seen: Mutex<HashMap<Key, Seen>>,
+    seen: Mutex<HashMap<(Key, Count), Seen>>,
     /// Corrections made since the daemon started.
     corrections: AtomicU64,
 }
@@ -81,9 +108,9 @@ impl Audit {
         self.corrections.load(Ordering::Relaxed)
     }
 
-    /// Live admissions by counter, from every socket's storage in every network
-    /// namespace; `before` gives the destination entries' epochs.
-    pub fn recount(&self, before: &CounterDump) -> anyhow::Result<HashMap<Key, u64>> {
+    /// Live admissions and handshakes by counter, from every socket's storage in every
+    /// network namespace; `before` gives the destination entries' epochs.
+    pub fn recount(&self, before: &CounterDump) -> anyhow::Result<Live> {
         let epochs: HashMap<CounterKey, u64> = before
             .destinations
             .iter()
@@ -97,8 +124,11 @@ impl Audit {
                 let Some(state) = sock_state(&s.storage) else {
                     continue;
                 };
-                for key in charged(&state, &epochs) {
-                    *live.entry(key).or_default() += 1;
+                for (key, connecting) in charged(&state, &epochs) {
+                    *live.entry((key, Count::Active)).or_default() += 1;
+                    if connecting {
+                        *live.entry((key, Count::Connecting)).or_default() += 1;
+                    }
                 }
             }
         }
@@ -110,38 +140,44 @@ impl Audit {
     pub fn compare(
         &self,
         before: &CounterDump,
-        live: &HashMap<Key, u64>,
+        live: &Live,
         after: &CounterDump,
     ) -> Vec<Correction> {
         let mut last = self.seen.lock().unwrap_or_else(PoisonError::into_inner);
         let b = counters(before);
         let a = counters(after);
-        let mut keys: Vec<Key> = b.keys().chain(live.keys()).copied().collect();
+        let mut keys: Vec<(Key, Count)> = b
+            .keys()
+            .flat_map(|&k| Count::ALL.map(|c| (k, c)))
+            .chain(live.keys().copied())
+            .collect();
         keys.sort();
         keys.dedup();
         let mut seen = HashMap::new();
         let mut made = Vec::new();
-        for key in keys {
+        for (key, count) in keys {
             let zero = Counter::default();
             let (cb, ca) = (b.get(&key).unwrap_or(&zero), a.get(&key).unwrap_or(&zero));
             let now = Seen {
-                active: cb.active,
+                counted: count.of(cb),
                 admitted: cb.admitted,
-                live: live.get(&key).copied().unwrap_or(0),
+                live: live.get(&(key, count)).copied().unwrap_or(0),
             };
-            if (cb.active, cb.admitted) != (ca.active, ca.admitted) || now.live == now.active {
+            if (now.counted, cb.admitted) != (count.of(ca), ca.admitted) || now.live == now.counted
+            {
                 continue;
             }
-            if last.get(&key) != Some(&now) {
-                seen.insert(key, now);
+            if last.get(&(key, count)) != Some(&now) {
+                seen.insert((key, count), now);
                 continue;
             }
-            match self.apply(key, now.active, now.live) {
+            match self.apply(key, count, now.counted, now.live) {
                 Ok(true) => {
                     self.corrections.fetch_add(1, Ordering::Relaxed);
                     made.push(Correction {
                         key,
-                        counted: now.active,
+                        count,
+                        counted: now.counted,
                         live: now.live,
                     });
                 }
@@ -162,9 +198,9 @@ impl Audit {
             .clear();
     }
 
-    /// Sets the active count of `key` from `expected` to `target`, in the kernel;
-    /// false when it no longer held `expected`.
-    fn apply(&self, key: Key, expected: u64, target: u64) -> anyhow::Result<bool> {
+    /// Sets `count` of `key` from `expected` to `target`, in the kernel; false when it
+    /// no longer held `expected`.
+    fn apply(&self, key: Key, count: Count, expected: u64, target: u64) -> anyhow::Result<bool> {
         let (key, level) = match key {
             Key::Destination(k) => (k, 0),
             Key::Rule(id) => (
@@ -185,6 +221,11 @@ impl Audit {
         let adjustment = Adjustment {
             key,
             level,
+            count: match count {
+                Count::Active => ADJUST_ACTIVE,
+                Count::Connecting => ADJUST_CONNECTING,
+            },
+            _pad: 0,
             expected,
             target,
         };
@@ -216,20 +257,19 @@ fn sock_state(value: &[u8]) -> Option<SockState> {
 }
 
 /// The counters an admission holds (connect's charged bits: 0 destination, 1 rule, 2
-/// scope); the destination only while its entry is the one it charged.
-fn charged(state: &SockState, epochs: &HashMap<CounterKey, u64>) -> Vec<Key> {
+/// scope), each with whether its handshake is still counted there (the same bits of
+/// `connecting`); the destination only while its entry is the one it charged.
+fn charged(state: &SockState, epochs: &HashMap<CounterKey, u64>) -> Vec<(Key, bool)> {
     let dst = state.dst;
-    let mut keys = Vec::with_capacity(3);
-    if state.charged & 1 != 0 && epochs.get(&dst) == Some(&state.dst_epoch) {
-        keys.push(Key::Destination(dst));
-    }
-    if state.charged & 2 != 0 && dst.rule_id != NO_RULE {
-        keys.push(Key::Rule(dst.rule_id));
-    }
-    if state.charged & 4 != 0 {
-        keys.push(Key::Scope(dst.scope_id));
-    }
-    keys
+    let levels = [
+        (epochs.get(&dst) == Some(&state.dst_epoch)).then_some(Key::Destination(dst)),
+        (dst.rule_id != NO_RULE).then_some(Key::Rule(dst.rule_id)),
+        Some(Key::Scope(dst.scope_id)),
+    ];
+    (0..3)
+        .filter(|i| state.charged & (1 << i) != 0)
+        .filter_map(|i| Some((levels[i]?, state.connecting & (1 << i) != 0)))
+        .collect()
 }
 
 /// Every counter of a dump, by key.
