@@ -88,7 +88,7 @@ pub struct Adjustment {
     /// The count corrected: ADJUST_ACTIVE or ADJUST_CONNECTING.
     pub count: u32,
     pub _pad: u32,
-    /// Connections (`active` is two's complement: see [`Counter`]).
+    /// Connections (two's complement, as `Counter::active` and `connecting` are read).
     pub expected: u64,
     pub target: u64,
 }
@@ -404,7 +404,8 @@ pub struct Counter {
     /// within every limit; 0 while none: one event when it starts, one when it stops.
     pub shedding_since: u64,
     /// Admitted and in the handshake: not yet established, nor closed. Counted only at
-    /// a level whose limits set max_connecting (0 at the others).
+    /// a level whose limits set max_connecting (0 at the others). Read as signed, like
+    /// `active`, which the audit's corrections can take below 0 the same way.
     pub connecting: u64,
     /// The token bucket of the new-connection rate, as the generic cell rate
     /// algorithm's theoretical arrival time: the CLOCK_MONOTONIC ns at which the bucket

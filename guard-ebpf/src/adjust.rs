@@ -3,7 +3,7 @@
 //! changes a count with the same atomics the other programs use, which a map update
 //! from user space (a whole value written) would race.
 use aya_ebpf::{macros::classifier, programs::TcContext};
-use guard_common::{ADJUST_CONNECTING, Adjustment};
+use guard_common::{ADJUST_ACTIVE, ADJUST_CONNECTING, Adjustment};
 
 use crate::{
     accounting::{replace, rule_counter, scope_counter},
@@ -14,8 +14,8 @@ use crate::{
 /// BPF_PROG_TEST_RUN requires of a tc program's data.
 const AT: usize = 14;
 
-/// 0: applied; 1: no such counter, or no correction in the data; 2: the count is no
-/// longer `expected`.
+/// 0: applied; 1: no such counter or count, or no correction in the data; 2: the count
+/// is no longer `expected`.
 #[classifier]
 pub fn adjust(ctx: TcContext) -> i32 {
     let Ok(a) = ctx.load::<Adjustment>(AT) else {
@@ -32,10 +32,10 @@ pub fn adjust(ctx: TcContext) -> i32 {
     if c.is_null() {
         return 1;
     }
-    let count = if a.count == ADJUST_CONNECTING {
-        unsafe { &raw mut (*c).connecting }
-    } else {
-        unsafe { &raw mut (*c).active }
+    let count = match a.count {
+        ADJUST_ACTIVE => unsafe { &raw mut (*c).active },
+        ADJUST_CONNECTING => unsafe { &raw mut (*c).connecting },
+        _ => return 1,
     };
     if replace(count, a.expected, a.target) {
         0

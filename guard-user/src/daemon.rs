@@ -421,7 +421,8 @@ impl Daemon {
                 Count::Connecting => "connection(s) in the handshake",
             };
             log::warn!(
-                "audit: {what} counted {counted} {counts}, the sockets hold {live}: corrected (a bug: please report it)"
+                "audit: {what} counted {} {counts}, the sockets hold {live}: corrected (a bug: please report it)",
+                counted as i64
             );
         }
         Ok(())

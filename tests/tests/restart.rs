@@ -274,6 +274,19 @@ fn set_scope_counter(counter: guard_common::Counter) {
     connguard_tests::run("bpftool", &args);
 }
 
+/// Waits for `line` in the daemon's log: the audit logs a correction after making it.
+fn wait_log(d: &Daemon, line: &str) {
+    let until = Instant::now() + WAIT;
+    while !d.log.lock().unwrap().contains(line) {
+        assert!(
+            Instant::now() < until,
+            "no \"{line}\" in {WAIT:?}:\n{}",
+            d.log.lock().unwrap()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// The audit recounts the live sockets every second (`--audit 1`, the tests' default):
 /// a counter set wrong behind the daemon's back (with bpftool, in the pinned map) is
 /// corrected after two audits agree, logged with its key, and counted.
@@ -295,12 +308,11 @@ fn the_audit_corrects_a_count_set_wrong_behind_its_back() {
     d.expected_corrections = 1;
     let s = d.wait_scope("a", WAIT, |s| n(s, "active") == 3);
     assert_eq!(n(&s, "active"), 3, "corrected: {s}");
-    assert_eq!(n(&d.stats(), "audit_corrections"), 1);
-    let log = d.log.lock().unwrap().clone();
-    assert!(
-        log.contains("audit: scope a counted 7 active connection(s), the sockets hold 3"),
-        "{log}"
+    wait_log(
+        &d,
+        "audit: scope a counted 7 active connection(s), the sockets hold 3",
     );
+    assert_eq!(n(&d.stats(), "audit_corrections"), 1);
     drop(held);
     let s = d.wait_scope("a", WAIT, |s| n(s, "active") == 0);
     assert_eq!(n(&s, "active"), 0, "{s}");
@@ -309,7 +321,8 @@ fn the_audit_corrects_a_count_set_wrong_behind_its_back() {
 /// A handshake count set wrong (4 in the handshake where the 3 connections are
 /// established) is corrected too: left alone, a leak of `connecting` would shed every
 /// attempt once it reached `max_connecting`. With `max_connecting = 4`, the scope sheds
-/// until the audit corrects it, then admits.
+/// until the audit corrects it, then admits. Audits every 3 s: the shed is tried
+/// before the second audit sees the difference.
 #[test]
 fn the_audit_corrects_a_handshake_count_set_wrong_behind_its_back() {
     let server = Server::start("127.0.0.1:0");
@@ -318,7 +331,7 @@ fn the_audit_corrects_a_handshake_count_set_wrong_behind_its_back() {
         "[[scope]]\nname = \"a\"\ncgroup = \"{}\"\nmax_connecting = 4\n",
         cg.rel
     );
-    let mut d = Daemon::start(&policy);
+    let mut d = Daemon::start_with(&policy, &["--audit", "3"]);
     let held = cg.hold(&server.addr, 3, 3);
     assert_eq!(held.outcome.ok, 3, "{:?}", held.outcome);
     let s = d.scope("a");
@@ -343,12 +356,11 @@ fn the_audit_corrects_a_handshake_count_set_wrong_behind_its_back() {
         (3, 0),
         "corrected: {s}"
     );
-    assert_eq!(n(&d.stats(), "audit_corrections"), 1);
-    let log = d.log.lock().unwrap().clone();
-    assert!(
-        log.contains("audit: scope a counted 4 connection(s) in the handshake, the sockets hold 0"),
-        "{log}"
+    wait_log(
+        &d,
+        "audit: scope a counted 4 connection(s) in the handshake, the sockets hold 0",
     );
+    assert_eq!(n(&d.stats(), "audit_corrections"), 1);
     let out = cg.probe(&["connect", &server.addr.to_string(), "1", "1"]);
     assert_eq!(out.ok, 1, "after the correction: {out:?}");
     drop(held);

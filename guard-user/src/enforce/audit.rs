@@ -163,8 +163,12 @@ impl Audit {
                 admitted: cb.admitted,
                 live: live.get(&(key, count)).copied().unwrap_or(0),
             };
-            if (now.counted, cb.admitted) != (count.of(ca), ca.admitted) || now.live == now.counted
-            {
+            // Moved while the sockets were read: `admitted` for every admission, the shed
+            // counts for an attempt's reservation taken back (not in `Seen`, so that a
+            // difference that keeps shedding is still corrected).
+            let moved = (now.counted, cb.admitted, cb.shed, cb.would_shed)
+                != (count.of(ca), ca.admitted, ca.shed, ca.would_shed);
+            if moved || now.live == now.counted {
                 continue;
             }
             if last.get(&(key, count)) != Some(&now) {
