@@ -7,10 +7,10 @@
 //! (INET_DIAG_REQ_SK_BPF_STORAGES), in every network namespace of the host: a socket
 //! holding an admission counts as active at each level it charged, and as connecting at
 //! each level its handshake is still counted at (`SockState::connecting`); at
-//! destination level only while the entry it charged is the one there (same epoch). A key whose counter moved
-//! while the sockets were read is left for the next audit, and so is one whose difference
-//! is new: a connect between its reservation and the storage write, or a release between
-//! the two, differs for an instant, never for two audits. A namespace whose table cannot
+//! destination level only while the entry it charged is the one there (same epoch). A
+//! key whose counter moved while the sockets were read is left for the next audit, and
+//! so is one whose difference is new: a connect between its reservation and the storage
+//! write, or a release between the two, differs for an instant, never for two audits. A namespace whose table cannot
 //! be read ends the audit, with nothing corrected. The correction is applied by the
 //! `adjust` program (BPF_PROG_TEST_RUN) as a compare-and-swap from the count the audit
 //! saw, so a concurrent update is never lost: the correction waits instead.
@@ -42,13 +42,14 @@ pub enum Key {
     Scope(u32),
 }
 
-/// A count the audit checks.
+/// A count the audit checks; its value is the `Adjustment::count` that names it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[repr(u32)]
 pub enum Count {
     /// `Counter::active`: admitted and not yet closed.
-    Active,
+    Active = ADJUST_ACTIVE,
     /// `Counter::connecting`: admitted and in the handshake.
-    Connecting,
+    Connecting = ADJUST_CONNECTING,
 }
 
 impl Count {
@@ -225,10 +226,7 @@ impl Audit {
         let adjustment = Adjustment {
             key,
             level,
-            count: match count {
-                Count::Active => ADJUST_ACTIVE,
-                Count::Connecting => ADJUST_CONNECTING,
-            },
+            count: count as u32,
             _pad: 0,
             expected,
             target,
