@@ -431,8 +431,9 @@ fn with_the_daemon_rates_scopes_and_eaddrnotavail_are_attributed() {
 
 /// With its TIME_WAITS map full (65,536 entries, written with bpftool), the daemon keeps
 /// a few copies of it for the TIME_WAIT rates (one is about 7.5 MiB), not one per 0.5 s
-/// of the 5 s window: its resident memory grows by less than 48 MiB (it grew by 85 MiB
-/// with a sample kept every 0.5 s).
+/// of the 5 s window: its resident memory grows by less than 64 MiB (it grew by 85 MiB
+/// with a sample kept every 0.5 s; 36 to 40 MiB on the host and 51 MiB in a 6.12 guest
+/// with a few copies, as the allocator keeps freed copies in each thread's arena).
 #[test]
 fn a_full_time_wait_map_costs_the_daemon_a_few_copies_of_it() {
     const ENTRIES: u32 = 65_536;
@@ -493,7 +494,7 @@ fn a_full_time_wait_map_costs_the_daemon_a_few_copies_of_it() {
     std::thread::sleep(std::time::Duration::from_secs(12));
     let full = rss_kib();
     assert!(
-        full - empty < 48 * 1024,
+        full - empty < 64 * 1024,
         "VmRSS {empty} KiB with the map empty, {full} KiB with it full"
     );
 }

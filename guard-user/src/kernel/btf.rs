@@ -1,15 +1,30 @@
 //! Field offsets in kernel structs, from the running kernel's BTF
 //! (/sys/kernel/btf/vmlinux): Rust eBPF programs have no CO-RE relocations, so the
 //! listener program gets them as read-only globals.
+use std::sync::OnceLock;
+
 use anyhow::{Context, bail};
 use btf_rs::{Btf, Type};
 use guard_common::SockOffsets;
 
 const VMLINUX: &str = "/sys/kernel/btf/vmlinux";
 
-/// What the per-SYN listener program reads, each field checked for its size.
+/// What the per-SYN listener program reads, each field checked for its size. Found once
+/// per process (the feature probe and the loader both ask): parsing a distribution
+/// kernel's BTF takes btf-rs about 0.2 s of CPU.
 pub fn sock_offsets() -> anyhow::Result<SockOffsets> {
-    let btf = Btf::from_file(VMLINUX).with_context(|| format!("reading {VMLINUX}"))?;
+    static FOUND: OnceLock<Result<SockOffsets, String>> = OnceLock::new();
+    FOUND
+        .get_or_init(|| find_sock_offsets().map_err(|e| format!("{e:#}")))
+        .clone()
+        .map_err(anyhow::Error::msg)
+}
+
+fn find_sock_offsets() -> anyhow::Result<SockOffsets> {
+    // Read whole, then parsed from memory: btf-rs's file reader seeks once per type
+    // (over 100,000 lseek calls).
+    let bytes = std::fs::read(VMLINUX).with_context(|| format!("reading {VMLINUX}"))?;
+    let btf = Btf::from_bytes(&bytes).with_context(|| format!("parsing {VMLINUX}"))?;
     let sock = ["inet_conn", "icsk_inet", "sk"];
     let field = |root: &str, path: &[&str], size: usize| -> anyhow::Result<u32> {
         let (offset, found) = offset_of(&btf, root, path)

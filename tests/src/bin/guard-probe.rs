@@ -24,7 +24,7 @@ const USAGE: &str = "usage: guard-probe connect ADDR COUNT CONCURRENCY
        guard-probe serve NETNS_PATH [greet:]PORT...
        guard-probe churn NETNS_PATH ADDR COUNT PER_SECOND [reset]
        guard-probe bind NETNS_PATH ADDR COUNT [DST,...]
-       guard-probe listen NETNS_PATH ADDR BACKLOG [ACCEPT_AFTER_MS]
+       guard-probe listen NETNS_PATH ADDR BACKLOG [ACCEPT_AFTER_MS | on-usr1]
        guard-probe open NETNS_PATH ADDR COUNT [INTERVAL_MS TIMEOUT_MS]
        guard-probe burst NETNS_PATH ADDR COUNT TIMEOUT_MS RETRIES [PAUSE_MS]
        guard-probe reuseport NETNS_PATH ADDR BACKLOG MEMBERS
@@ -131,13 +131,24 @@ fn main() -> anyhow::Result<()> {
             out.categories.insert("p99_ns".into(), pct(99));
             out
         }
-        // A listener that never accepts.
-        // A listener that accepts nothing, or everything after ACCEPT_AFTER_MS.
+        // A listener that accepts nothing, or everything after ACCEPT_AFTER_MS, or, given
+        // "on-usr1" instead, once the process gets SIGUSR1 (a test's cue where a timer
+        // would race a slow guest).
         "listen" => {
+            let usr1 = (args.get(4).map(String::as_str) == Some("on-usr1")).then(blocked_usr1);
+            let after = match (&usr1, args.get(4)) {
+                (None, Some(ms)) => Some(Duration::from_millis(ms.parse()?)),
+                _ => None,
+            };
             let (s, l) = listener(arg(1)?, arg(2)?, num(3)?)?;
-            if let Some(ms) = args.get(4).map(|a| a.parse::<u64>()).transpose()? {
+            if usr1.is_some() || after.is_some() {
                 thread::spawn(move || {
-                    thread::sleep(Duration::from_millis(ms));
+                    if let Some(set) = usr1 {
+                        let mut signal = 0;
+                        // SAFETY: set is initialised, signal a valid out-pointer.
+                        unsafe { libc::sigwait(&set, &mut signal) };
+                    }
+                    thread::sleep(after.unwrap_or_default());
                     for c in l.incoming().flatten() {
                         std::mem::forget(c);
                     }
@@ -507,6 +518,19 @@ fn storm(addr: SocketAddr, threads: u64, seconds: u64) -> Outcome {
 }
 
 /// Prints the outcome, then keeps the connections open until killed.
+/// Blocks SIGUSR1 in this thread (and the threads it starts after), so that it waits
+/// for `sigwait` rather than ending the process; the set holding it.
+fn blocked_usr1() -> libc::sigset_t {
+    // SAFETY: the set is initialised by sigemptyset before any other use.
+    unsafe {
+        let mut set = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGUSR1);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        set
+    }
+}
+
 fn hold(out: &Outcome, held: Vec<Socket>) -> ! {
     println!("{}", serde_json::to_string(out).unwrap());
     std::io::stdout().flush().unwrap();
