@@ -36,7 +36,7 @@ enum Task {
     /// target/vm.
     Test {
         /// Only the integration tests, in guests on these series (5.10, 6.1, 6.12, 7;
-        /// comma-separated), side by side.
+        /// comma-separated).
         #[arg(
             long,
             value_name = "SERIES",

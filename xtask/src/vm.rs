@@ -34,8 +34,6 @@ const PACKAGES: &[&str] = &[
 /// The longest a guest may run (timeout(1) syntax): one took up to 26 min on CI's
 /// machine.
 const GUEST_TIMEOUT: &str = "45m";
-/// Each guest's vCPUs.
-const GUEST_CPUS: usize = 2;
 
 /// Debian's suites that carry the kernels, all on deb.debian.org.
 const SOURCES: &[(&str, &str)] = &[
@@ -158,8 +156,9 @@ pub fn series_names() -> Vec<&'static str> {
 /// kernel of each of `series`: all of their tests where the daemon can run, DAEMONLESS
 /// where it cannot. Series that probe alike (the same `absent`: 6.12 and 7) share the
 /// binaries, each running every n-th: under TCG one guest's whole suite takes 20 to 26
-/// minutes, and CI has 90 for everything. The kernels are fetched one after the other,
-/// then the guests run. Fails naming each kernel where a test failed, a probe answered
+/// minutes, and CI has 90 for everything. The guests run one after another, each with
+/// 2 vCPUs: three side by side on a 2-CPU host ran each test 3.3 times slower than one
+/// alone, and with 1 vCPU each, tests timed for 2 missed their deadlines. Fails naming each kernel where a test failed, a probe answered
 /// otherwise than `absent` says, or the guest gave no result.
 pub fn run(
     root: &Path,
@@ -176,7 +175,6 @@ pub fn run(
             None => bail!("no kernel series {name}; known: {:?}", series_names()),
         }
     }
-    let mut guests = Vec::new();
     for series in &known {
         let alike: Vec<&str> = known
             .iter()
@@ -188,40 +186,9 @@ pub fn run(
             alike.iter().position(|s| *s == series.name).unwrap_or(0),
         );
         let share: Vec<String> = binaries.iter().skip(i).step_by(n).cloned().collect();
-        match prepare(root, series, &share, args) {
-            Ok(guest) => guests.push(guest),
-            Err(e) => {
-                eprintln!("{e:#}");
-                failed.push(series.name.to_string());
-            }
-        }
-    }
-    // Guests side by side only where the host has 2 CPUs for each: more vCPUs than CPUs
-    // make a guest's vCPUs spin on locks that a descheduled one holds (three 2-vCPU
-    // guests on 2 CPUs ran each test 3.3 times slower than one alone), and the tests
-    // are timed for 2 vCPUs (with 1, several missed their deadlines).
-    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let lanes = (cpus / GUEST_CPUS).clamp(1, guests.len().max(1));
-    let queue = std::sync::Mutex::new(guests.iter());
-    let results = std::sync::Mutex::new(Vec::new());
-    std::thread::scope(|s| {
-        for _ in 0..lanes {
-            s.spawn(|| {
-                loop {
-                    // Its own statement: the lock must not be held while the guest runs.
-                    let next = queue.lock().unwrap().next();
-                    let Some(g) = next else { break };
-                    let result = g.run(args);
-                    results.lock().unwrap().push((g.series.name, result));
-                }
-            });
-        }
-    });
-    let results = results.into_inner().unwrap();
-    for (name, result) in results {
-        if let Err(e) = result {
+        if let Err(e) = prepare(root, series, &share, args).and_then(|g| g.run(args)) {
             eprintln!("{e:#}");
-            failed.push(name.to_string());
+            failed.push(series.name);
         }
     }
     ensure!(
@@ -310,7 +277,6 @@ impl Guest {
         let started = std::time::Instant::now();
         let status = boot(&vmlinux, &initrd, &script, &out, &work)?;
         let output = std::fs::read_to_string(&out).unwrap_or_default();
-        // print! holds stdout's lock: a guest's output whole, not mixed with another's.
         print!("{output}");
         let seconds = started.elapsed().as_secs();
         let console = work.join("console.log");
@@ -438,9 +404,9 @@ fn results(output: &str) -> (Vec<String>, Vec<String>) {
     (passed, failed)
 }
 
-/// Boots the guest on `vmlinux` and `initrd`, with GUEST_CPUS vCPUs, to run `script`;
-/// its output goes to `out`, the console to work/console.log. A guest that hangs is
-/// ended after GUEST_TIMEOUT.
+/// Boots the guest on `vmlinux` and `initrd`, with 2 vCPUs, to run `script`; its
+/// output goes to `out`, the console to work/console.log. A guest that hangs is ended
+/// after GUEST_TIMEOUT.
 fn boot(
     vmlinux: &Path,
     initrd: &Path,
@@ -452,9 +418,8 @@ fn boot(
         .arg(GUEST_TIMEOUT)
         .arg("qemu-system-x86_64")
         .args([
-            "-accel", "tcg", "-cpu", "max", "-M", "q35", "-m", "2G", "-smp",
+            "-accel", "tcg", "-cpu", "max", "-M", "q35", "-m", "2G", "-smp", "2",
         ])
-        .arg(GUEST_CPUS.to_string())
         .args(["-nographic", "-no-reboot", "-kernel"])
         .arg(vmlinux)
         .arg("-initrd")

@@ -517,7 +517,6 @@ fn storm(addr: SocketAddr, threads: u64, seconds: u64) -> Outcome {
     Arc::try_unwrap(out).unwrap().into_inner().unwrap()
 }
 
-/// Prints the outcome, then keeps the connections open until killed.
 /// Blocks SIGUSR1 in this thread (and the threads it starts after), so that it waits
 /// for `sigwait` rather than ending the process; the set holding it.
 fn blocked_usr1() -> libc::sigset_t {
@@ -531,6 +530,7 @@ fn blocked_usr1() -> libc::sigset_t {
     }
 }
 
+/// Prints the outcome, then keeps the connections open until killed.
 fn hold(out: &Outcome, held: Vec<Socket>) -> ! {
     println!("{}", serde_json::to_string(out).unwrap());
     std::io::stdout().flush().unwrap();
