@@ -26,7 +26,7 @@ const READ_TIMEOUT: Duration = Duration::from_secs(2);
 const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 const REPLY_DEADLINE: Duration = Duration::from_secs(60);
 /// Replies built or being sent at once; more clients wait their turn. This bounds the
-/// memory of snapshots in flight (about 25 MiB each at 100,000 destinations), and keeps
+/// memory of snapshots in flight (about 40 MiB each at 100,000 destinations), and keeps
 /// the blocking pool, which the periodic jobs share, from filling up.
 const MAX_REPLIES: usize = 8;
 
@@ -189,7 +189,7 @@ async fn read_request(stream: &mut tokio::net::UnixStream) -> io::Result<Result<
 }
 
 /// Gives the memory freed after a request back to the kernel: a snapshot of 100,000
-/// destinations takes about 25 MiB while it is built, and glibc keeps freed memory in
+/// destinations takes about 40 MiB while it is built, and glibc keeps freed memory in
 /// its arena. (Measured before the daemon had one arena: after three `stats` and three
 /// scrapes it stayed at 39 MiB resident without this, 12 to 20 with it.)
 pub fn release_freed_memory() {
