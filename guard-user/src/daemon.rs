@@ -26,6 +26,7 @@ use crate::{
     diagnose::attribution::{SAMPLE_EVERY, TimeWaitRates, daemon_ports, eaddrnotavail_counts},
     enforce::{
         audit::{Audit, Correction, Count, Key},
+        breakers::BreakerRamps,
         counters::Counters,
         generations::Generations,
         lease::{self, Lease},
@@ -194,6 +195,17 @@ impl Daemon {
         let Tree { governed, watched } = tree;
         let detached = lock(&self.generations).apply(policy, governed, &mut lock(&self.ebpf))?;
         self.cgroup_watch.set(&watched);
+        let (policy, ids) = {
+            let g = lock(&self.generations);
+            (g.policy(), g.ids())
+        };
+        if let Some(policy) = policy {
+            let ramps = BreakerRamps::new(&policy, &ids);
+            let n = lock(&self.counters).forget_breakers(|key| ramps.of(key).is_some());
+            if n > 0 {
+                log::info!("forgot {n} breaker(s) of destinations no breaker governs now");
+            }
+        }
         // Detaching waits for the kernel; the locks are free meanwhile.
         drop(detached);
         Ok(())

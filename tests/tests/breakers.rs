@@ -67,6 +67,13 @@ fn connects(cg: &Cgroup, ns: &Netns, addr: &str, count: u64, timeout_ms: Option<
     cg.probe(&args)
 }
 
+/// Writes `text` as the daemon's policy and reloads it; the reload must succeed.
+fn reload(d: &Daemon, text: &str) {
+    std::fs::write(&d.policy, text).unwrap();
+    let r = d.cli(&["reload"]);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+}
+
 /// The destination's breaker in the daemon's stats.
 fn breaker(d: &Daemon, dst: &str) -> Value {
     let s = d.scope("s");
@@ -133,9 +140,7 @@ fn a_breaker_opens_on_refusals_sheds_without_a_syn_and_recovers_through_its_ramp
     assert!(shed.categories["p99_ns"] < 100_000_000, "{shed:?}");
 
     // A reload that keeps the names keeps the breaker open.
-    std::fs::write(&d.policy, format!("{text}errno = \"ECONNREFUSED\"\n")).unwrap();
-    let r = d.cli(&["reload"]);
-    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    reload(&d, &format!("{text}errno = \"ECONNREFUSED\"\n"));
     assert_eq!(breaker(&d, &addr)["state"], "open");
 
     // Half-open at 10 %: of 10 attempts the 10th goes, is refused, and opens it again.
@@ -220,11 +225,6 @@ fn a_breaker_skipped_while_clear_is_looked_at_again_after_a_failure_or_a_reload(
         )
     };
     let d = Daemon::start(&text("0.8"));
-    let reload = |text: String| {
-        std::fs::write(&d.policy, text).unwrap();
-        let r = d.cli(&["reload"]);
-        assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
-    };
     // Refusals first: the successes after them leave the breaker clear, and skipped.
     let out = connects(&cg, &ns, a, 3, None);
     assert_eq!(out.errors("ECONNREFUSED"), 3, "{out:?}");
@@ -234,14 +234,14 @@ fn a_breaker_skipped_while_clear_is_looked_at_again_after_a_failure_or_a_reload(
     }
     assert_eq!(breaker(&d, a)["state"], "closed", "{}", breaker(&d, a));
 
-    reload(text("0.8") + "errno = \"ECONNREFUSED\"\n");
+    reload(&d, &(text("0.8") + "errno = \"ECONNREFUSED\"\n"));
     let before = ns.active_opens();
     let out = connects(&cg, &ns, b, 8, None);
     assert_eq!(out.errors("ECONNREFUSED"), 8, "{out:?}");
     assert_eq!(ns.active_opens() - before, 5, "SYNs to a new destination");
     assert_eq!(breaker(&d, b)["state"], "open", "{}", breaker(&d, b));
 
-    reload(text("0.5"));
+    reload(&d, &text("0.5"));
     let before = ns.active_opens();
     let out = connects(&cg, &ns, a, 1, None);
     assert_eq!(out.errors("ECONNREFUSED"), 1, "{out:?}");
@@ -251,6 +251,70 @@ fn a_breaker_skipped_while_clear_is_looked_at_again_after_a_failure_or_a_reload(
         "a SYN past a breaker due to open"
     );
     assert_eq!(breaker(&d, a)["state"], "open", "{}", breaker(&d, a));
+}
+
+/// A reload that takes a rule's breaker away forgets the breaker: an open one is neither
+/// listed nor consulted (connects reach the closed port again, a SYN each), and the
+/// breaker put back by the next reload starts closed, with an empty window.
+#[test]
+fn a_reload_that_drops_a_breaker_forgets_it() {
+    let ns = Netns::new("cgbrkd");
+    ns.exec("ip", &["link", "set", "lo", "up"]);
+    let cg = Cgroup::new("brkd");
+    let port = 9321;
+    let addr = format!("127.0.0.1:{port}");
+    let with = policy(
+        &cg,
+        "enforce",
+        "127.0.0.1",
+        port,
+        "min_samples = 5\nfailure_ratio = 0.5\nopen_for = \"60s\"",
+    );
+    let without = format!(
+        "[[scope]]\nname = \"s\"\ncgroup = \"{}\"\nmode = \"enforce\"\n\n\
+         [[scope.rule]]\nname = \"r\"\ndst = [\"127.0.0.1\"]\nports = [\"{port}\"]\n",
+        cg.rel
+    );
+    let d = Daemon::start(&with);
+    let open_breakers = || d.scope("s")["open_breakers"].as_array().map_or(0, Vec::len);
+
+    // 5 refused by the kernel, then the breaker opens and sheds the 6th.
+    let before = ns.active_opens();
+    let out = connects(&cg, &ns, &addr, 6, None);
+    assert_eq!(out.errors("ECONNREFUSED"), 6, "{out:?}");
+    assert_eq!(ns.active_opens() - before, 5, "SYNs sent");
+    assert_eq!(
+        breaker(&d, &addr)["state"],
+        "open",
+        "{}",
+        breaker(&d, &addr)
+    );
+    assert_eq!(open_breakers(), 1);
+
+    reload(&d, &without);
+    assert_eq!(breaker(&d, &addr), Value::Null, "no breaker governs it");
+    assert_eq!(open_breakers(), 0);
+    let before = ns.active_opens();
+    let out = connects(&cg, &ns, &addr, 3, None);
+    assert_eq!(out.errors("ECONNREFUSED"), 3, "{out:?}");
+    assert_eq!(ns.active_opens() - before, 3, "SYNs sent with no breaker");
+
+    // Back, 60 s before the old one would have half-opened: a fresh breaker.
+    reload(&d, &with);
+    let before = ns.active_opens();
+    let out = connects(&cg, &ns, &addr, 1, None);
+    assert_eq!(out.errors("ECONNREFUSED"), 1, "{out:?}");
+    assert_eq!(ns.active_opens() - before, 1, "a SYN past a fresh breaker");
+    let b = breaker(&d, &addr);
+    assert_eq!(
+        (
+            b["state"].as_str(),
+            b["window_ended"].as_u64(),
+            b["window_failures"].as_u64()
+        ),
+        (Some("closed"), Some(1), Some(1)),
+        "{b}"
+    );
 }
 
 /// Observe mode runs the same machine: every attempt goes out, what enforce mode would

@@ -118,6 +118,18 @@ impl Counters {
         forgotten
     }
 
+    /// Removes the breaker entries of destinations that no breaker governs now
+    /// (`governs` false): a reload took their breaker away, or renamed its rule. Kept,
+    /// an open one would stay open, listed, and keep its destination from being
+    /// forgotten; and a breaker put back later would start where the old one stopped.
+    /// Returns how many were removed.
+    pub fn forget_breakers(&mut self, governs: impl Fn(&CounterKey) -> bool) -> usize {
+        batch::entries(&self.maps.breakers)
+            .into_iter()
+            .filter(|(key, _)| !governs(key) && self.maps.breakers.remove(key).is_ok())
+            .count()
+    }
+
     /// TIME_WAIT entries born on admitted connections, by key (totals).
     pub fn time_waits(&self) -> HashMap<TimeWaitKey, u64> {
         batch::entries(&self.maps.time_waits).into_iter().collect()

@@ -2,6 +2,7 @@
 //! and their atomic switch, the counters the programs keep, port watermarks, and the
 //! lease the programs shed under.
 pub mod audit;
+pub mod breakers;
 pub mod counters;
 pub mod generations;
 pub mod ids;

@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::{
     diagnose::attribution::EaddrnotavailCount,
-    enforce::{counters::CounterDump, ids::Ids, port_watch::WatchedPort},
+    enforce::{breakers::BreakerRamps, counters::CounterDump, ids::Ids, port_watch::WatchedPort},
     kernel::{features::Features, object::ProgramCost},
     listen::ListenerStats,
     policy::{Limits, Policy, mode_name},
@@ -315,20 +315,9 @@ pub fn scopes(
             .map(Counts::from)
             .unwrap_or_default()
     };
-    // The ramps of the breakers, by rule id and by scope id: a destination's is its
-    // rule's, else its scope's.
-    let mut rule_ramps: HashMap<u32, &[u8]> = HashMap::new();
-    let mut scope_ramps: HashMap<u32, &[u8]> = HashMap::new();
-    for (s, (scope_id, rule_ids)) in policy.scopes.iter().zip(&scope_ids) {
-        if let (Some(id), Some(b)) = (scope_id, &s.breaker) {
-            scope_ramps.insert(*id, &b.ramp);
-        }
-        for (r, id) in s.rules.iter().zip(rule_ids) {
-            if let (Some(id), Some(b)) = (id, &r.breaker) {
-                rule_ramps.insert(*id, &b.ramp);
-            }
-        }
-    }
+    // A breaker entry is shown only while a breaker governs its destination: one left
+    // by a policy since reloaded without it is not.
+    let ramps = BreakerRamps::new(policy, ids);
     let now_ns = guard_common::monotonic_ns();
     let breakers = dump.breakers;
     // Each scope's rows allocated once, at their number: grown by doubling, they took
@@ -342,14 +331,10 @@ pub fn scopes(
         .map(|(id, n)| (id, Vec::with_capacity(n)))
         .collect();
     for (k, c) in dump.destinations {
-        let breaker = breakers.get(&k).map(|b| {
-            let ramp = rule_ramps
-                .get(&k.rule_id)
-                .or_else(|| scope_ramps.get(&k.scope_id))
-                .copied()
-                .unwrap_or_default();
-            Box::new(BreakerStats::new(b, ramp, now_ns))
-        });
+        let breaker = breakers
+            .get(&k)
+            .zip(ramps.of(&k))
+            .map(|(b, ramp)| Box::new(BreakerStats::new(b, ramp, now_ns)));
         let rule = (k.rule_id != NO_RULE).then(|| {
             rule_names
                 .get(&k.rule_id)
