@@ -195,6 +195,12 @@ impl Daemon {
         let Tree { governed, watched } = tree;
         let detached = lock(&self.generations).apply(policy, governed, &mut lock(&self.ebpf))?;
         self.cgroup_watch.set(&watched);
+        // After the switch, so that no connect decides under the old policy's breakers
+        // but one that read the old generation just before it: that one can make a
+        // destination's breaker entry again, closed and empty, which cannot open, is not
+        // shown, and goes with its destination when it is forgotten. The policy read
+        // back is the one just applied: reloads take turns (`reloading`), and the start's
+        // apply runs before any job.
         let (policy, ids) = {
             let g = lock(&self.generations);
             (g.policy(), g.ids())

@@ -299,7 +299,7 @@ fn a_reload_that_drops_a_breaker_forgets_it() {
     assert_eq!(out.errors("ECONNREFUSED"), 3, "{out:?}");
     assert_eq!(ns.active_opens() - before, 3, "SYNs sent with no breaker");
 
-    // Back, 60 s before the old one would have half-opened: a fresh breaker.
+    // Back within the old one's 60 s `open_for`: a fresh breaker.
     reload(&d, &with);
     let before = ns.active_opens();
     let out = connects(&cg, &ns, &addr, 1, None);
