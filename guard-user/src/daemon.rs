@@ -193,18 +193,16 @@ impl Daemon {
             Err(e) => log::warn!("{e:#}"),
         }
         let Tree { governed, watched } = tree;
-        let detached = lock(&self.generations).apply(policy, governed, &mut lock(&self.ebpf))?;
+        let (detached, policy, ids) = {
+            let mut g = lock(&self.generations);
+            let detached = g.apply(policy, governed, &mut lock(&self.ebpf))?;
+            (detached, g.policy(), g.ids())
+        };
         self.cgroup_watch.set(&watched);
         // After the switch, so that no connect decides under the old policy's breakers
         // but one that read the old generation just before it: that one can make a
         // destination's breaker entry again, closed and empty, which cannot open, is not
-        // shown, and goes with its destination when it is forgotten. The policy read
-        // back is the one just applied: reloads take turns (`reloading`), and the start's
-        // apply runs before any job.
-        let (policy, ids) = {
-            let g = lock(&self.generations);
-            (g.policy(), g.ids())
-        };
+        // shown, and goes with its destination when it is forgotten.
         if let Some(policy) = policy {
             let ramps = BreakerRamps::new(&policy, &ids);
             let n = lock(&self.counters).forget_breakers(|key| ramps.of(key).is_some());
