@@ -5,7 +5,9 @@
 //! field the JSON can carry. A struct with a `#[serde(flatten)]` field is deserialized
 //! as a map whose keys serde does not name: they are learned from the errors the
 //! attempt ends with (`missing field`) and from the keys the value serializes to, and
-//! the attempt is made again until no new key comes.
+//! the attempt is made again until no new key comes. A field of such a struct that is
+//! optional and left out of the JSON when empty (`skip_serializing_if`) shows in neither,
+//! and is not found: the caller sets it.
 use std::{
     cell::RefCell,
     collections::{BTreeMap, BTreeSet},
@@ -52,6 +54,8 @@ struct Attempt {
     sentinels: Vec<String>,
     /// Paths of real maps (keys are data, not fields).
     real_maps: BTreeSet<String>,
+    /// Paths of structs deserialized as maps (they have a flattened field).
+    flattened: BTreeSet<String>,
 }
 
 thread_local! {
@@ -118,6 +122,9 @@ fn fullest<T: DeserializeOwned + Serialize>() -> (Value, BTreeSet<String>) {
         match attempt {
             Ok(value) => {
                 let json = serde_json::to_value(&value).expect("a value serializes");
+                for path in ATTEMPT.with(|a| std::mem::take(&mut a.borrow_mut().flattened)) {
+                    learned.keys.entry(path).or_default();
+                }
                 if !learn_keys(&json, "", &mut learned) {
                     let maps = ATTEMPT.with(|a| std::mem::take(&mut a.borrow_mut().real_maps));
                     return (json, maps);
@@ -348,6 +355,7 @@ impl<'de> Deserializer<'de> for Fullest<'_> {
     /// A struct with a flattened field (its keys as learned), or a real map (one entry).
     fn deserialize_map<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, Error> {
         if visitor_expects_struct(&visitor) {
+            ATTEMPT.with(|a| a.borrow_mut().flattened.insert(self.path.clone()));
             let keys = self.keys();
             self.map(keys, visitor)
         } else {
@@ -485,5 +493,66 @@ impl<'de> VariantAccess<'de> for Fullest<'_> {
         visitor: V,
     ) -> Result<V::Value, Error> {
         self.map(fields.iter().map(|f| f.to_string()).collect(), visitor)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use serde::Deserialize;
+
+    use super::*;
+
+    #[derive(Serialize, Deserialize)]
+    struct Outer {
+        name: String,
+        #[serde(flatten)]
+        inner: Inner,
+        #[serde(default)]
+        leaves: Vec<Leaf>,
+        map: BTreeMap<String, u8>,
+        pair: [u16; 2],
+    }
+
+    /// Only optional fields, flattened: no `missing field` names them.
+    #[derive(Serialize, Deserialize)]
+    struct Inner {
+        rate: Option<String>,
+        #[serde(default)]
+        count: u64,
+    }
+
+    #[derive(Serialize, Deserialize)]
+    struct Leaf {
+        x: u8,
+        y: Option<bool>,
+    }
+
+    #[test]
+    fn every_field_is_found_through_flatten_options_lists_and_maps() {
+        let fields: Vec<String> = fields(&value::<Outer>()).into_iter().collect();
+        assert_eq!(
+            fields,
+            [
+                "count",
+                "leaves",
+                "leaves[].x",
+                "leaves[].y",
+                "map",
+                "name",
+                "pair",
+                "rate"
+            ]
+        );
+        let outer: Outer = value();
+        assert_eq!(
+            (
+                outer.inner.rate.as_deref(),
+                outer.leaves.len(),
+                outer.map.len()
+            ),
+            (Some("x"), 1, 1)
+        );
     }
 }
