@@ -8,6 +8,8 @@ mod cli;
 mod control;
 mod daemon;
 mod diagnose;
+#[cfg(test)]
+mod docs_check;
 mod enforce;
 mod host;
 mod kernel;
@@ -274,8 +276,18 @@ mod layering {
     /// the first FOUNDATION (policy, host) use only themselves.
     const FOUNDATION: usize = 2;
     const LAYERS: &[&str] = &[
-        "policy", "host", "kernel", "enforce", "listen", "diagnose", "report", "control", "cli",
-        "daemon", "main",
+        "policy",
+        "host",
+        "kernel",
+        "enforce",
+        "listen",
+        "diagnose",
+        "report",
+        "control",
+        "cli",
+        "daemon",
+        "main",
+        "docs_check",
     ];
 
     /// The top-level modules a source text names after `crate::`, braces included.

@@ -51,8 +51,8 @@ enum Task {
         #[arg(last = true)]
         args: Vec<String>,
     },
-    /// Print the README's kernel table from the last guests' results
-    /// (target/vm/run-*/result.json); with --write, put it into README.md.
+    /// Print the kernel table from the last guests' results
+    /// (target/vm/run-*/result.json); with --write, put it into docs/kernels.md.
     KernelTable {
         #[arg(long)]
         write: bool,
@@ -117,7 +117,7 @@ fn main() -> anyhow::Result<()> {
         Task::KernelTable { write } => {
             let table = vm::kernel_table(&root())?;
             if write {
-                write_readme_table(&table)?;
+                write_kernel_table(&table)?;
             } else {
                 print!("{table}");
             }
@@ -134,14 +134,18 @@ fn main() -> anyhow::Result<()> {
     }
 }
 
-/// Replaces the README's text between its kernel-table markers with `table`.
-fn write_readme_table(table: &str) -> anyhow::Result<()> {
+/// The page that holds the kernel table, between its markers.
+const KERNEL_TABLE_PAGE: &str = "docs/kernels.md";
+
+/// Replaces the text between docs/kernels.md's kernel-table markers with `table`.
+fn write_kernel_table(table: &str) -> anyhow::Result<()> {
     const BEGIN: &str = "<!-- kernel-table: written by `cargo xtask kernel-table --write` -->\n";
     const END: &str = "<!-- kernel-table end -->";
-    let path = root().join("README.md");
-    let text = std::fs::read_to_string(&path)?;
+    let path = root().join(KERNEL_TABLE_PAGE);
+    let text =
+        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
     let (Some(b), Some(e)) = (text.find(BEGIN), text.find(END)) else {
-        bail!("README.md has no kernel-table markers");
+        bail!("{KERNEL_TABLE_PAGE} has no kernel-table markers");
     };
     let text = format!("{}{table}{}", &text[..b + BEGIN.len()], &text[e..]);
     std::fs::write(&path, text)?;

@@ -104,7 +104,7 @@ const DAEMONLESS: &[&str] = &[
 ];
 
 /// What one guest found and ran, kept in target/vm/run-SERIES/result.json for the
-/// README's kernel table.
+/// kernel table of docs/kernels.md.
 #[derive(Debug, Serialize, Deserialize)]
 pub struct Outcome {
     pub series: String,
@@ -727,13 +727,13 @@ fn output(cmd: &mut Command) -> anyhow::Result<String> {
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
-/// The README's kernel table, from each guest's result.json (run by `cargo xtask test`),
+/// The kernel table of docs/kernels.md, from each guest's result.json (run by `cargo xtask test`),
 /// in SERIES order; a series never run is left out.
 pub fn kernel_table(root: &Path) -> anyhow::Result<String> {
     let mut rows = String::from(
         "| kernel | tests passed | time | daemon | shed connect() errno | listener guard | \
          port watermark | bound-only sockets in `ports` | map reads | later: cgroup storage |\n\
-         |---|---|---|---|---|---|---|---|---|\n",
+         |---|---|---|---|---|---|---|---|---|---|\n",
     );
     let mut any = false;
     for series in SERIES {
