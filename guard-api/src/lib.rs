@@ -10,5 +10,6 @@ pub mod control;
 pub mod events;
 pub mod kernel;
 pub mod listeners;
+pub mod policy;
 pub mod ports;
 pub mod stats;
