@@ -20,6 +20,7 @@ use std::{
 
 use connguard_api::{
     events::EventRecord,
+    listeners::ListenersReport,
     policy::{Limited, Listener, Mode, Policy, Rule, Scope},
     stats::{DestStats, ScopeStats, Snapshot},
 };
@@ -494,6 +495,15 @@ impl Daemon {
             .lines()
             .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("event {l:?}: {e}")))
             .collect()
+    }
+
+    /// `connguard listeners --json` for the network namespace of the file `netns`, with
+    /// what this daemon adds (scopes, RSTs).
+    pub fn listeners(&self, netns: &str) -> ListenersReport {
+        json_of(
+            "connguard listeners --json",
+            &self.cli(&["listeners", "--json", "--netns", netns]),
+        )
     }
 
     /// `connguard reload`.
