@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 /// `connguard ports --json`.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PortsReport {
     /// The network namespace looked at ("self" for the caller's own).
     pub netns: String,
@@ -47,7 +47,7 @@ impl PortsReport {
 }
 
 /// Local ports held toward one destination from one source address.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DestinationPorts {
     /// Source address.
     pub src: String,
@@ -76,7 +76,7 @@ pub struct DestinationPorts {
 }
 
 /// The pool that bind(addr, 0) draws from: ports in use on one source address.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SourcePool {
     pub src: String,
     /// Distinct ephemeral ports held on this address by any socket (units: ports).
