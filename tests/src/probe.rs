@@ -240,6 +240,47 @@ pub enum Probe {
 }
 
 impl Probe {
+    /// `Connect`: COUNT blocking connects from CONCURRENCY threads.
+    pub fn connect(addr: SocketAddr, count: u64, concurrency: u64) -> Probe {
+        Probe::Connect {
+            addr,
+            count,
+            concurrency,
+        }
+    }
+
+    /// `Hold`: `connect`, then the connections held.
+    pub fn hold(addr: SocketAddr, count: u64, concurrency: u64) -> Probe {
+        Probe::Hold {
+            addr,
+            count,
+            concurrency,
+        }
+    }
+
+    /// `Listen`: a listener that accepts nothing.
+    pub fn listen(netns: String, addr: SocketAddr, backlog: u64) -> Probe {
+        Probe::Listen {
+            netns,
+            addr,
+            backlog,
+            accept_after_ms: None,
+            on_usr1: false,
+        }
+    }
+
+    /// `Churn`: COUNT connections as fast as they go, each closed after the server's
+    /// FIN.
+    pub fn churn(netns: String, addr: SocketAddr, count: u64) -> Probe {
+        Probe::Churn {
+            netns,
+            addr,
+            count,
+            per_second: 0,
+            reset: false,
+        }
+    }
+
     /// The arguments that `Probe::parse` reads back as this value.
     pub fn args(&self) -> Vec<String> {
         fn s(v: &impl ToString) -> String {

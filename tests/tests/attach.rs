@@ -37,24 +37,14 @@ fn ungoverned_connections_run_no_connection_program() {
     .args(&["--bpf-stats"])
     .start();
     // A governed connection first: the counts can move.
-    let out = governed.probe(Probe::Connect {
-        addr: server.addr,
-        count: 1,
-        concurrency: 1,
-    });
+    let out = governed.probe(Probe::connect(server.addr, 1, 1));
     assert_eq!(out.ok, 1, "{out:?}");
     let before = run_counts(&d.stats());
     assert!(
         before.iter().any(|(p, c)| p == "connect4" && *c == 1),
         "one governed connect ran connect4 once: {before:?}"
     );
-    let out = other.probe(Probe::Churn {
-        netns: "/proc/self/ns/net".into(),
-        addr: server.addr,
-        count: 1000,
-        per_second: 0,
-        reset: false,
-    });
+    let out = other.probe(Probe::churn("/proc/self/ns/net".into(), server.addr, 1000));
     assert_eq!(out.ok, 1000, "{out:?}");
     let after = run_counts(&d.stats());
     for ((name, b), (_, a)) in before.iter().zip(&after) {
@@ -113,11 +103,7 @@ fn programs_are_attached_to_the_top_most_selected_cgroups_only() {
         (attached(&parent), attached(&child), attached(&other)),
         (Some(0), Some(1), Some(0))
     );
-    let out = child.probe(Probe::Connect {
-        addr: server.addr,
-        count: 1,
-        concurrency: 1,
-    });
+    let out = child.probe(Probe::connect(server.addr, 1, 1));
     assert_eq!(out.ok, 1, "{out:?}");
     assert_eq!(d.scope("inner").counts.admitted, 1);
 }

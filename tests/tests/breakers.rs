@@ -454,13 +454,11 @@ fn a_breaker_opens_on_slow_handshakes() {
         ],
     );
     let outside = Cgroup::new("brksl");
-    let _listener = outside.hold(Probe::Listen {
-        netns: ns.path(),
-        addr: "127.0.0.1:9303".parse().unwrap(),
-        backlog: 1024,
-        accept_after_ms: None,
-        on_usr1: false,
-    });
+    let _listener = outside.hold(Probe::listen(
+        ns.path(),
+        "127.0.0.1:9303".parse().unwrap(),
+        1024,
+    ));
     let cg = Cgroup::new("brks");
     let d = Daemon::builder(policy(
         &cg,

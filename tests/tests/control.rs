@@ -211,13 +211,7 @@ fn a_guard_whose_namespace_is_deleted_leaves_the_others_working() {
 
     let cg = Cgroup::new("ctl-kept");
     let addr = "127.0.0.1:8081".parse().unwrap();
-    let _listener = cg.hold(Probe::Listen {
-        netns: kept.path(),
-        addr,
-        backlog: 8,
-        accept_after_ms: None,
-        on_usr1: false,
-    });
+    let _listener = cg.hold(Probe::listen(kept.path(), addr, 8));
     let burst = cg.hold(Probe::Open {
         netns: kept.path(),
         addr,

@@ -14,11 +14,7 @@ fn budget_of_five_sheds_fifteen_of_twenty_at_once() {
     let d = Daemon::builder(budget_policy("a", &cg.rel, Mode::Enforce, &server.addr, 5))
         .metrics()
         .start();
-    let mut held = cg.hold(Probe::Hold {
-        addr: server.addr,
-        count: 20,
-        concurrency: 20,
-    });
+    let mut held = cg.hold(Probe::hold(server.addr, 20, 20));
     let out = &held.outcome;
     assert_eq!(
         (out.attempts, out.ok, out.errors("ECONNREFUSED")),
@@ -111,11 +107,7 @@ fn observe_mode_counts_would_shed_equal_to_enforce_shed() {
     for (mode, name) in [(Mode::Enforce, "enforce"), (Mode::Observe, "observe")] {
         let cg = Cgroup::new("d");
         let d = Daemon::builder(budget_policy("d", &cg.rel, mode, &server.addr, 5)).start();
-        let held = cg.hold(Probe::Hold {
-            addr: server.addr,
-            count: 20,
-            concurrency: 20,
-        });
+        let held = cg.hold(Probe::hold(server.addr, 20, 20));
         let s = d.scope("d");
         seen.push((
             name,
@@ -159,11 +151,7 @@ fn ipv6_destination_budget() {
     let server = Server::start("[::1]:0");
     let cg = Cgroup::new("f6");
     let d = Daemon::builder(budget_policy("f6", &cg.rel, Mode::Enforce, &server.addr, 3)).start();
-    let held = cg.hold(Probe::Hold {
-        addr: server.addr,
-        count: 5,
-        concurrency: 1,
-    });
+    let held = cg.hold(Probe::hold(server.addr, 5, 1));
     assert_eq!(
         (held.outcome.ok, held.outcome.errors("ECONNREFUSED")),
         (3, 2),
@@ -181,20 +169,12 @@ fn ipv4_mapped_ipv6_shares_the_ipv4_budget() {
     let server = Server::start("127.0.0.1:0");
     let cg = Cgroup::new("f4");
     let d = Daemon::builder(budget_policy("f4", &cg.rel, Mode::Enforce, &server.addr, 3)).start();
-    let v4 = cg.hold(Probe::Hold {
-        addr: server.addr,
-        count: 3,
-        concurrency: 1,
-    });
+    let v4 = cg.hold(Probe::hold(server.addr, 3, 1));
     assert_eq!(v4.outcome.ok, 3, "{:?}", v4.outcome);
     let mapped: SocketAddr = format!("[::ffff:127.0.0.1]:{}", server.addr.port())
         .parse()
         .unwrap();
-    let out = cg.probe(Probe::Connect {
-        addr: mapped,
-        count: 3,
-        concurrency: 1,
-    });
+    let out = cg.probe(Probe::connect(mapped, 3, 1));
     assert_eq!((out.ok, out.errors("ECONNREFUSED")), (0, 3), "{out:?}");
     let s = d.scope("f4");
     assert_eq!(s.destinations.len(), 1, "one key for both families: {s:?}");
@@ -216,20 +196,12 @@ fn cgroup_outside_every_scope_is_unaffected() {
         1,
     ))
     .start();
-    let out = outside.probe(Probe::Connect {
-        addr: server.addr,
-        count: 20,
-        concurrency: 20,
-    });
+    let out = outside.probe(Probe::connect(server.addr, 20, 20));
     assert_eq!((out.ok, out.attempts), (20, 20), "{out:?}");
     let s = d.scope("g");
     assert_eq!((s.counts.admitted, s.counts.shed), (0, 0), "{s:?}");
     // Control: the same connects from the guarded cgroup are shed past 1.
-    let inside = guarded.probe(Probe::Connect {
-        addr: server.addr,
-        count: 20,
-        concurrency: 20,
-    });
+    let inside = guarded.probe(Probe::connect(server.addr, 20, 20));
     assert_eq!(
         (inside.ok, inside.errors("ECONNREFUSED")),
         (1, 19),
@@ -252,11 +224,7 @@ fn cgroup_created_after_start_is_governed_from_its_first_connect() {
     );
     let d = Daemon::builder(policy).start();
     let cg = Cgroup::new(&tag);
-    let out = cg.probe(Probe::Connect {
-        addr: server.addr,
-        count: 3,
-        concurrency: 1,
-    });
+    let out = cg.probe(Probe::connect(server.addr, 3, 1));
     // Sequential connects, each closed only at the end: 1 admitted, 2 shed.
     assert_eq!((out.ok, out.errors("ECONNREFUSED")), (1, 2), "{out:?}");
     assert_eq!(d.scope("j").counts.shed, 2);
@@ -278,11 +246,7 @@ fn a_cgroup_created_under_a_selected_one_is_governed_from_its_first_connect() {
     .start();
     for i in 0..20 {
         let child = parent.child(&format!("new{i}"));
-        let out = child.probe(Probe::Connect {
-            addr: server.addr,
-            count: 3,
-            concurrency: 1,
-        });
+        let out = child.probe(Probe::connect(server.addr, 3, 1));
         assert_eq!(
             (out.ok, out.errors("ECONNREFUSED")),
             (1, 2),
@@ -307,11 +271,7 @@ fn a_daemon_in_a_cgroup_namespace_governs_below_its_root() {
     let d = Daemon::builder(budget_policy("app", "app", Mode::Enforce, &server.addr, 1))
         .in_cgroup_namespace(&root)
         .start();
-    let out = app.probe(Probe::Connect {
-        addr: server.addr,
-        count: 3,
-        concurrency: 1,
-    });
+    let out = app.probe(Probe::connect(server.addr, 3, 1));
     assert_eq!(
         (out.ok, out.errors("ECONNREFUSED")),
         (1, 2),
@@ -338,11 +298,7 @@ fn nested_scopes_the_nearest_selected_cgroup_wins() {
     )
     .start();
     let grandchild = b.child("late");
-    let out = grandchild.probe(Probe::Connect {
-        addr: server.addr,
-        count: 3,
-        concurrency: 1,
-    });
+    let out = grandchild.probe(Probe::connect(server.addr, 3, 1));
     assert_eq!((out.ok, out.errors("ECONNREFUSED")), (1, 2), "{out:?}");
     let (sa, sb) = (d.scope("a"), d.scope("b"));
     assert_eq!((sb.counts.admitted, sb.counts.shed), (1, 2), "{sb:?}");
@@ -365,11 +321,7 @@ fn socket_counts_for_the_cgroup_it_was_created_in() {
         1,
     ))
     .start();
-    let _held = guarded.hold(Probe::Hold {
-        addr: server.addr,
-        count: 1,
-        concurrency: 1,
-    });
+    let _held = guarded.hold(Probe::hold(server.addr, 1, 1));
     // Created in the guarded cgroup (budget spent), connecting from outside: shed.
     let to_outside = guarded.probe(Probe::Migrate {
         addr: server.addr,
@@ -419,16 +371,8 @@ fn shared_rule_budget_scope_budget_and_errno() {
         ),
     )
     .start();
-    let h1 = cg.hold(Probe::Hold {
-        addr: p1.addr,
-        count: 2,
-        concurrency: 1,
-    });
-    let h2 = cg.hold(Probe::Hold {
-        addr: p2.addr,
-        count: 2,
-        concurrency: 1,
-    });
+    let h1 = cg.hold(Probe::hold(p1.addr, 2, 1));
+    let h2 = cg.hold(Probe::hold(p2.addr, 2, 1));
     // The pair shares 3: the 4th connection is shed, with the scope's errno.
     assert_eq!(
         (
@@ -441,11 +385,7 @@ fn shared_rule_budget_scope_budget_and_errno() {
         h2.outcome
     );
     // Another port falls to "rest" (no budget of its own) and meets the scope's 6.
-    let h3 = cg.hold(Probe::Hold {
-        addr: p3.addr,
-        count: 4,
-        concurrency: 1,
-    });
+    let h3 = cg.hold(Probe::hold(p3.addr, 4, 1));
     assert_eq!(
         (h3.outcome.ok, h3.outcome.errors("ETIMEDOUT")),
         (3, 1),

@@ -348,11 +348,7 @@ fn without_optional_features_counts_stay_exact_and_sheds_fail_with_eperm() {
     .without("batch_lookup")
     .without("so_netns_cookie")
     .start();
-    let held = cg.hold(Probe::Hold {
-        addr: server.addr,
-        count: 10,
-        concurrency: 10,
-    });
+    let held = cg.hold(Probe::hold(server.addr, 10, 10));
     let out = &held.outcome;
     assert_eq!(
         (out.attempts, out.ok, out.errors("EPERM")),

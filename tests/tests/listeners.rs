@@ -1,11 +1,15 @@
 //! Listener accept-queue exhaustion: detected, and shed with RSTs by listener guards.
 use std::{
+    net::{IpAddr, Ipv4Addr, SocketAddr},
     process::Command,
     time::{Duration, Instant},
 };
 
 use connguard_api::policy::{Listener, Mode, Policy, Scope};
 use connguard_tests::{Cgroup, Daemon, Netns, Outcome, Probe, listener_policy, monotonic_ms};
+
+/// The listener's address on a `Netns::veth_pair`'s server side.
+const SERVER: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(192, 0, 2, 1)), 8080);
 
 /// `nstat -asz NAME` in the namespace: the counter's absolute value.
 fn nstat(ns: &Netns, name: &str) -> u64 {
@@ -34,13 +38,11 @@ fn full_accept_queue_is_named_with_backlog_process_and_scope() {
     let d =
         Daemon::builder(Policy::new().scope(Scope::new("api", &server.rel).mode(Mode::Observe)))
             .start();
-    let listener = server.hold(Probe::Listen {
-        netns: ns.path(),
-        addr: "127.0.0.1:8090".parse().unwrap(),
-        backlog: 1000,
-        accept_after_ms: None,
-        on_usr1: false,
-    });
+    let listener = server.hold(Probe::listen(
+        ns.path(),
+        "127.0.0.1:8090".parse().unwrap(),
+        1000,
+    ));
     let before = nstat(&ns, "TcpExtListenOverflows");
     let clients = client.hold(Probe::Open {
         netns: ns.path(),
@@ -113,16 +115,10 @@ fn without_the_guard_clients_past_the_queue_wait_over_a_second() {
     let (server, client) = Netns::veth_pair();
     let server_cg = Cgroup::new("noguard-server");
     let client_cg = Cgroup::new("noguard-client");
-    let _listener = server_cg.hold(Probe::Listen {
-        netns: server.path(),
-        addr: "192.0.2.1:8080".parse().unwrap(),
-        backlog: 8,
-        accept_after_ms: None,
-        on_usr1: false,
-    });
+    let _listener = server_cg.hold(Probe::listen(server.path(), SERVER, 8));
     let burst = client_cg.hold(Probe::Open {
         netns: client.path(),
-        addr: "192.0.2.1:8080".parse().unwrap(),
+        addr: SERVER,
         count: 11,
         interval_ms: 0,
         timeout_ms: 1500,
@@ -148,14 +144,8 @@ fn loopback_ipv4_and_ipv6_with_and_without_syncookies() {
         );
         let cg = Cgroup::new("lo-guard");
         let d = Daemon::builder(listener_policy(&ns, Mode::Enforce)).start();
-        let addr: std::net::SocketAddr = addr.parse().unwrap();
-        let _listener = cg.hold(Probe::Listen {
-            netns: ns.path(),
-            addr,
-            backlog: 8,
-            accept_after_ms: None,
-            on_usr1: false,
-        });
+        let addr: SocketAddr = addr.parse().unwrap();
+        let _listener = cg.hold(Probe::listen(ns.path(), addr, 8));
         let burst = cg.hold(Probe::Open {
             netns: ns.path(),
             addr,
@@ -188,14 +178,14 @@ fn saturated_listener_answers_syns_with_rst_until_it_drains() {
         .start();
     let listener = server_cg.hold(Probe::Listen {
         netns: server.path(),
-        addr: "192.0.2.1:8080".parse().unwrap(),
+        addr: SERVER,
         backlog: 8,
         accept_after_ms: None,
         on_usr1: true,
     });
     let burst = client_cg.hold(Probe::Open {
         netns: client.path(),
-        addr: "192.0.2.1:8080".parse().unwrap(),
+        addr: SERVER,
         count: 50,
         interval_ms: 200,
         timeout_ms: 5000,
@@ -250,7 +240,7 @@ fn saturated_listener_answers_syns_with_rst_until_it_drains() {
     }
     let after = client_cg.hold(Probe::Open {
         netns: client.path(),
-        addr: "192.0.2.1:8080".parse().unwrap(),
+        addr: SERVER,
         count: 5,
         interval_ms: 0,
         timeout_ms: 1000,
@@ -265,16 +255,10 @@ fn observe_mode_sends_no_rst_and_counts_them() {
     let server_cg = Cgroup::new("obs-server");
     let client_cg = Cgroup::new("obs-client");
     let d = Daemon::builder(listener_policy(&server, Mode::Observe)).start();
-    let _listener = server_cg.hold(Probe::Listen {
-        netns: server.path(),
-        addr: "192.0.2.1:8080".parse().unwrap(),
-        backlog: 8,
-        accept_after_ms: None,
-        on_usr1: false,
-    });
+    let _listener = server_cg.hold(Probe::listen(server.path(), SERVER, 8));
     let burst = client_cg.hold(Probe::Open {
         netns: client.path(),
-        addr: "192.0.2.1:8080".parse().unwrap(),
+        addr: SERVER,
         count: 12,
         interval_ms: 200,
         timeout_ms: 300,
@@ -299,7 +283,7 @@ fn established_connections_exchange_data_while_new_ones_are_shed() {
     let d = Daemon::builder(listener_policy(&server, Mode::Enforce)).start();
     let _listener = server_cg.hold(Probe::Echo1 {
         netns: server.path(),
-        addr: "192.0.2.1:8080".parse().unwrap(),
+        addr: SERVER,
         backlog: 8,
     });
     let (path, probe) = (
@@ -310,7 +294,7 @@ fn established_connections_exchange_data_while_new_ones_are_shed() {
         let mut probe = probe;
         let talk = Probe::Talk {
             netns: path,
-            addr: "192.0.2.1:8080".parse().unwrap(),
+            addr: SERVER,
             rounds: 50,
             interval_ms: 100,
         };
@@ -320,7 +304,7 @@ fn established_connections_exchange_data_while_new_ones_are_shed() {
     std::thread::sleep(std::time::Duration::from_millis(300));
     let burst = client_cg.hold(Probe::Open {
         netns: client.path(),
-        addr: "192.0.2.1:8080".parse().unwrap(),
+        addr: SERVER,
         count: 20,
         interval_ms: 200,
         timeout_ms: 3000,
@@ -377,17 +361,11 @@ fn a_burst_stops_at_the_watermark_per_syn() {
         );
         let cg = Cgroup::new("burst");
         let d = Daemon::builder(Policy::new().listener(half_full("api", &server))).start();
-        let _listener = cg.hold(Probe::Listen {
-            netns: server.path(),
-            addr: "192.0.2.1:8080".parse().unwrap(),
-            backlog: 8,
-            accept_after_ms: None,
-            on_usr1: false,
-        });
+        let _listener = cg.hold(Probe::listen(server.path(), SERVER, 8));
         wait_listed(&d, 0, 1);
         let b = cg.hold(Probe::Burst {
             netns: client.path(),
-            addr: "192.0.2.1:8080".parse().unwrap(),
+            addr: SERVER,
             count: 50,
             timeout_ms: 3000,
             retries: 0,
@@ -441,14 +419,14 @@ fn reuseport_sheds_only_for_the_stalled_member() {
     let d = Daemon::builder(Policy::new().listener(half_full("api", &server))).start();
     let _group = cg.hold(Probe::Reuseport {
         netns: server.path(),
-        addr: "192.0.2.1:8080".parse().unwrap(),
+        addr: SERVER,
         backlog: 64,
         members: 4,
     });
     wait_listed(&d, 0, 4);
     let b = cg.hold(Probe::Burst {
         netns: client.path(),
-        addr: "192.0.2.1:8080".parse().unwrap(),
+        addr: SERVER,
         count: 200,
         timeout_ms: 3000,
         retries: 50,
@@ -472,17 +450,11 @@ fn decisions_expire_when_the_daemon_stops_renewing_them() {
     let (server, client) = Netns::veth_pair();
     let cg = Cgroup::new("expire");
     let d = Daemon::builder(Policy::new().listener(half_full("api", &server))).start();
-    let _listener = cg.hold(Probe::Listen {
-        netns: server.path(),
-        addr: "192.0.2.1:8080".parse().unwrap(),
-        backlog: 8,
-        accept_after_ms: None,
-        on_usr1: false,
-    });
+    let _listener = cg.hold(Probe::listen(server.path(), SERVER, 8));
     wait_listed(&d, 0, 1);
     let fill = cg.hold(Probe::Open {
         netns: client.path(),
-        addr: "192.0.2.1:8080".parse().unwrap(),
+        addr: SERVER,
         count: 6,
         interval_ms: 0,
         timeout_ms: 3000,
@@ -501,7 +473,7 @@ fn decisions_expire_when_the_daemon_stops_renewing_them() {
             let mut probe = probe;
             let burst = Probe::Burst {
                 netns: path,
-                addr: "192.0.2.1:8080".parse().unwrap(),
+                addr: SERVER,
                 count: 1,
                 timeout_ms: 3000,
                 retries: 400,
@@ -578,13 +550,11 @@ fn a_saturated_namespace_does_not_shed_another() {
             .listener(half_full("fine", &fine)),
     )
     .start();
-    let _stalled = cg.hold(Probe::Listen {
-        netns: full.path(),
-        addr: "127.0.0.1:8080".parse().unwrap(),
-        backlog: 8,
-        accept_after_ms: None,
-        on_usr1: false,
-    });
+    let _stalled = cg.hold(Probe::listen(
+        full.path(),
+        "127.0.0.1:8080".parse().unwrap(),
+        8,
+    ));
     let _accepting = cg.hold(Probe::Listen {
         netns: fine.path(),
         addr: "127.0.0.1:8080".parse().unwrap(),
@@ -639,13 +609,7 @@ fn a_veth_added_after_start_is_guarded() {
     let d = Daemon::builder(Policy::new().listener(half_full("api", &server))).start();
     let client = Netns::new("cglatec");
     Netns::join(&server, &client);
-    let _listener = cg.hold(Probe::Listen {
-        netns: server.path(),
-        addr: "192.0.2.1:8080".parse().unwrap(),
-        backlog: 8,
-        accept_after_ms: None,
-        on_usr1: false,
-    });
+    let _listener = cg.hold(Probe::listen(server.path(), SERVER, 8));
     wait_listed(&d, 0, 1);
     // 5 s ran out in a 7 guest under TCG.
     let until = Instant::now() + Duration::from_secs(30);
@@ -664,7 +628,7 @@ fn a_veth_added_after_start_is_guarded() {
     }
     let b = cg.hold(Probe::Open {
         netns: client.path(),
-        addr: "192.0.2.1:8080".parse().unwrap(),
+        addr: SERVER,
         count: 10,
         interval_ms: 0,
         timeout_ms: 1500,
@@ -695,17 +659,11 @@ fn without_per_syn_decisions_the_daemon_reading_sheds() {
         "{}",
         d.log.lock().unwrap()
     );
-    let _listener = cg.hold(Probe::Listen {
-        netns: server.path(),
-        addr: "192.0.2.1:8080".parse().unwrap(),
-        backlog: 8,
-        accept_after_ms: None,
-        on_usr1: false,
-    });
+    let _listener = cg.hold(Probe::listen(server.path(), SERVER, 8));
     wait_listed(&d, 0, 1);
     let b = cg.hold(Probe::Open {
         netns: client.path(),
-        addr: "192.0.2.1:8080".parse().unwrap(),
+        addr: SERVER,
         count: 10,
         interval_ms: 200,
         timeout_ms: 3000,

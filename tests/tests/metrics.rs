@@ -48,38 +48,10 @@ fn other_never_goes_down_as_destinations_enter_the_top_and_are_forgotten() {
         .start();
     // 127.0.0.2 to .21: 2 held each (active 2), the 20 busiest. .30: 9 opened and
     // closed, 1 held (active 1, 10 admitted). .31: 1 opened and closed, then idle.
-    let _busy: Vec<_> = (2..22)
-        .map(|h| {
-            cg.hold(Probe::Hold {
-                addr: at(h),
-                count: 2,
-                concurrency: 2,
-            })
-        })
-        .collect();
-    assert_eq!(
-        cg.probe(Probe::Connect {
-            addr: at(30),
-            count: 9,
-            concurrency: 9
-        })
-        .ok,
-        9
-    );
-    let _entering = cg.hold(Probe::Hold {
-        addr: at(30),
-        count: 1,
-        concurrency: 1,
-    });
-    assert_eq!(
-        cg.probe(Probe::Connect {
-            addr: at(31),
-            count: 1,
-            concurrency: 1
-        })
-        .ok,
-        1
-    );
+    let _busy: Vec<_> = (2..22).map(|h| cg.hold(Probe::hold(at(h), 2, 2))).collect();
+    assert_eq!(cg.probe(Probe::connect(at(30), 9, 9)).ok, 9);
+    let _entering = cg.hold(Probe::hold(at(30), 1, 1));
+    assert_eq!(cg.probe(Probe::connect(at(31), 1, 1)).ok, 1);
     let s = d.wait_scope("m", Duration::from_secs(5), |s| s.counts.active == 41);
     assert_eq!((s.counts.active, s.counts.admitted), (41, 51), "{s:?}");
 
@@ -129,11 +101,7 @@ fn other_never_goes_down_as_destinations_enter_the_top_and_are_forgotten() {
     // .30 holds 2 more (active 3): it enters the 20 busiest with its 12, and the last
     // of the others (by address text, .9) leaves them. `other` keeps .30's past and
     // gains its 2 new connections.
-    let _more = cg.hold(Probe::Hold {
-        addr: at(30),
-        count: 2,
-        concurrency: 2,
-    });
+    let _more = cg.hold(Probe::hold(at(30), 2, 2));
     let metrics = scrape(13);
     assert_eq!(listed(&metrics), 20, "{metrics}");
     let entered = format!("scope=\"m\",rule=\"\",dst=\"{}\"", at(30));
@@ -154,15 +122,7 @@ fn other_never_goes_down_as_destinations_enter_the_top_and_are_forgotten() {
         Some(2)
     );
     // New connections of a listed destination are its series', not `other`'s.
-    assert_eq!(
-        cg.probe(Probe::Connect {
-            addr: at(30),
-            count: 1,
-            concurrency: 1
-        })
-        .ok,
-        1
-    );
+    assert_eq!(cg.probe(Probe::connect(at(30), 1, 1)).ok, 1);
     let metrics = scrape(13);
     assert_eq!(totals(&metrics, &entered), [13, 0, 0], "{metrics}");
 }
@@ -248,11 +208,7 @@ fn full_maps_lose_diagnostic_events_apart_from_fail_open_admissions() {
     };
     // The client closes first: each connection leaves a TIME_WAIT entry, counted when
     // its socket reaches TCP_CLOSE.
-    let out = cg.probe(Probe::Connect {
-        addr: first.addr,
-        count: 20,
-        concurrency: 20,
-    });
+    let out = cg.probe(Probe::connect(first.addr, 20, 20));
     assert_eq!(out.ok, 20, "{out:?}");
     let s = d.wait_scope("lost", Duration::from_secs(5), |s| s.counts.active == 0);
     assert_eq!((s.counts.admitted, s.time_wait_created), (20, 0), "{s:?}");
@@ -266,11 +222,7 @@ fn full_maps_lose_diagnostic_events_apart_from_fail_open_admissions() {
             ..Default::default()
         }
     });
-    let out = cg.probe(Probe::Connect {
-        addr: second.addr,
-        count: 5,
-        concurrency: 5,
-    });
+    let out = cg.probe(Probe::connect(second.addr, 5, 5));
     assert_eq!(out.ok, 5, "{out:?}");
     let s = d.wait_scope("lost", Duration::from_secs(5), |s| s.counts.active == 0);
     assert_eq!(s.counts.admitted, 25, "{s:?}");

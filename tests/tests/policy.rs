@@ -69,11 +69,7 @@ fn reload_keeps_counts_and_a_bad_file_changes_nothing() {
     let cg = Cgroup::new("h");
     let policy = budget_policy("h", &cg.rel, Mode::Enforce, &server.addr, 5);
     let d = Daemon::builder(&policy).metrics().start();
-    let held = cg.hold(Probe::Hold {
-        addr: server.addr,
-        count: 5,
-        concurrency: 5,
-    });
+    let held = cg.hold(Probe::hold(server.addr, 5, 5));
     assert_eq!(held.outcome.ok, 5);
 
     // A good reload that changes an unrelated scope (SIGHUP and `connguard reload`).
@@ -89,11 +85,7 @@ fn reload_keeps_counts_and_a_bad_file_changes_nothing() {
     let stats = wait_generation(&d, 2);
     assert_eq!(stats.policy.last_error, None);
     assert_eq!(d.scope("h").counts.active, 5, "counts survive a reload");
-    let more = cg.probe(Probe::Connect {
-        addr: server.addr,
-        count: 5,
-        concurrency: 1,
-    });
+    let more = cg.probe(Probe::connect(server.addr, 5, 1));
     assert_eq!(
         more.errors("ECONNREFUSED"),
         5,
@@ -139,11 +131,7 @@ fn reload_keeps_counts_and_a_bad_file_changes_nothing() {
     );
     let s = d.scope("h");
     assert_eq!((s.counts.active, s.counts.shed), (5, 5), "{s:?}");
-    let more = cg.probe(Probe::Connect {
-        addr: server.addr,
-        count: 5,
-        concurrency: 1,
-    });
+    let more = cg.probe(Probe::connect(server.addr, 5, 1));
     assert_eq!(
         more.errors("ECONNREFUSED"),
         5,
@@ -165,16 +153,8 @@ fn a_scope_removed_and_added_again_keeps_its_counts() {
         .scope(budget_scope("a", &a.rel, Mode::Enforce, &server.addr, 3))
         .scope(budget_scope("b", &b.rel, Mode::Enforce, &server.addr, 3));
     let d = Daemon::builder(&policy).start();
-    let held_a = a.hold(Probe::Hold {
-        addr: server.addr,
-        count: 3,
-        concurrency: 3,
-    });
-    let held_b = b.hold(Probe::Hold {
-        addr: server.addr,
-        count: 1,
-        concurrency: 1,
-    });
+    let held_a = a.hold(Probe::hold(server.addr, 3, 3));
+    let held_b = b.hold(Probe::hold(server.addr, 1, 1));
     assert_eq!((held_a.outcome.ok, held_b.outcome.ok), (3, 1));
     let rule = |s: &ScopeStats| s.rules[0].clone();
 
@@ -199,21 +179,13 @@ fn a_scope_removed_and_added_again_keeps_its_counts() {
         (1, 1),
         "{sb:?}"
     );
-    let more = a.probe(Probe::Connect {
-        addr: server.addr,
-        count: 2,
-        concurrency: 1,
-    });
+    let more = a.probe(Probe::connect(server.addr, 2, 1));
     assert_eq!(
         more.errors("ECONNREFUSED"),
         2,
         "budget still spent: {more:?}"
     );
-    let more = b.probe(Probe::Connect {
-        addr: server.addr,
-        count: 1,
-        concurrency: 1,
-    });
+    let more = b.probe(Probe::connect(server.addr, 1, 1));
     assert_eq!(more.ok, 1, "the other scope's rule has room: {more:?}");
     let sa = d.scope("a");
     assert_eq!((sa.counts.shed, rule(&sa).counts.shed), (2, 2), "{sa:?}");
@@ -288,11 +260,7 @@ fn the_whole_host_with_50000_cgroups_applies_and_reloads() {
     );
     assert_eq!(d.stats().policy.generation, 2);
     let last = children.last().unwrap();
-    let probe = last.probe(Probe::Connect {
-        addr: server.addr,
-        count: 1,
-        concurrency: 1,
-    });
+    let probe = last.probe(Probe::connect(server.addr, 1, 1));
     assert_eq!(probe.ok, 1, "{probe:?}");
     // The scope holds the whole host's connections; this destination only ours.
     let s = d.scope("host");

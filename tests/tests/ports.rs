@@ -1,11 +1,19 @@
 //! Ephemeral-port and TIME_WAIT exhaustion, diagnosed on the real kernel.
-use std::{collections::BTreeMap, process::Command};
+use std::{
+    collections::BTreeMap,
+    net::{IpAddr, Ipv4Addr, SocketAddr},
+    process::Command,
+};
 
 use connguard_api::{
     policy::{Limited, Mode, Policy, Scope},
     ports::{DestinationPorts, EaddrnotavailCount, PortsReport, SourcePool},
 };
 use connguard_tests::{Cgroup, Daemon, Netns, Probe, ServePort, connguard_bin, json_of};
+
+/// The servers of `serve`.
+const TO_8080: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 8080);
+const TO_8081: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 8081);
 
 /// A netns with a 100-port ephemeral range and tcp_tw_reuse 0.
 fn small_range_netns() -> Netns {
@@ -83,13 +91,7 @@ fn exhausted_destination_is_named_with_exact_counts() {
     let ns = small_range_netns();
     let cg = Cgroup::new("ports");
     let servers = serve(&cg, &ns);
-    let out = cg.probe(Probe::Churn {
-        netns: ns.path(),
-        addr: "127.0.0.1:8080".parse().unwrap(),
-        count: 150,
-        per_second: 0,
-        reset: false,
-    });
+    let out = cg.probe(Probe::churn(ns.path(), TO_8080, 150));
     // The 101st fails (about 1 run in 5 here a TIME_WAIT entry goes early and the 102nd
     // does); after the first, every one fails.
     let first = out.category("first_eaddrnotavail");
@@ -99,13 +101,7 @@ fn exhausted_destination_is_named_with_exact_counts() {
         (first - 1, 151 - first),
         "{out:?}"
     );
-    let other = cg.probe(Probe::Churn {
-        netns: ns.path(),
-        addr: "127.0.0.1:8081".parse().unwrap(),
-        count: 1,
-        per_second: 0,
-        reset: false,
-    });
+    let other = cg.probe(Probe::churn(ns.path(), TO_8081, 1));
     assert_eq!(other.ok, 1, "the limit is per destination: {other:?}");
     // --pid names the same namespace as --netns.
     let by_pid = Command::new(connguard_bin())
@@ -242,10 +238,7 @@ fn a_source_pool_spent_by_bind_before_connect_is_warned_about() {
         netns: ns.path(),
         addr: "127.0.0.6:0".parse().unwrap(),
         count: 105,
-        destinations: vec![
-            "127.0.0.1:8080".parse().unwrap(),
-            "127.0.0.1:8081".parse().unwrap(),
-        ],
+        destinations: vec![TO_8080, TO_8081],
     });
     assert_eq!(
         (proxy.outcome.ok, proxy.outcome.errors("EADDRINUSE")),
@@ -253,13 +246,7 @@ fn a_source_pool_spent_by_bind_before_connect_is_warned_about() {
         "{:?}",
         proxy.outcome
     );
-    let plain = cg.probe(Probe::Churn {
-        netns: ns.path(),
-        addr: "127.0.0.1:8081".parse().unwrap(),
-        count: 1,
-        per_second: 0,
-        reset: false,
-    });
+    let plain = cg.probe(Probe::churn(ns.path(), TO_8081, 1));
     assert_eq!(plain.errors("EADDRNOTAVAIL"), 1, "{plain:?}");
 
     let r = ports_json(&ns);
@@ -327,13 +314,7 @@ fn an_answer_it_cannot_read_leaves_the_daemon_free_report_and_one_warning() {
     let ns = small_range_netns();
     let cg = Cgroup::new("other-version");
     let _servers = serve(&cg, &ns);
-    let churned = cg.probe(Probe::Churn {
-        netns: ns.path(),
-        addr: "127.0.0.1:8080".parse().unwrap(),
-        count: 3,
-        per_second: 0,
-        reset: false,
-    });
+    let churned = cg.probe(Probe::churn(ns.path(), TO_8080, 3));
     assert_eq!(churned.ok, 3, "{churned:?}");
     let dir = std::env::temp_dir().join(connguard_tests::unique("connguard-other-version"));
     std::fs::create_dir_all(&dir).unwrap();
@@ -386,13 +367,7 @@ fn with_the_daemon_rates_scopes_and_eaddrnotavail_are_attributed() {
     let d = Daemon::builder(Policy::new().scope(Scope::new("client", &cg.rel).mode(Mode::Observe)))
         .metrics()
         .start();
-    let out = cg.probe(Probe::Churn {
-        netns: ns.path(),
-        addr: "127.0.0.1:8080".parse().unwrap(),
-        count: 150,
-        per_second: 0,
-        reset: false,
-    });
+    let out = cg.probe(Probe::churn(ns.path(), TO_8080, 150));
     let failed = out.errors("EADDRNOTAVAIL");
     assert!((49..=50).contains(&failed), "{out:?}");
     // Rates come from samples every 0.5 s.
@@ -518,13 +493,11 @@ fn port_watermark_sheds_one_scope_and_keeps_headroom_for_others() {
     // The daemon watches the namespaces of the scope's processes: one that stays (a
     // listener outside the ephemeral range, as a service would have) keeps the
     // namespace watched after the churn's process has exited.
-    let _resident = churner.hold(Probe::Listen {
-        netns: ns.path(),
-        addr: "127.0.0.1:9000".parse().unwrap(),
-        backlog: 1,
-        accept_after_ms: None,
-        on_usr1: false,
-    });
+    let _resident = churner.hold(Probe::listen(
+        ns.path(),
+        "127.0.0.1:9000".parse().unwrap(),
+        1,
+    ));
     let d = Daemon::builder(
         Policy::new()
             .scope(Scope::new("churner", &churner.rel).port_watermark(0.8))
@@ -534,7 +507,7 @@ fn port_watermark_sheds_one_scope_and_keeps_headroom_for_others() {
     // 20 connections a second: the daemon re-reads the socket table every 0.5 s.
     let out = churner.probe(Probe::Churn {
         netns: ns.path(),
-        addr: "127.0.0.1:8080".parse().unwrap(),
+        addr: TO_8080,
         count: 120,
         per_second: 20,
         reset: false,
@@ -557,13 +530,7 @@ fn port_watermark_sheds_one_scope_and_keeps_headroom_for_others() {
         out.ok,
         "one TIME_WAIT entry per admitted connection, the rest is headroom"
     );
-    let o = other.probe(Probe::Churn {
-        netns: ns.path(),
-        addr: "127.0.0.1:8080".parse().unwrap(),
-        count: 3,
-        per_second: 0,
-        reset: false,
-    });
+    let o = other.probe(Probe::churn(ns.path(), TO_8080, 3));
     assert_eq!(o.ok, 3, "another scope still connects: {o:?}");
     let stats = d.stats();
     assert!(
@@ -636,13 +603,7 @@ fn top_shows_the_exhausted_destination_in_a_terminal_and_quits_on_q() {
     let cg = Cgroup::new("top");
     let _servers = serve(&cg, &ns);
     // Past the range: all 100 ports end up held, whatever entry leaves early.
-    let out = cg.probe(Probe::Churn {
-        netns: ns.path(),
-        addr: "127.0.0.1:8080".parse().unwrap(),
-        count: 110,
-        per_second: 0,
-        reset: false,
-    });
+    let out = cg.probe(Probe::churn(ns.path(), TO_8080, 110));
     assert!(out.errors("EADDRNOTAVAIL") > 0, "{out:?}");
     let top = Top::start(&ns);
     let text = top.screen_with("100/100");

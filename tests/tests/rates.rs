@@ -115,11 +115,7 @@ fn a_reload_keeps_the_bucket_and_a_faster_rate_starts_from_empty() {
     let cg = Cgroup::new("ratereload");
     let slow = rule("127.0.0.1", addr.port()).rate("1/min").burst(2);
     let d = Daemon::builder(policy(&cg, Mode::Enforce, slow.clone())).start();
-    let out = cg.probe(Probe::Connect {
-        addr,
-        count: 3,
-        concurrency: 1,
-    });
+    let out = cg.probe(Probe::connect(addr, 3, 1));
     assert_eq!((out.ok, out.errors("ECONNREFUSED")), (2, 1), "{out:?}");
     let reload = |rule: Rule, generation: u64| {
         std::fs::write(&d.policy, policy(&cg, Mode::Enforce, rule).to_toml()).unwrap();
@@ -128,11 +124,7 @@ fn a_reload_keeps_the_bucket_and_a_faster_rate_starts_from_empty() {
         assert_eq!(d.stats().policy.generation, generation);
     };
     reload(slow.max_connections(100), 2);
-    let out = cg.probe(Probe::Connect {
-        addr,
-        count: 1,
-        concurrency: 1,
-    });
+    let out = cg.probe(Probe::connect(addr, 1, 1));
     assert_eq!(
         out.errors("ECONNREFUSED"),
         1,
@@ -144,11 +136,7 @@ fn a_reload_keeps_the_bucket_and_a_faster_rate_starts_from_empty() {
     let mut tries = 0;
     loop {
         tries += 1;
-        let out = cg.probe(Probe::Connect {
-            addr,
-            count: 1,
-            concurrency: 1,
-        });
+        let out = cg.probe(Probe::connect(addr, 1, 1));
         if out.ok == 1 {
             break;
         }
@@ -246,11 +234,7 @@ fn an_established_connection_leaves_the_handshake_budget() {
         rule("127.0.0.1", server.addr.port()).max_connecting(1),
     ))
     .start();
-    let held = cg.hold(Probe::Hold {
-        addr: server.addr,
-        count: 20,
-        concurrency: 1,
-    });
+    let held = cg.hold(Probe::hold(server.addr, 20, 1));
     assert_eq!(held.outcome.ok, 20, "{:?}", held.outcome);
     let s = d.scope("s");
     let dst = destination(&s, &server.addr.to_string());

@@ -32,20 +32,12 @@ fn a_selected_cgroup_created_again_is_governed_from_its_first_connect() {
     let d = Daemon::builder(policy).start();
     let hold = parent.child("hold");
     wait_attached(&hold, BPF_CGROUP_INET_SOCK_RELEASE);
-    let _held = hold.hold(Probe::Hold {
-        addr: server.addr,
-        count: 1,
-        concurrency: 1,
-    });
+    let _held = hold.hold(Probe::hold(server.addr, 1, 1));
     assert_eq!(d.scope("r").counts.active, 1);
     let mut missed = Vec::new();
     for i in 0..100 {
         let svc = parent.child("svc");
-        let out = svc.probe(Probe::Connect {
-            addr: server.addr,
-            count: 1,
-            concurrency: 1,
-        });
+        let out = svc.probe(Probe::connect(server.addr, 1, 1));
         match (out.ok, out.errors("ECONNREFUSED")) {
             (0, 1) => {}
             (1, 0) => missed.push(i),

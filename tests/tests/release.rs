@@ -53,11 +53,7 @@ fn ten_thousand_mixed_outcomes_leave_every_count_at_zero() {
 
     // A client killed while holding connections (to a server in the host netns).
     let server = Server::start("127.0.0.1:0");
-    let mut killed = cg.hold(Probe::Hold {
-        addr: server.addr,
-        count: 50,
-        concurrency: 5,
-    });
+    let mut killed = cg.hold(Probe::hold(server.addr, 50, 5));
     assert_eq!(killed.outcome.ok, 50);
     // The mixed run's last connections finish closing within moments of its exit.
     let s = d.wait_scope("b", Duration::from_secs(10), |s| s.counts.active == 50);
@@ -95,11 +91,7 @@ fn slot_is_freed_after_a_reset() {
         2,
     ))
     .start();
-    let held = cg.hold(Probe::Hold {
-        addr,
-        count: 2,
-        concurrency: 1,
-    });
+    let held = cg.hold(Probe::hold(addr, 2, 1));
     assert_eq!(held.outcome.ok, 2);
     // The server resets the first connection (SO_LINGER 0), keeps the second.
     let (first, _) = listener.accept().unwrap();
@@ -118,11 +110,7 @@ fn slot_is_freed_after_a_reset() {
     drop(second);
     let s = d.wait_scope("c5", Duration::from_secs(5), |s| s.counts.active == 0);
     assert_eq!(s.counts.active, 0, "{s:?}");
-    let third = cg.hold(Probe::Hold {
-        addr,
-        count: 1,
-        concurrency: 1,
-    });
+    let third = cg.hold(Probe::hold(addr, 1, 1));
     assert_eq!(third.outcome.ok, 1, "{:?}", third.outcome);
 }
 
@@ -141,11 +129,7 @@ fn idle_destinations_are_forgotten_and_scope_totals_stay() {
     ))
     .args(&["--forget-idle", "1"])
     .start();
-    let out = cg.probe(Probe::Connect {
-        addr: server.addr,
-        count: 3,
-        concurrency: 1,
-    });
+    let out = cg.probe(Probe::connect(server.addr, 3, 1));
     assert_eq!(out.ok, 3);
     let s = d.wait_scope("f", Duration::from_secs(5), |s| s.destinations.is_empty());
     assert!(
@@ -154,11 +138,7 @@ fn idle_destinations_are_forgotten_and_scope_totals_stay() {
     );
     assert_eq!((s.counts.admitted, s.counts.active), (3, 0), "{s:?}");
     // A held connection keeps its destination; the entry comes back with exact counts.
-    let held = cg.hold(Probe::Hold {
-        addr: server.addr,
-        count: 2,
-        concurrency: 1,
-    });
+    let held = cg.hold(Probe::hold(server.addr, 2, 1));
     assert_eq!(held.outcome.ok, 2);
     std::thread::sleep(Duration::from_millis(2500));
     let s = d.scope("f");
@@ -187,13 +167,11 @@ fn a_foreign_sock_ops_program_that_rewrites_callback_flags_loses_no_release() {
         Daemon::builder(Policy::new().scope(Scope::new("foreign", &cg.rel).mode(Mode::Observe)))
             .start();
     let _foreign = connguard_tests::ForeignSockOps::attach(&cg);
-    let out = cg.probe(Probe::Churn {
-        netns: ns.path(),
-        addr: "127.0.0.1:8080".parse().unwrap(),
-        count: 1000,
-        per_second: 0,
-        reset: false,
-    });
+    let out = cg.probe(Probe::churn(
+        ns.path(),
+        "127.0.0.1:8080".parse().unwrap(),
+        1000,
+    ));
     assert_eq!((out.attempts, out.ok), (1000, 1000), "{out:?}");
     let s = d.wait_scope("foreign", Duration::from_secs(10), |s| s.counts.active == 0);
     assert_eq!(

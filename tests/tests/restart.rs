@@ -15,11 +15,7 @@ fn restart_keeps_every_count(signal: i32) {
     let cg = Cgroup::new("restart");
     let policy = budget_policy("r", &cg.rel, Mode::Enforce, &server.addr, 5);
     let d = Daemon::builder(&policy).start();
-    let held = cg.hold(Probe::Hold {
-        addr: server.addr,
-        count: 5,
-        concurrency: 5,
-    });
+    let held = cg.hold(Probe::hold(server.addr, 5, 5));
     assert_eq!(held.outcome.ok, 5, "{:?}", held.outcome);
     d.exit_keeping_state(signal);
 
@@ -27,20 +23,12 @@ fn restart_keeps_every_count(signal: i32) {
     let s = d.scope("r");
     assert_eq!((s.counts.active, s.counts.admitted), (5, 5), "{s:?}");
     assert!(d.log.lock().unwrap().contains("adopted the pinned state"));
-    let out = cg.probe(Probe::Connect {
-        addr: server.addr,
-        count: 5,
-        concurrency: 5,
-    });
+    let out = cg.probe(Probe::connect(server.addr, 5, 5));
     assert_eq!((out.ok, out.errors("ECONNREFUSED")), (0, 5), "{out:?}");
     drop(held);
     let s = d.wait_scope("r", WAIT, |s| s.counts.active == 0);
     assert_eq!(s.counts.active, 0, "closing the 5 old connections: {s:?}");
-    let again = cg.hold(Probe::Hold {
-        addr: server.addr,
-        count: 5,
-        concurrency: 5,
-    });
+    let again = cg.hold(Probe::hold(server.addr, 5, 5));
     assert_eq!(again.outcome.ok, 5, "{:?}", again.outcome);
     let s = d.scope("r");
     assert_eq!(
@@ -77,20 +65,12 @@ fn a_daemon_gone_for_good_fails_open_after_its_lease_and_the_next_adopts_its_cou
     let cg = Cgroup::new("lease");
     let policy = budget_policy("l", &cg.rel, Mode::Enforce, &server.addr, 2);
     let d = Daemon::builder(&policy).args(&["--lease", "3"]).start();
-    let held = cg.hold(Probe::Hold {
-        addr: server.addr,
-        count: 2,
-        concurrency: 2,
-    });
+    let held = cg.hold(Probe::hold(server.addr, 2, 2));
     assert_eq!(held.outcome.ok, 2, "{:?}", held.outcome);
     d.exit_keeping_state(libc::SIGKILL);
     // The lease the killed daemon last renewed, and the clock the programs read.
     let until = lease_deadline();
-    let out = cg.probe(Probe::Connect {
-        addr: server.addr,
-        count: 1,
-        concurrency: 1,
-    });
+    let out = cg.probe(Probe::connect(server.addr, 1, 1));
     if guard_common::monotonic_ns() < until {
         assert_eq!(out.errors("ECONNREFUSED"), 1, "within the lease: {out:?}");
     }
@@ -98,11 +78,7 @@ fn a_daemon_gone_for_good_fails_open_after_its_lease_and_the_next_adopts_its_cou
     // and none before.
     let give_up = Instant::now() + WAIT;
     let over = loop {
-        let over = cg.hold(Probe::Hold {
-            addr: server.addr,
-            count: 1,
-            concurrency: 1,
-        });
+        let over = cg.hold(Probe::hold(server.addr, 1, 1));
         let ended = guard_common::monotonic_ns();
         if over.outcome.ok == 1 {
             assert!(
@@ -125,11 +101,7 @@ fn a_daemon_gone_for_good_fails_open_after_its_lease_and_the_next_adopts_its_cou
     assert_eq!(stats.lease_expired, 1, "{stats:?}");
     let s = d.scope("l");
     assert_eq!(s.counts.active, 3, "the one let through was counted: {s:?}");
-    let out = cg.probe(Probe::Connect {
-        addr: server.addr,
-        count: 1,
-        concurrency: 1,
-    });
+    let out = cg.probe(Probe::connect(server.addr, 1, 1));
     assert_eq!(out.errors("ECONNREFUSED"), 1, "a new lease sheds: {out:?}");
     drop((held, over));
     let s = d.wait_scope("l", WAIT, |s| s.counts.active == 0);
@@ -176,17 +148,9 @@ fn connections_opened_and_closed_with_no_daemon_leave_no_drift() {
     let policy = budget_policy("g", &cg.rel, Mode::Enforce, &server.addr, 100);
     let d = Daemon::builder(&policy).start();
     d.exit_keeping_state(libc::SIGTERM);
-    let churn = cg.probe(Probe::Connect {
-        addr: server.addr,
-        count: 50,
-        concurrency: 5,
-    });
+    let churn = cg.probe(Probe::connect(server.addr, 50, 5));
     assert_eq!(churn.ok, 50, "{churn:?}");
-    let held = cg.hold(Probe::Hold {
-        addr: server.addr,
-        count: 3,
-        concurrency: 3,
-    });
+    let held = cg.hold(Probe::hold(server.addr, 3, 3));
     assert_eq!(held.outcome.ok, 3, "{:?}", held.outcome);
 
     let d = Daemon::builder(&policy).adopting().start();
@@ -205,11 +169,7 @@ fn stop_detaches_and_unpins_everything() {
     let cg = Cgroup::new("stop");
     let policy = budget_policy("s", &cg.rel, Mode::Enforce, &server.addr, 1);
     let d = Daemon::builder(&policy).start();
-    let held = cg.hold(Probe::Hold {
-        addr: server.addr,
-        count: 1,
-        concurrency: 1,
-    });
+    let held = cg.hold(Probe::hold(server.addr, 1, 1));
     let out = d.cli(&["stop"]);
     assert!(
         out.status.success(),
@@ -223,11 +183,7 @@ fn stop_detaches_and_unpins_everything() {
         Some(0)
     );
     // Nothing is governed: a second connection passes.
-    let out = cg.probe(Probe::Connect {
-        addr: server.addr,
-        count: 1,
-        concurrency: 1,
-    });
+    let out = cg.probe(Probe::connect(server.addr, 1, 1));
     assert_eq!(out.ok, 1, "{out:?}");
     drop(held);
     d.exit_keeping_state(libc::SIGTERM);
@@ -242,11 +198,7 @@ fn a_daemon_of_another_state_layout_seeds_and_replaces_the_old_state() {
     let cg = Cgroup::new("layout");
     let policy = budget_policy("u", &cg.rel, Mode::Enforce, &server.addr, 3);
     let d = Daemon::builder(&policy).start();
-    let held = cg.hold(Probe::Hold {
-        addr: server.addr,
-        count: 2,
-        concurrency: 2,
-    });
+    let held = cg.hold(Probe::hold(server.addr, 2, 2));
     assert_eq!(held.outcome.ok, 2, "{:?}", held.outcome);
     d.exit_keeping_state(libc::SIGTERM);
     let old = format!("/sys/fs/bpf/connguard/v{}", guard_common::STATE_LAYOUT);
@@ -275,11 +227,7 @@ fn a_daemon_of_another_state_layout_seeds_and_replaces_the_old_state() {
         (2, 2),
         "seeded: {s:?}"
     );
-    let more = cg.hold(Probe::Hold {
-        addr: server.addr,
-        count: 3,
-        concurrency: 3,
-    });
+    let more = cg.hold(Probe::hold(server.addr, 3, 3));
     assert_eq!(more.outcome.ok, 1, "the budget holds: {:?}", more.outcome);
     drop((held, more));
     let s = d.wait_scope("u", WAIT, |s| s.counts.active == 0);
@@ -294,11 +242,7 @@ fn connections_opened_before_the_first_start_are_seeded_and_released_once() {
     let server = Server::start("127.0.0.1:0");
     let cg = Cgroup::new("seed");
     connguard_tests::remove_pinned_state();
-    let held = cg.hold(Probe::Hold {
-        addr: server.addr,
-        count: 5,
-        concurrency: 5,
-    });
+    let held = cg.hold(Probe::hold(server.addr, 5, 5));
     assert_eq!(held.outcome.ok, 5, "{:?}", held.outcome);
     // A listener in the cgroup with a connection accepted from outside it: its server
     // side is not seeded.
@@ -317,20 +261,12 @@ fn connections_opened_before_the_first_start_are_seeded_and_released_once() {
     assert!(log.contains("from the socket table: s 5"), "{log}");
     let s = d.scope("s");
     assert_eq!((s.counts.active, s.counts.admitted), (5, 5), "{s:?}");
-    let out = cg.probe(Probe::Connect {
-        addr: server.addr,
-        count: 3,
-        concurrency: 3,
-    });
+    let out = cg.probe(Probe::connect(server.addr, 3, 3));
     assert_eq!((out.ok, out.errors("ECONNREFUSED")), (0, 3), "{out:?}");
     drop(held);
     let s = d.wait_scope("s", WAIT, |s| s.counts.active == 0);
     assert_eq!(s.counts.active, 0, "released once: {s:?}");
-    let again = cg.hold(Probe::Hold {
-        addr: server.addr,
-        count: 5,
-        concurrency: 5,
-    });
+    let again = cg.hold(Probe::hold(server.addr, 5, 5));
     assert_eq!(again.outcome.ok, 5, "{:?}", again.outcome);
     let s = d.scope("s");
     assert_eq!((s.counts.active, s.counts.admitted), (5, 10), "{s:?}");
@@ -383,11 +319,7 @@ fn the_audit_corrects_a_count_set_wrong_behind_its_back() {
     let cg = Cgroup::new("audit");
     let policy = budget_policy("a", &cg.rel, Mode::Enforce, &server.addr, 10);
     let mut d = Daemon::builder(&policy).start();
-    let held = cg.hold(Probe::Hold {
-        addr: server.addr,
-        count: 3,
-        concurrency: 3,
-    });
+    let held = cg.hold(Probe::hold(server.addr, 3, 3));
     assert_eq!(held.outcome.ok, 3, "{:?}", held.outcome);
     // Scope "a" has id 0: active 7 instead of 3 (a leak of 4).
     set_scope_counter(guard_common::Counter {
@@ -420,11 +352,7 @@ fn the_audit_corrects_a_handshake_count_set_wrong_behind_its_back() {
     let cg = Cgroup::new("audit-hs");
     let policy = Policy::new().scope(Scope::new("a", &cg.rel).max_connecting(4));
     let mut d = Daemon::builder(&policy).args(&["--audit", "3"]).start();
-    let held = cg.hold(Probe::Hold {
-        addr: server.addr,
-        count: 3,
-        concurrency: 3,
-    });
+    let held = cg.hold(Probe::hold(server.addr, 3, 3));
     assert_eq!(held.outcome.ok, 3, "{:?}", held.outcome);
     let s = d.scope("a");
     assert_eq!((s.counts.active, s.counts.connecting), (3, 0), "{s:?}");
@@ -435,11 +363,7 @@ fn the_audit_corrects_a_handshake_count_set_wrong_behind_its_back() {
         connecting: 4,
         ..Default::default()
     });
-    let out = cg.probe(Probe::Connect {
-        addr: server.addr,
-        count: 1,
-        concurrency: 1,
-    });
+    let out = cg.probe(Probe::connect(server.addr, 1, 1));
     assert_eq!(
         out.errors("ECONNREFUSED"),
         1,
@@ -457,11 +381,7 @@ fn the_audit_corrects_a_handshake_count_set_wrong_behind_its_back() {
         "audit: scope a counted 4 connection(s) in the handshake, the sockets hold 0",
     );
     assert_eq!(d.stats().audit_corrections, 1);
-    let out = cg.probe(Probe::Connect {
-        addr: server.addr,
-        count: 1,
-        concurrency: 1,
-    });
+    let out = cg.probe(Probe::connect(server.addr, 1, 1));
     assert_eq!(out.ok, 1, "after the correction: {out:?}");
     drop(held);
     let s = d.wait_scope("a", WAIT, |s| s.counts.active == 0);

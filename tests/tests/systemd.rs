@@ -67,11 +67,7 @@ fn readiness_is_sent_once_the_policy_is_applied() {
     .start();
     let message = receive(&notify);
     assert!(message.lines().any(|l| l == "READY=1"), "{message:?}");
-    let out = cg.probe(Probe::Connect {
-        addr: server.addr,
-        count: 1,
-        concurrency: 1,
-    });
+    let out = cg.probe(Probe::connect(server.addr, 1, 1));
     assert_eq!(out.ok, 1, "{out:?}");
     assert_eq!(d.scope("notify").counts.admitted, 1);
     // Dropped: SIGTERM, and a wait for the exit.

@@ -230,13 +230,7 @@ pub fn run(quick: bool) -> anyhow::Result<()> {
         let (srv, cli) = Netns::veth_pair();
         let listen_cg = Cgroup::new("bench-listen");
         let target: SocketAddr = "192.0.2.1:8080".parse()?;
-        let _listener = listen_cg.hold(Probe::Listen {
-            netns: srv.path(),
-            addr: target,
-            backlog: 8,
-            accept_after_ms: None,
-            on_usr1: false,
-        });
+        let _listener = listen_cg.hold(Probe::listen(srv.path(), target, 8));
         let _queued = hold_open(&s.client, &cli, target, 9)?;
         let shedlat = |count| Probe::Shedlat {
             netns: cli.path(),
