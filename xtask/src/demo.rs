@@ -167,7 +167,8 @@ fn retry_storm(connguard: &Path, client: &Cgroup) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Waits (10 s at most) until the dependency's breaker is no longer open.
+/// Waits (10 s at most) until the dependency's breaker is past its open time: the
+/// kernel half-opens it at the next attempt, and shows it open until then.
 fn wait_half_open(connguard: &Path, socket: &Path) -> anyhow::Result<()> {
     let until = std::time::Instant::now() + Duration::from_secs(10);
     while std::time::Instant::now() < until {
@@ -181,7 +182,8 @@ fn wait_half_open(connguard: &Path, socket: &Path) -> anyhow::Result<()> {
             .first()
             .into_iter()
             .flat_map(|s| &s.destinations)
-            .any(|d| d.breaker.as_ref().is_some_and(|b| b.state == "open"));
+            .filter_map(|d| d.breaker.as_ref())
+            .any(|b| b.state == "open" && b.open_remaining_ms != Some(0));
         if !open {
             return Ok(());
         }
