@@ -14,15 +14,16 @@ use std::{
 
 use anyhow::Context;
 use aya::Ebpf;
+use connguard_api::{
+    control::{EventsReply, ReloadReply, Reply, Request, ScopeReply, StopReply},
+    kernel::Features,
+    stats::{PolicyStatus, Snapshot},
+};
 use tokio::signal::unix::{SignalKind, signal};
 
 use self::jobs::Jobs;
 use crate::{
-    control::{
-        self,
-        protocol::{EventsReply, ReloadReply, Reply, Request, ScopeReply, StopReply},
-        server::Handler,
-    },
+    control::{self, server::Handler},
     diagnose::attribution::{SAMPLE_EVERY, TimeWaitRates, daemon_ports, eaddrnotavail_counts},
     enforce::{
         audit::{Audit, Correction, Count, Key},
@@ -37,7 +38,7 @@ use crate::{
     host::{cgroup, cgroup_watch::CgroupWatch, mounts},
     kernel::{
         batch, clock,
-        features::{Feature, Features},
+        features::{Feature, KernelFeatures},
         maps::Maps,
         object,
         state::{self, Pin, State},
@@ -48,7 +49,7 @@ use crate::{
     report::{
         events::{self, EventLog},
         prometheus::{self, METRIC_TOP_DESTINATIONS},
-        snapshot::{self, PolicyStatus, Snapshot},
+        snapshot,
     },
 };
 

@@ -20,20 +20,24 @@ mod report;
 use std::{path::Path, process::ExitCode};
 
 use clap::Parser;
+use connguard_api::{
+    control::{EventsReply, ReloadReply, Request, ScopeReply},
+    kernel::Features,
+    listeners::ListenersReport,
+    ports::PortsReport,
+    stats::Snapshot,
+};
 
 use crate::{
     cli::{Cli, Command, NetnsArgs},
-    control::{
-        client,
-        protocol::{EventsReply, ReloadReply, Request, ScopeReply},
-    },
+    control::client,
     diagnose::{attribution, listeners, ports},
     host::{cgroup, mounts, netns, ports::PortSettings, sockdiag},
     kernel::{
-        features::{Feature, Features},
+        features::{Feature, KernelFeatures},
         object,
     },
-    report::{snapshot::Snapshot, table, top},
+    report::{table, top},
 };
 
 fn main() -> ExitCode {
@@ -206,7 +210,7 @@ fn enter_netns(args: &NetnsArgs) -> anyhow::Result<String> {
 /// The ports report of the calling thread's namespace (named `name`), with the rates and
 /// attribution of the daemon on `socket` when one answers; and why a daemon's answer
 /// was left out, when one answered with something else (another version, an error).
-fn ports_report(name: &str, socket: &Path) -> anyhow::Result<(ports::PortsReport, Option<String>)> {
+fn ports_report(name: &str, socket: &Path) -> anyhow::Result<(PortsReport, Option<String>)> {
     let settings = PortSettings::read()?;
     let mut r = ports::report(
         name,
@@ -236,7 +240,7 @@ fn ports_report(name: &str, socket: &Path) -> anyhow::Result<(ports::PortsReport
 
 /// The listeners report of the calling thread's namespace, with each listener's scope
 /// and the RSTs its guard sent, when a daemon answers on `socket`.
-fn listeners_report(name: &str, socket: &Path) -> anyhow::Result<listeners::ListenersReport> {
+fn listeners_report(name: &str, socket: &Path) -> anyhow::Result<ListenersReport> {
     let mut report = listeners::report(
         name,
         &sockdiag::listeners_and_syn_recv()?,

@@ -5,7 +5,6 @@
 //! Everything here needs root and cgroup v2; a missing prerequisite panics with the
 //! reason (a test never skips silently).
 use std::{
-    collections::BTreeMap,
     io::{BufRead, BufReader, Read},
     net::{SocketAddr, TcpListener},
     os::unix::process::CommandExt,
@@ -19,26 +18,17 @@ use std::{
     time::{Duration, Instant},
 };
 
-use serde::{Deserialize, Serialize};
-use serde_json::Value;
+use connguard_api::{
+    events::EventRecord,
+    listeners::ListenersReport,
+    policy::{Limited, Listener, Mode, Policy, Rule, Scope},
+    stats::{DestStats, ScopeStats, Snapshot},
+};
+use serde::de::DeserializeOwned;
 
-/// What guard-probe prints: attempts, successes, failures by errno name.
-#[derive(Debug, Default, Clone, Serialize, Deserialize)]
-pub struct Outcome {
-    pub attempts: u64,
-    pub ok: u64,
-    pub errors: BTreeMap<String, u64>,
-    /// Longest time a failed connect() took, in µs.
-    pub max_error_us: u64,
-    /// Attempts per kind of scenario (mixed mode).
-    pub categories: BTreeMap<String, u64>,
-}
+pub mod probe;
 
-impl Outcome {
-    pub fn errors(&self, name: &str) -> u64 {
-        self.errors.get(name).copied().unwrap_or(0)
-    }
-}
+pub use probe::{Outcome, Probe, ServePort};
 
 /// CLOCK_MONOTONIC in ms: one clock for a test and the probes it starts.
 pub fn monotonic_ms() -> u64 {
@@ -157,32 +147,23 @@ impl Cgroup {
         cmd
     }
 
-    /// guard-probe with `args`, inside this cgroup; its outcome.
-    pub fn probe(&self, args: &[&str]) -> Outcome {
+    /// guard-probe running `probe` inside this cgroup, to its end; its outcome.
+    pub fn probe(&self, probe: Probe) -> Outcome {
         let out = self
             .command(probe_bin())
-            .args(args)
+            .args(probe.args())
             .output()
             .expect("run guard-probe");
-        parse_probe(&out, args)
+        parse_probe(&out, &probe)
     }
 
-    /// `guard-probe hold ADDR COUNT CONCURRENCY` inside this cgroup: connections stay
-    /// open until the returned Holder is dropped (which SIGKILLs the probe).
-    pub fn hold(&self, addr: &SocketAddr, count: u64, concurrency: u64) -> Holder {
-        self.hold_args(&[
-            "hold",
-            &addr.to_string(),
-            &count.to_string(),
-            &concurrency.to_string(),
-        ])
-    }
-
-    /// A guard-probe mode that prints its outcome, then holds its sockets until killed.
-    pub fn hold_args(&self, args: &[&str]) -> Holder {
+    /// guard-probe running a mode that prints its outcome, then holds its sockets
+    /// (`Probe::Hold`, `Listen`, `Serve`, ...), inside this cgroup: they stay open until
+    /// the returned Holder is dropped (which SIGKILLs the probe).
+    pub fn hold(&self, probe: Probe) -> Holder {
         let mut child = self
             .command(probe_bin())
-            .args(args)
+            .args(probe.args())
             .stdout(Stdio::piped())
             .spawn()
             .expect("run guard-probe");
@@ -227,10 +208,10 @@ pub fn probe_bin() -> PathBuf {
     bin
 }
 
-fn parse_probe(out: &Output, args: &[&str]) -> Outcome {
+fn parse_probe(out: &Output, probe: &Probe) -> Outcome {
     assert!(
         out.status.success(),
-        "guard-probe {args:?} failed: {}\n{}",
+        "guard-probe {probe:?} failed: {}\n{}",
         out.status,
         String::from_utf8_lossy(&out.stderr)
     );
@@ -264,7 +245,7 @@ impl Drop for Holder {
 /// A running `connguard run` with its own policy file and control socket; stopped with
 /// SIGTERM on drop, and the state it pinned removed (`connguard stop`), unless it was
 /// stopped with `exit_keeping_state`. Each daemon starts from no pinned state but one
-/// started with `start_adopting`.
+/// started `adopting`. Started by `Daemon::builder(policy)...start()`.
 pub struct Daemon {
     keep_state: bool,
     /// Audit corrections the test makes happen; any other is a failure, checked on drop
@@ -275,161 +256,126 @@ pub struct Daemon {
     pub socket: PathBuf,
     dir: PathBuf,
     pub log: Arc<std::sync::Mutex<String>>,
-    /// Where Prometheus metrics are served, when started with_metrics.
+    /// Where Prometheus metrics are served, when started with `metrics`.
     metrics: Option<SocketAddr>,
 }
 
-impl Daemon {
-    /// A daemon that also serves Prometheus metrics on a free loopback port.
-    pub fn with_metrics(policy: &str) -> Daemon {
-        Self::with_metrics_and(policy, &[])
+/// How a `Daemon` is started: `Daemon::builder(policy)`, its options, then `start`.
+pub struct DaemonBuilder<'a> {
+    policy: String,
+    metrics: bool,
+    args: Vec<String>,
+    env: Vec<(String, std::ffi::OsString)>,
+    without: Vec<String>,
+    socket: Option<PathBuf>,
+    adopt: bool,
+    cgroup_namespace: Option<&'a Cgroup>,
+}
+
+impl<'a> DaemonBuilder<'a> {
+    /// Serves Prometheus metrics on a free loopback port (`Daemon::metrics`).
+    pub fn metrics(mut self) -> Self {
+        self.metrics = true;
+        self
     }
 
-    /// `with_metrics`, with more arguments for `connguard run`.
-    pub fn with_metrics_and(policy: &str, extra: &[&str]) -> Daemon {
-        let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
-        let metrics = addr.to_string();
-        let mut d = Self::start_with(policy, &[&["--metrics", &metrics][..], extra].concat());
-        d.metrics = Some(addr);
-        d
+    /// More arguments for `connguard run`.
+    pub fn args(mut self, args: &[&str]) -> Self {
+        self.args.extend(args.iter().map(|a| a.to_string()));
+        self
     }
 
-    /// The body of GET /metrics.
-    pub fn metrics(&self) -> String {
-        use std::io::Write;
-        let mut conn =
-            std::net::TcpStream::connect(self.metrics.expect("started with_metrics")).unwrap();
-        conn.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
-        let mut text = String::new();
-        conn.read_to_string(&mut text).unwrap();
-        assert!(
-            text.starts_with("HTTP/1.1 200") || text.starts_with("HTTP/1.0 200"),
-            "{text}"
-        );
-        text
+    /// `name=value` in the daemon's environment.
+    pub fn env(mut self, name: &str, value: impl AsRef<std::ffi::OsStr>) -> Self {
+        self.env
+            .push((name.to_string(), value.as_ref().to_os_string()));
+        self
     }
 
-    pub fn start(policy: &str) -> Daemon {
-        Self::start_with(policy, &[])
+    /// The kernel feature `feature` (a name of `connguard kernel`) treated as absent, as
+    /// on a kernel without it (CONNGUARD_WITHOUT).
+    pub fn without(mut self, feature: &str) -> Self {
+        self.without.push(feature.to_string());
+        self
     }
 
-    pub fn start_with(policy: &str, extra: &[&str]) -> Daemon {
-        Self::start_at(policy, None, extra)
+    /// The control socket at `path` (default: in a directory of the daemon's own).
+    pub fn socket(mut self, path: PathBuf) -> Self {
+        self.socket = Some(path);
+        self
     }
 
-    /// A daemon whose control socket is `socket` (default: in a directory of its own).
-    pub fn start_at(policy: &str, socket: Option<PathBuf>, extra: &[&str]) -> Daemon {
-        Self::spawn(policy, socket, extra, "", Command::new(connguard_bin()))
+    /// Adopts the state pinned by a daemon before it (`exit_keeping_state`), where
+    /// others start from none.
+    pub fn adopting(mut self) -> Self {
+        self.adopt = true;
+        self
     }
 
-    /// A daemon that adopts the state pinned by one before it (`exit_keeping_state`).
-    pub fn start_adopting(policy: &str, extra: &[&str]) -> Daemon {
-        Self::spawn_as(policy, None, extra, "", Command::new(connguard_bin()), true)
+    /// In a cgroup namespace rooted at `cgroup`, as in a container: in a mount namespace
+    /// of its own, cgroup2 is mounted again (the namespace's view, rooted at `cgroup`)
+    /// at the host's cgroup2 mount point, on a tmpfs that hides the host's (the same
+    /// file system twice on one mount point is refused); its policy's paths are below
+    /// `cgroup`.
+    pub fn in_cgroup_namespace(mut self, cgroup: &'a Cgroup) -> Self {
+        self.cgroup_namespace = Some(cgroup);
+        self
     }
 
-    /// Sends `signal` and waits for the daemon to exit, leaving its pinned state for
-    /// the next daemon (`start_adopting`).
-    pub fn exit_keeping_state(mut self, signal: i32) {
-        if let Some(e) = self.audit_error() {
-            panic!("{e}");
-        }
-        self.keep_state = true;
-        unsafe { libc::kill(self.pid(), signal) };
-        let until = Instant::now() + Duration::from_secs(10);
-        while !matches!(self.child.try_wait(), Ok(Some(_))) {
-            assert!(
-                Instant::now() < until,
-                "connguard did not exit on signal {signal}:\n{}",
-                self.log.lock().unwrap()
-            );
-            thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    /// A daemon told to treat `features` (comma-separated names of `connguard kernel`)
-    /// as absent from the kernel, as on a kernel without them.
-    /// A daemon with `env` set in its environment.
-    pub fn start_with_env(policy: &str, env: &[(&str, &std::ffi::OsStr)]) -> Daemon {
-        let mut command = Command::new(connguard_bin());
-        command.envs(env.iter().copied());
-        Self::spawn(policy, None, &[], "", command)
-    }
-
-    pub fn start_without(policy: &str, features: &str) -> Daemon {
-        Self::spawn(policy, None, &[], features, Command::new(connguard_bin()))
-    }
-
-    /// A daemon in a cgroup namespace rooted at `cgroup`, as in a container: in a mount
-    /// namespace of its own, cgroup2 is mounted again (the namespace's view, rooted at
-    /// `cgroup`) at the host's cgroup2 mount point, on a tmpfs that hides the host's
-    /// (the same file system twice on one mount point is refused); its policy's paths
-    /// are below `cgroup`.
-    pub fn start_in_cgroup_namespace(policy: &str, cgroup: &Cgroup) -> Daemon {
-        let mut unshare = cgroup.command("unshare");
-        unshare.args([
-            "--cgroup",
-            "--mount",
-            "--propagation",
-            "private",
-            "sh",
-            "-c",
-        ]);
-        unshare.arg(format!(
-            "mount -t tmpfs none {at} && mount -t cgroup2 none {at} && exec \"$0\" \"$@\"",
-            at = cgroup2_mount().display()
-        ));
-        unshare.arg(connguard_bin());
-        Self::spawn(policy, None, &[], "", unshare)
-    }
-
-    /// Runs `connguard run` with `command`: connguard itself, or a command that ends by
-    /// executing the arguments that follow it.
-    fn spawn(
-        policy: &str,
-        socket: Option<PathBuf>,
-        extra: &[&str],
-        without: &str,
-        command: Command,
-    ) -> Daemon {
-        Self::spawn_as(policy, socket, extra, without, command, false)
-    }
-
-    /// `spawn`, adopting the pinned state there is when `adopt`, else removing it first.
-    fn spawn_as(
-        policy: &str,
-        socket: Option<PathBuf>,
-        extra: &[&str],
-        without: &str,
-        mut command: Command,
-        adopt: bool,
-    ) -> Daemon {
+    /// Starts the daemon and waits until it says it is ready.
+    pub fn start(self) -> Daemon {
         require_prerequisites();
-        if !adopt {
+        if !self.adopt {
             remove_pinned_state();
         }
+        let mut command = match self.cgroup_namespace {
+            None => Command::new(connguard_bin()),
+            Some(cgroup) => {
+                let mut unshare = cgroup.command("unshare");
+                unshare.args([
+                    "--cgroup",
+                    "--mount",
+                    "--propagation",
+                    "private",
+                    "sh",
+                    "-c",
+                ]);
+                unshare.arg(format!(
+                    "mount -t tmpfs none {at} && mount -t cgroup2 none {at} && exec \"$0\" \"$@\"",
+                    at = cgroup2_mount().display()
+                ));
+                unshare.arg(connguard_bin());
+                unshare
+            }
+        };
         let dir = std::env::temp_dir().join(unique("connguard-test"));
         std::fs::create_dir_all(&dir).unwrap();
         let policy_path = dir.join("policy.toml");
-        std::fs::write(&policy_path, policy).unwrap();
-        let socket = socket.unwrap_or_else(|| dir.join("connguard.sock"));
+        std::fs::write(&policy_path, &self.policy).unwrap();
+        let socket = self.socket.unwrap_or_else(|| dir.join("connguard.sock"));
+        let metrics = self
+            .metrics
+            .then(|| SocketAddr::from(([127, 0, 0, 1], free_port())));
+        let given = |flag: &str| self.args.iter().any(|a| a == flag);
+        let mut defaults = Vec::new();
+        match metrics {
+            Some(addr) => defaults.extend(["--metrics".to_string(), addr.to_string()]),
+            None if !given("--metrics") => defaults.extend(["--metrics".into(), "off".into()]),
+            None => {}
+        }
+        if !given("--audit") {
+            defaults.extend(["--audit".into(), "1".into()]);
+        }
         let mut child = command
             .arg("run")
             .arg("--policy")
             .arg(&policy_path)
             .arg("--socket")
             .arg(&socket)
-            .args(if extra.contains(&"--metrics") {
-                &[][..]
-            } else {
-                &["--metrics", "off"][..]
-            })
-            .args(if extra.contains(&"--audit") {
-                &[][..]
-            } else {
-                &["--audit", "1"][..]
-            })
-            .args(extra)
-            .env("CONNGUARD_WITHOUT", without)
+            .args(defaults)
+            .args(&self.args)
+            .envs(self.env)
+            .env("CONNGUARD_WITHOUT", self.without.join(","))
             .stderr(Stdio::piped())
             .stdout(Stdio::null())
             .spawn()
@@ -455,7 +401,7 @@ impl Daemon {
             socket,
             dir,
             log,
-            metrics: None,
+            metrics,
         };
         // Generous: a policy on `/` with 50,000 cgroups walks them for 25 s in a TCG guest.
         if rx.recv_timeout(Duration::from_secs(60)).is_err() {
@@ -467,32 +413,102 @@ impl Daemon {
         }
         d
     }
+}
+
+impl Daemon {
+    /// A daemon on `policy` (a `connguard_api::policy::Policy`, or policy text), to be
+    /// configured, then started.
+    pub fn builder<'a>(policy: impl ToString) -> DaemonBuilder<'a> {
+        DaemonBuilder {
+            policy: policy.to_string(),
+            metrics: false,
+            args: Vec::new(),
+            env: Vec::new(),
+            without: Vec::new(),
+            socket: None,
+            adopt: false,
+            cgroup_namespace: None,
+        }
+    }
+
+    /// The body of GET /metrics.
+    pub fn metrics(&self) -> String {
+        use std::io::Write;
+        let mut conn =
+            std::net::TcpStream::connect(self.metrics.expect("started with metrics")).unwrap();
+        conn.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+        let mut text = String::new();
+        conn.read_to_string(&mut text).unwrap();
+        assert!(
+            text.starts_with("HTTP/1.1 200") || text.starts_with("HTTP/1.0 200"),
+            "{text}"
+        );
+        text
+    }
+
+    /// Sends `signal` and waits for the daemon to exit, leaving its pinned state for
+    /// the next daemon (`adopting`).
+    pub fn exit_keeping_state(mut self, signal: i32) {
+        if let Some(e) = self.audit_error() {
+            panic!("{e}");
+        }
+        self.keep_state = true;
+        unsafe { libc::kill(self.pid(), signal) };
+        let until = Instant::now() + Duration::from_secs(10);
+        while !matches!(self.child.try_wait(), Ok(Some(_))) {
+            assert!(
+                Instant::now() < until,
+                "connguard did not exit on signal {signal}:\n{}",
+                self.log.lock().unwrap()
+            );
+            thread::sleep(Duration::from_millis(20));
+        }
+    }
 
     pub fn pid(&self) -> i32 {
         self.child.id() as i32
     }
 
     /// `connguard stats --json`.
-    pub fn stats(&self) -> Value {
-        let out = self.cli(&["stats", "--json"]);
-        assert!(
-            out.status.success(),
-            "connguard stats: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        serde_json::from_slice(&out.stdout).expect("stats JSON")
+    pub fn stats(&self) -> Snapshot {
+        json_of("connguard stats --json", &self.cli(&["stats", "--json"]))
     }
 
     /// The scope named `name` from `stats --json`.
-    pub fn scope(&self, name: &str) -> Value {
+    pub fn scope(&self, name: &str) -> ScopeStats {
         let stats = self.stats();
-        stats["scopes"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|s| s["name"] == name)
+        stats
+            .scope(name)
             .cloned()
-            .unwrap_or_else(|| panic!("no scope {name} in {stats}"))
+            .unwrap_or_else(|| panic!("no scope {name} in {stats:#?}"))
+    }
+
+    /// `connguard events --json --once`: the events the daemon keeps.
+    pub fn events(&self) -> Vec<EventRecord> {
+        let out = self.cli(&["events", "--json", "--once"]);
+        assert!(
+            out.status.success(),
+            "connguard events: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("event {l:?}: {e}")))
+            .collect()
+    }
+
+    /// `connguard listeners --json` for the network namespace of the file `netns`, with
+    /// what this daemon adds (scopes, RSTs).
+    pub fn listeners(&self, netns: &str) -> ListenersReport {
+        json_of(
+            "connguard listeners --json",
+            &self.cli(&["listeners", "--json", "--netns", netns]),
+        )
+    }
+
+    /// `connguard reload`.
+    pub fn reload(&self) -> Output {
+        self.cli(&["reload"])
     }
 
     /// Runs a connguard subcommand against this daemon's socket.
@@ -510,8 +526,8 @@ impl Daemon {
         &self,
         name: &str,
         timeout: Duration,
-        pred: impl Fn(&Value) -> bool,
-    ) -> Value {
+        pred: impl Fn(&ScopeStats) -> bool,
+    ) -> ScopeStats {
         let until = Instant::now() + timeout;
         loop {
             let s = self.scope(name);
@@ -536,8 +552,9 @@ impl Daemon {
             return None;
         }
         let out = self.cli(&["stats", "--json"]);
-        let stats = serde_json::from_slice::<Value>(&out.stdout).ok()?;
-        let corrections = stats["audit_corrections"].as_u64().unwrap_or(0);
+        let corrections = serde_json::from_slice::<Snapshot>(&out.stdout)
+            .ok()?
+            .audit_corrections;
         (corrections != self.expected_corrections).then(|| {
             format!(
                 "the audit made {corrections} correction(s), {} expected: a count drifted\n{}",
@@ -768,51 +785,66 @@ pub fn run(cmd: &str, args: &[&str]) {
     );
 }
 
-/// Numeric field of a JSON object.
+/// The JSON a successful connguard command printed, as `T`; `what` names the command
+/// in a failure.
+pub fn json_of<T: DeserializeOwned>(what: &str, out: &Output) -> T {
+    assert!(
+        out.status.success(),
+        "{what}: {}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "{what} printed {:?}: {e}",
+            String::from_utf8_lossy(&out.stdout)
+        )
+    })
+}
+
 /// The destinations of a scope (from `stats --json`) with connections still active.
-pub fn active_destinations(scope: &Value) -> Vec<&Value> {
-    scope["destinations"]
-        .as_array()
-        .unwrap()
+pub fn active_destinations(scope: &ScopeStats) -> Vec<&DestStats> {
+    scope
+        .destinations
         .iter()
-        .filter(|d| n(d, "active") != 0)
+        .filter(|d| d.counts.active != 0)
         .collect()
 }
 
-pub fn n(v: &Value, field: &str) -> u64 {
-    v[field]
-        .as_u64()
-        .unwrap_or_else(|| panic!("no number {field} in {v}"))
+/// The row of `dst` in the `destinations` of a scope from `stats --json`.
+pub fn destination<'a>(scope: &'a ScopeStats, dst: &str) -> &'a DestStats {
+    scope
+        .destination(dst)
+        .unwrap_or_else(|| panic!("no destination {dst} in {scope:#?}"))
 }
 
-/// The entry for `dst` in the `destinations` of a scope from `stats --json`, or of a
-/// `connguard ports --json` report.
-pub fn destination<'a>(scope: &'a Value, dst: &str) -> &'a Value {
-    scope["destinations"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|d| d["dst"] == dst)
-        .unwrap_or_else(|| panic!("no destination {dst} in {scope}"))
-}
-
-/// A policy with one enforcing scope on `cgroup` and one rule toward `dst` with an
-/// endpoint budget.
-pub fn budget_policy(scope: &str, cgroup: &str, mode: &str, dst: &SocketAddr, max: u64) -> String {
-    format!(
-        "[[scope]]\nname = \"{scope}\"\ncgroup = \"{cgroup}\"\nmode = \"{mode}\"\n\n\
-         [[scope.rule]]\nname = \"server\"\ndst = [\"{}\"]\nports = [\"{}\"]\nmax_connections = {max}\n",
-        dst.ip(),
-        dst.port()
+/// A scope named `scope` on `cgroup` in `mode`, with one rule `server` toward `dst` with
+/// an endpoint budget of `max`.
+pub fn budget_scope(scope: &str, cgroup: &str, mode: Mode, dst: &SocketAddr, max: u64) -> Scope {
+    Scope::new(scope, cgroup).mode(mode).rule(
+        Rule::new("server")
+            .dst([dst.ip().to_string()])
+            .ports([dst.port()])
+            .max_connections(max),
     )
 }
 
-/// A listener guard on port 8080 in `ns`, shedding past 80 % of the accept queue.
-pub fn listener_policy(ns: &Netns, mode: &str) -> String {
-    format!(
-        "[[listener]]\nname = \"api\"\nports = [\"8080\"]\nnetns = \"{}\"\naccept_queue_watermark = 0.8\nmode = \"{mode}\"\n",
-        ns.path()
-    )
+/// A policy of `budget_scope` alone.
+pub fn budget_policy(scope: &str, cgroup: &str, mode: Mode, dst: &SocketAddr, max: u64) -> Policy {
+    Policy::new().scope(budget_scope(scope, cgroup, mode, dst, max))
+}
+
+/// A listener guard `api` on port 8080 in `ns`, shedding past 80 % of the accept queue.
+pub fn listener_guard(ns: &Netns, mode: Mode) -> Listener {
+    Listener::new("api", [8080])
+        .netns(&ns.path())
+        .accept_queue_watermark(0.8)
+        .mode(mode)
+}
+
+/// A policy of `listener_guard` alone.
+pub fn listener_policy(ns: &Netns, mode: Mode) -> Policy {
+    Policy::new().listener(listener_guard(ns, mode))
 }
 
 /// The variable that sets the restart churn test's length in seconds (default 300), which

@@ -1,18 +1,21 @@
 //! Where connguard's programs run: attached to the top-most selected cgroups only, so
 //! traffic of no scope runs none of the connection programs, and a selected cgroup
 //! created again (a service restart) is attached on its creation event.
-use connguard_tests::{
-    BPF_CGROUP_INET4_CONNECT, Cgroup, Daemon, Server, attached_programs, budget_policy, n,
+use connguard_api::{
+    policy::{Mode, Policy},
+    stats::Snapshot,
 };
-use serde_json::Value;
+use connguard_tests::{
+    BPF_CGROUP_INET4_CONNECT, Cgroup, Daemon, Probe, Server, attached_programs, budget_policy,
+    budget_scope,
+};
 
 /// run_count per program from `stats --json` (bpf_stats on).
-fn run_counts(stats: &Value) -> Vec<(String, u64)> {
-    stats["programs"]
-        .as_array()
-        .expect("stats has programs")
+fn run_counts(stats: &Snapshot) -> Vec<(String, u64)> {
+    stats
+        .programs
         .iter()
-        .map(|p| (p["name"].as_str().unwrap().to_string(), n(p, "run_count")))
+        .map(|p| (p.name.clone(), p.run_count))
         .collect()
 }
 
@@ -24,25 +27,24 @@ fn ungoverned_connections_run_no_connection_program() {
     let server = Server::start("127.0.0.1:0");
     let governed = Cgroup::new("u-governed");
     let other = Cgroup::new("u-other");
-    let d = Daemon::start_with(
-        &budget_policy("u", &governed.rel, "enforce", &server.addr, 5),
-        &["--bpf-stats"],
-    );
+    let d = Daemon::builder(budget_policy(
+        "u",
+        &governed.rel,
+        Mode::Enforce,
+        &server.addr,
+        5,
+    ))
+    .args(&["--bpf-stats"])
+    .start();
     // A governed connection first: the counts can move.
-    let out = governed.probe(&["connect", &server.addr.to_string(), "1", "1"]);
+    let out = governed.probe(Probe::connect(server.addr, 1, 1));
     assert_eq!(out.ok, 1, "{out:?}");
     let before = run_counts(&d.stats());
     assert!(
         before.iter().any(|(p, c)| p == "connect4" && *c == 1),
         "one governed connect ran connect4 once: {before:?}"
     );
-    let out = other.probe(&[
-        "churn",
-        "/proc/self/ns/net",
-        &server.addr.to_string(),
-        "1000",
-        "0",
-    ]);
+    let out = other.probe(Probe::churn("/proc/self/ns/net".into(), server.addr, 1000));
     assert_eq!(out.ok, 1000, "{out:?}");
     let after = run_counts(&d.stats());
     for ((name, b), (_, a)) in before.iter().zip(&after) {
@@ -68,12 +70,22 @@ fn programs_are_attached_to_the_top_most_selected_cgroups_only() {
     let parent = Cgroup::new("t-parent");
     let child = parent.child("child");
     let other = Cgroup::new("t-other");
-    let both = format!(
-        "{}\n{}",
-        budget_policy("outer", &parent.rel, "enforce", &server.addr, 5),
-        budget_policy("inner", &child.rel, "enforce", &server.addr, 5)
-    );
-    let d = Daemon::start(&both);
+    let both = Policy::new()
+        .scope(budget_scope(
+            "outer",
+            &parent.rel,
+            Mode::Enforce,
+            &server.addr,
+            5,
+        ))
+        .scope(budget_scope(
+            "inner",
+            &child.rel,
+            Mode::Enforce,
+            &server.addr,
+            5,
+        ));
+    let d = Daemon::builder(both).start();
     let attached = |cg: &Cgroup| attached_programs(&cg.path, BPF_CGROUP_INET4_CONNECT);
     assert_eq!(
         (attached(&parent), attached(&child), attached(&other)),
@@ -82,16 +94,16 @@ fn programs_are_attached_to_the_top_most_selected_cgroups_only() {
     // The inner scope alone: the programs move down to the child.
     std::fs::write(
         &d.policy,
-        budget_policy("inner", &child.rel, "enforce", &server.addr, 5),
+        budget_policy("inner", &child.rel, Mode::Enforce, &server.addr, 5).to_toml(),
     )
     .unwrap();
-    let r = d.cli(&["reload"]);
+    let r = d.reload();
     assert!(r.status.success(), "{r:?}");
     assert_eq!(
         (attached(&parent), attached(&child), attached(&other)),
         (Some(0), Some(1), Some(0))
     );
-    let out = child.probe(&["connect", &server.addr.to_string(), "1", "1"]);
+    let out = child.probe(Probe::connect(server.addr, 1, 1));
     assert_eq!(out.ok, 1, "{out:?}");
-    assert_eq!(n(&d.scope("inner"), "admitted"), 1);
+    assert_eq!(d.scope("inner").counts.admitted, 1);
 }

@@ -8,51 +8,38 @@ use std::{
     time::{Duration, Instant},
 };
 
-use connguard_tests::{Cgroup, Daemon, Holder, Netns, Outcome, destination, n};
-use serde_json::Value;
+use connguard_api::{
+    events::EventRecord,
+    policy::{Breaker, Limited, Mode, Policy, Rule, Scope},
+    stats::BreakerStats,
+};
+use connguard_tests::{Cgroup, Daemon, Holder, Netns, Outcome, Probe, ServePort, destination};
 
-/// A scope over `cg` whose rule for `dst` carries `[scope.rule.breaker]` with `breaker`
-/// (TOML lines).
-fn policy(cg: &Cgroup, mode: &str, dst: &str, port: u16, breaker: &str) -> String {
-    format!(
-        "[[scope]]\nname = \"s\"\ncgroup = \"{}\"\nmode = \"{mode}\"\n\n\
-         [[scope.rule]]\nname = \"r\"\ndst = [\"{dst}\"]\nports = [\"{port}\"]\n\
-         [scope.rule.breaker]\n{breaker}\n",
-        cg.rel
+/// A scope `s` over `cg` whose rule `r` for `dst` and `port` carries `breaker`.
+fn policy(cg: &Cgroup, mode: Mode, dst: &str, port: u16, breaker: Breaker) -> Policy {
+    Policy::new().scope(
+        Scope::new("s", &cg.rel)
+            .mode(mode)
+            .rule(Rule::new("r").dst([dst]).ports([port]).breaker(breaker)),
     )
 }
 
-/// `connguard events --json --once`: the kinds of the daemon's events, in order, with
-/// each event.
-fn events(d: &Daemon) -> Vec<Value> {
-    let out = d.cli(&["events", "--json", "--once"]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
-}
-
 /// The daemon's first breaker_opened event.
-fn first_opened(d: &Daemon) -> Value {
-    events(d)
+fn first_opened(d: &Daemon) -> EventRecord {
+    d.events()
         .into_iter()
-        .find(|e| e["kind"] == "breaker_opened")
+        .find(|e| e.kind == "breaker_opened")
         .expect("a breaker_opened event")
 }
 
-/// The kinds of the breaker events, with the step of half-open ones.
-fn transitions(events: &[Value]) -> Vec<String> {
+/// The kinds of the breaker events, with the step and percent of half-open ones.
+fn transitions(events: &[EventRecord]) -> Vec<String> {
     events
         .iter()
-        .filter(|e| e["kind"].as_str().unwrap().starts_with("breaker"))
-        .map(|e| match e["step"].as_u64() {
-            Some(step) => format!("{}({step},{})", e["kind"].as_str().unwrap(), e["percent"]),
-            None => e["kind"].as_str().unwrap().to_string(),
+        .filter(|e| e.kind.starts_with("breaker"))
+        .map(|e| match (e.step, e.percent) {
+            (Some(step), Some(percent)) => format!("{}({step},{percent})", e.kind),
+            _ => e.kind.clone(),
         })
         .collect()
 }
@@ -60,24 +47,30 @@ fn transitions(events: &[Value]) -> Vec<String> {
 /// `guard-probe shedlat` in `cg`, inside `ns`: `count` connects one at a time, each
 /// given up after `timeout_ms` if set.
 fn connects(cg: &Cgroup, ns: &Netns, addr: &str, count: u64, timeout_ms: Option<u64>) -> Outcome {
-    let (path, count) = (ns.path(), count.to_string());
-    let timeout = timeout_ms.map(|t| t.to_string());
-    let mut args = vec!["shedlat", path.as_str(), addr, count.as_str()];
-    args.extend(timeout.as_deref());
-    cg.probe(&args)
+    cg.probe(Probe::Shedlat {
+        netns: ns.path(),
+        addr: addr.parse().unwrap(),
+        count,
+        timeout_ms,
+    })
 }
 
-/// Writes `text` as the daemon's policy and reloads it; the reload must succeed.
-fn reload(d: &Daemon, text: &str) {
-    std::fs::write(&d.policy, text).unwrap();
-    let r = d.cli(&["reload"]);
+/// Writes `policy` as the daemon's policy and reloads it; the reload must succeed.
+fn reload(d: &Daemon, policy: &Policy) {
+    std::fs::write(&d.policy, policy.to_toml()).unwrap();
+    let r = d.reload();
     assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
 }
 
-/// The destination's breaker in the daemon's stats.
-fn breaker(d: &Daemon, dst: &str) -> Value {
+/// The destination's breaker in the daemon's stats, if one governs it.
+fn breaker(d: &Daemon, dst: &str) -> Option<BreakerStats> {
     let s = d.scope("s");
-    destination(&s, dst)["breaker"].clone()
+    destination(&s, dst).breaker.as_deref().cloned()
+}
+
+/// The state of the destination's breaker.
+fn state(d: &Daemon, dst: &str) -> Option<String> {
+    breaker(d, dst).map(|b| b.state)
 }
 
 /// A server inside `ns` on 127.0.0.1:`port` (guard-probe serve) in a cgroup of its
@@ -85,7 +78,10 @@ fn breaker(d: &Daemon, dst: &str) -> Value {
 fn serve(ns: &Netns, port: u16) -> (Holder, Cgroup) {
     let outside = Cgroup::new("brksrv");
     (
-        outside.hold_args(&["serve", &ns.path(), &port.to_string()]),
+        outside.hold(Probe::Serve {
+            netns: ns.path(),
+            ports: vec![ServePort::plain(port)],
+        }),
         outside,
     )
 }
@@ -102,14 +98,20 @@ fn a_breaker_opens_on_refusals_sheds_without_a_syn_and_recovers_through_its_ramp
     let cg = Cgroup::new("brk");
     let port = 9301;
     let addr = format!("127.0.0.1:{port}");
-    let text = policy(
+    let tripping = Breaker::new()
+        .min_samples(20)
+        .failure_ratio(0.5)
+        .open_for("1s")
+        .ramp([10, 50, 100])
+        .step_successes(3);
+    let d = Daemon::builder(policy(
         &cg,
-        "enforce",
+        Mode::Enforce,
         "127.0.0.1",
         port,
-        "min_samples = 20\nfailure_ratio = 0.5\nopen_for = \"1s\"\nramp = [10, 50, 100]\nstep_successes = 3",
-    );
-    let d = Daemon::start(&text);
+        tripping.clone(),
+    ))
+    .start();
 
     // 20 refused by the kernel (a RST each), then 10 shed: no SYN for those.
     let before = ns.active_opens();
@@ -118,30 +120,39 @@ fn a_breaker_opens_on_refusals_sheds_without_a_syn_and_recovers_through_its_ramp
     assert_eq!(ns.active_opens() - before, 20, "SYNs sent");
     let b = breaker(&d, &addr);
     assert_eq!(
-        (b["state"].as_str(), b["percent"].as_u64()),
-        (Some("open"), Some(0)),
-        "{b}"
+        b.as_ref().map(|b| (b.state.as_str(), b.percent)),
+        Some(("open", 0)),
+        "{b:?}"
     );
     let s = d.scope("s");
     let dst = destination(&s, &addr);
     assert_eq!(
         (
-            n(dst, "admitted"),
-            n(dst, "shed"),
-            n(dst, "breaker_limited"),
-            n(dst, "breaker_opened")
+            dst.counts.admitted,
+            dst.counts.shed,
+            dst.counts.breaker_limited,
+            dst.counts.breaker_opened
         ),
         (20, 10, 10, 1),
-        "{dst}"
+        "{dst:?}"
     );
     // Shed in microseconds on the host: the connect hook's answer (the bound leaves
     // room for a TCG guest, far from a SYN's 1 s retransmit).
     let shed = connects(&cg, &ns, &addr, 20, None);
-    assert!(shed.categories["p99_ns"] < 100_000_000, "{shed:?}");
+    assert!(shed.category("p99_ns") < 100_000_000, "{shed:?}");
 
     // A reload that keeps the names keeps the breaker open.
-    reload(&d, &format!("{text}errno = \"ECONNREFUSED\"\n"));
-    assert_eq!(breaker(&d, &addr)["state"], "open");
+    reload(
+        &d,
+        &policy(
+            &cg,
+            Mode::Enforce,
+            "127.0.0.1",
+            port,
+            tripping.errno("ECONNREFUSED"),
+        ),
+    );
+    assert_eq!(state(&d, &addr).as_deref(), Some("open"));
 
     // Half-open at 10 %: of 10 attempts the 10th goes, is refused, and opens it again.
     thread::sleep(Duration::from_millis(1100));
@@ -151,10 +162,10 @@ fn a_breaker_opens_on_refusals_sheds_without_a_syn_and_recovers_through_its_ramp
     assert_eq!(ns.active_opens() - before, 1, "one SYN at 10 %");
     let out = connects(&cg, &ns, &addr, 1, None);
     assert_eq!(out.errors("ECONNREFUSED"), 1, "{out:?}");
-    let b = breaker(&d, &addr);
-    assert_eq!(b["state"], "open", "{b}");
+    let b = breaker(&d, &addr).expect("a breaker");
+    assert_eq!(b.state, "open", "{b:?}");
     // Open for 2 s this time.
-    assert!(b["open_remaining_ms"].as_u64().unwrap() > 1000, "{b}");
+    assert!(b.open_remaining_ms.is_some_and(|ms| ms > 1000), "{b:?}");
 
     // With a server there, the ramp climbs: 3 successes at 10 % (30 attempts), 3 at
     // 50 % (6), then closed.
@@ -163,10 +174,10 @@ fn a_breaker_opens_on_refusals_sheds_without_a_syn_and_recovers_through_its_ramp
     // A deadline for a TCG guest, where an attempt and a stats call take 0.4 s.
     let until = Instant::now() + Duration::from_secs(60);
     let mut attempts = 0;
-    while breaker(&d, &addr)["state"] != "closed" {
+    while state(&d, &addr).as_deref() != Some("closed") {
         assert!(
             Instant::now() < until,
-            "not closed after {attempts} attempts: {}",
+            "not closed after {attempts} attempts: {:?}",
             breaker(&d, &addr)
         );
         connects(&cg, &ns, &addr, 1, None);
@@ -176,7 +187,7 @@ fn a_breaker_opens_on_refusals_sheds_without_a_syn_and_recovers_through_its_ramp
     let out = connects(&cg, &ns, &addr, 5, None);
     assert_eq!(out.ok, 5, "closed: {out:?}");
     assert_eq!(
-        transitions(&events(&d)),
+        transitions(&d.events()),
         [
             "breaker_opened",
             "breaker_half_open(0,10)",
@@ -189,18 +200,13 @@ fn a_breaker_opens_on_refusals_sheds_without_a_syn_and_recovers_through_its_ramp
     let opened = first_opened(&d);
     assert_eq!(
         (
-            &opened["ended"],
-            &opened["failures"],
-            &opened["open_ms"],
-            &opened["dst"]
+            opened.ended,
+            opened.failures,
+            opened.open_ms,
+            opened.dst.as_deref()
         ),
-        (
-            &Value::from(20),
-            &Value::from(20),
-            &Value::from(1000),
-            &Value::from(addr.clone())
-        ),
-        "{opened}"
+        (Some(20), Some(20), Some(1000), Some(addr.as_str())),
+        "{opened:?}"
     );
 }
 
@@ -216,15 +222,24 @@ fn a_breaker_skipped_while_clear_is_looked_at_again_after_a_failure_or_a_reload(
     ns.exec("ip", &["link", "set", "lo", "up"]);
     let cg = Cgroup::new("brkr");
     let (a, b) = ("127.0.0.1:9311", "127.0.0.1:9312");
-    let text = |ratio: &str| {
-        format!(
-            "[[scope]]\nname = \"s\"\ncgroup = \"{}\"\n\n[[scope.rule]]\nname = \"r\"\n\
-             dst = [\"127.0.0.1\"]\nports = [\"9311-9312\"]\n[scope.rule.breaker]\n\
-             min_samples = 5\nfailure_ratio = {ratio}\nwindow = \"60s\"\nopen_for = \"60s\"\n",
-            cg.rel
+    let breaker_at = |ratio: f64| {
+        Breaker::new()
+            .min_samples(5)
+            .failure_ratio(ratio)
+            .window("60s")
+            .open_for("60s")
+    };
+    let text = |breaker: Breaker| {
+        Policy::new().scope(
+            Scope::new("s", &cg.rel).rule(
+                Rule::new("r")
+                    .dst(["127.0.0.1"])
+                    .ports([9311..=9312])
+                    .breaker(breaker),
+            ),
         )
     };
-    let d = Daemon::start(&text("0.8"));
+    let d = Daemon::builder(text(breaker_at(0.8))).start();
     // Refusals first: the successes after them leave the breaker clear, and skipped.
     let out = connects(&cg, &ns, a, 3, None);
     assert_eq!(out.errors("ECONNREFUSED"), 3, "{out:?}");
@@ -232,16 +247,26 @@ fn a_breaker_skipped_while_clear_is_looked_at_again_after_a_failure_or_a_reload(
         let _server = serve(&ns, 9311);
         assert_eq!(connects(&cg, &ns, a, 3, None).ok, 3);
     }
-    assert_eq!(breaker(&d, a)["state"], "closed", "{}", breaker(&d, a));
+    assert_eq!(
+        state(&d, a).as_deref(),
+        Some("closed"),
+        "{:?}",
+        breaker(&d, a)
+    );
 
-    reload(&d, &(text("0.8") + "errno = \"ECONNREFUSED\"\n"));
+    reload(&d, &text(breaker_at(0.8).errno("ECONNREFUSED")));
     let before = ns.active_opens();
     let out = connects(&cg, &ns, b, 8, None);
     assert_eq!(out.errors("ECONNREFUSED"), 8, "{out:?}");
     assert_eq!(ns.active_opens() - before, 5, "SYNs to a new destination");
-    assert_eq!(breaker(&d, b)["state"], "open", "{}", breaker(&d, b));
+    assert_eq!(
+        state(&d, b).as_deref(),
+        Some("open"),
+        "{:?}",
+        breaker(&d, b)
+    );
 
-    reload(&d, &text("0.5"));
+    reload(&d, &text(breaker_at(0.5)));
     let before = ns.active_opens();
     let out = connects(&cg, &ns, a, 1, None);
     assert_eq!(out.errors("ECONNREFUSED"), 1, "{out:?}");
@@ -250,7 +275,12 @@ fn a_breaker_skipped_while_clear_is_looked_at_again_after_a_failure_or_a_reload(
         0,
         "a SYN past a breaker due to open"
     );
-    assert_eq!(breaker(&d, a)["state"], "open", "{}", breaker(&d, a));
+    assert_eq!(
+        state(&d, a).as_deref(),
+        Some("open"),
+        "{:?}",
+        breaker(&d, a)
+    );
 }
 
 /// A reload that takes a rule's breaker away forgets the breaker: an open one is neither
@@ -265,18 +295,21 @@ fn a_reload_that_drops_a_breaker_forgets_it() {
     let addr = format!("127.0.0.1:{port}");
     let with = policy(
         &cg,
-        "enforce",
+        Mode::Enforce,
         "127.0.0.1",
         port,
-        "min_samples = 5\nfailure_ratio = 0.5\nopen_for = \"60s\"",
+        Breaker::new()
+            .min_samples(5)
+            .failure_ratio(0.5)
+            .open_for("60s"),
     );
-    let without = format!(
-        "[[scope]]\nname = \"s\"\ncgroup = \"{}\"\nmode = \"enforce\"\n\n\
-         [[scope.rule]]\nname = \"r\"\ndst = [\"127.0.0.1\"]\nports = [\"{port}\"]\n",
-        cg.rel
+    let without = Policy::new().scope(
+        Scope::new("s", &cg.rel)
+            .mode(Mode::Enforce)
+            .rule(Rule::new("r").dst(["127.0.0.1"]).ports([port])),
     );
-    let d = Daemon::start(&with);
-    let open_breakers = || d.scope("s")["open_breakers"].as_array().map_or(0, Vec::len);
+    let d = Daemon::builder(&with).start();
+    let open_breakers = || d.scope("s").open_breakers.len();
 
     // 5 refused by the kernel, then the breaker opens and sheds the 6th.
     let before = ns.active_opens();
@@ -284,15 +317,15 @@ fn a_reload_that_drops_a_breaker_forgets_it() {
     assert_eq!(out.errors("ECONNREFUSED"), 6, "{out:?}");
     assert_eq!(ns.active_opens() - before, 5, "SYNs sent");
     assert_eq!(
-        breaker(&d, &addr)["state"],
-        "open",
-        "{}",
+        state(&d, &addr).as_deref(),
+        Some("open"),
+        "{:?}",
         breaker(&d, &addr)
     );
     assert_eq!(open_breakers(), 1);
 
     reload(&d, &without);
-    assert_eq!(breaker(&d, &addr), Value::Null, "no breaker governs it");
+    assert_eq!(breaker(&d, &addr), None, "no breaker governs it");
     assert_eq!(open_breakers(), 0);
     let before = ns.active_opens();
     let out = connects(&cg, &ns, &addr, 3, None);
@@ -307,13 +340,10 @@ fn a_reload_that_drops_a_breaker_forgets_it() {
     assert_eq!(ns.active_opens() - before, 1, "a SYN past a fresh breaker");
     let b = breaker(&d, &addr);
     assert_eq!(
-        (
-            b["state"].as_str(),
-            b["window_ended"].as_u64(),
-            b["window_failures"].as_u64()
-        ),
-        (Some("closed"), Some(1), Some(1)),
-        "{b}"
+        b.as_ref()
+            .map(|b| (b.state.as_str(), b.window_ended, b.window_failures)),
+        Some(("closed", 1, 1)),
+        "{b:?}"
     );
 }
 
@@ -325,13 +355,14 @@ fn observe_mode_counts_what_the_breaker_would_shed() {
     ns.exec("ip", &["link", "set", "lo", "up"]);
     let cg = Cgroup::new("brko");
     let addr = "127.0.0.1:9302";
-    let d = Daemon::start(&policy(
+    let d = Daemon::builder(policy(
         &cg,
-        "observe",
+        Mode::Observe,
         "127.0.0.1",
         9302,
-        "min_samples = 20",
-    ));
+        Breaker::new().min_samples(20),
+    ))
+    .start();
     let before = ns.active_opens();
     let out = connects(&cg, &ns, addr, 30, None);
     assert_eq!(out.errors("ECONNREFUSED"), 30, "{out:?}");
@@ -340,15 +371,15 @@ fn observe_mode_counts_what_the_breaker_would_shed() {
     let dst = destination(&s, addr);
     assert_eq!(
         (
-            n(dst, "shed"),
-            n(dst, "would_shed"),
-            n(dst, "breaker_limited"),
-            n(dst, "breaker_opened")
+            dst.counts.shed,
+            dst.counts.would_shed,
+            dst.counts.breaker_limited,
+            dst.counts.breaker_opened
         ),
         (0, 10, 10, 1),
-        "{dst}"
+        "{dst:?}"
     );
-    assert_eq!(transitions(&events(&d)), ["breaker_opened"]);
+    assert_eq!(transitions(&d.events()), ["breaker_opened"]);
 }
 
 /// A black hole: connects abandoned at their own 200 ms timeout are failures; after 5
@@ -357,7 +388,14 @@ fn observe_mode_counts_what_the_breaker_would_shed() {
 fn a_breaker_opens_on_timeouts() {
     let ns = Netns::with_blackhole("cgbrkt");
     let cg = Cgroup::new("brkt");
-    let d = Daemon::start(&policy(&cg, "enforce", "192.0.2.2", 80, "min_samples = 5"));
+    let d = Daemon::builder(policy(
+        &cg,
+        Mode::Enforce,
+        "192.0.2.2",
+        80,
+        Breaker::new().min_samples(5),
+    ))
+    .start();
     let out = connects(&cg, &ns, "192.0.2.2:80", 25, Some(200));
     assert_eq!(
         (out.errors("TIMEOUT"), out.errors("ECONNREFUSED")),
@@ -365,7 +403,7 @@ fn a_breaker_opens_on_timeouts() {
         "{out:?}"
     );
     let b = breaker(&d, "192.0.2.2:80");
-    assert_eq!(b["state"], "open", "{b}");
+    assert_eq!(b.as_ref().map(|b| b.state.as_str()), Some("open"), "{b:?}");
 }
 
 /// Handshakes slower than `slow_connect_ms`: nftables in the namespace drops every
@@ -416,24 +454,32 @@ fn a_breaker_opens_on_slow_handshakes() {
         ],
     );
     let outside = Cgroup::new("brksl");
-    let _listener = outside.hold_args(&["listen", &ns.path(), "127.0.0.1:9303", "1024"]);
+    let _listener = outside.hold(Probe::listen(
+        ns.path(),
+        "127.0.0.1:9303".parse().unwrap(),
+        1024,
+    ));
     let cg = Cgroup::new("brks");
-    let d = Daemon::start(&policy(
+    let d = Daemon::builder(policy(
         &cg,
-        "enforce",
+        Mode::Enforce,
         "127.0.0.1",
         9303,
-        "min_samples = 5\nslow_connect_ms = 500\nslow_ratio = 0.5",
-    ));
+        Breaker::new()
+            .min_samples(5)
+            .slow_connect_ms(500)
+            .slow_ratio(0.5),
+    ))
+    .start();
     let out = connects(&cg, &ns, "127.0.0.1:9303", 10, None);
     assert_eq!((out.ok, out.errors("ECONNREFUSED")), (5, 5), "{out:?}");
     let b = breaker(&d, "127.0.0.1:9303");
-    assert_eq!(b["state"], "open", "{b}");
+    assert_eq!(b.as_ref().map(|b| b.state.as_str()), Some("open"), "{b:?}");
     let opened = first_opened(&d);
     assert_eq!(
-        (&opened["ended"], &opened["slow"], &opened["failures"]),
-        (&Value::from(5), &Value::from(5), &Value::from(0)),
-        "{opened}"
+        (opened.ended, opened.slow, opened.failures),
+        (Some(5), Some(5), Some(0)),
+        "{opened:?}"
     );
 }
 
@@ -447,13 +493,14 @@ fn a_curl_retry_storm_stays_under_the_breaker() {
     let ns = Netns::new("cgbrkc");
     ns.exec("ip", &["link", "set", "lo", "up"]);
     let cg = Cgroup::new("brkc");
-    let d = Daemon::start(&policy(
+    let d = Daemon::builder(policy(
         &cg,
-        "enforce",
+        Mode::Enforce,
         "127.0.0.1",
         9304,
-        "min_samples = 10\nopen_for = \"60s\"",
-    ));
+        Breaker::new().min_samples(10).open_for("60s"),
+    ))
+    .start();
     let before = ns.active_opens();
     let curls: Vec<_> = (0..20)
         .map(|_| {
@@ -479,8 +526,8 @@ fn a_curl_retry_storm_stays_under_the_breaker() {
     let s = d.scope("s");
     let dst = destination(&s, "127.0.0.1:9304");
     assert_eq!(
-        (n(dst, "admitted"), n(dst, "shed")),
+        (dst.counts.admitted, dst.counts.shed),
         (syns, 120 - syns),
-        "{dst}"
+        "{dst:?}"
     );
 }

@@ -9,15 +9,15 @@ use std::{
     time::{Duration, Instant},
 };
 
-use connguard_tests::{Cgroup, Daemon, Netns, connguard_bin, n, run, unique};
-use serde_json::Value;
+use connguard_api::{
+    policy::{Listener, Mode, Policy, Scope},
+    stats::Snapshot,
+};
+use connguard_tests::{Cgroup, Daemon, Netns, Probe, connguard_bin, json_of, run, unique};
 
 /// A policy that observes one test cgroup.
-fn observe(cg: &Cgroup) -> String {
-    format!(
-        "[[scope]]\nname = \"ctl\"\ncgroup = \"{}\"\nmode = \"observe\"\n",
-        cg.rel
-    )
+fn observe(cg: &Cgroup) -> Policy {
+    Policy::new().scope(Scope::new("ctl", &cg.rel).mode(Mode::Observe))
 }
 
 /// A daemon observing a test cgroup that has made `destinations` tracked destinations
@@ -26,8 +26,12 @@ fn daemon_with_destinations(prefix: &str, destinations: u64) -> (Cgroup, Netns, 
     let cg = Cgroup::new(prefix);
     let ns = Netns::new("cgctl");
     ns.exec("ip", &["link", "set", "lo", "up"]);
-    let d = Daemon::start(&observe(&cg));
-    let spray = cg.probe(&["spray", &ns.path(), &destinations.to_string(), "9"]);
+    let d = Daemon::builder(observe(&cg)).start();
+    let spray = cg.probe(Probe::Spray {
+        netns: ns.path(),
+        count: destinations,
+        port: 9,
+    });
     assert_eq!(spray.errors("ECONNREFUSED"), destinations, "{spray:?}");
     (cg, ns, d)
 }
@@ -104,18 +108,12 @@ fn concurrent_stats_clients_each_get_a_whole_document() {
                 s.spawn(|| {
                     (0..5)
                         .map(|_| {
-                            let out = d.cli(&["stats", "--json"]);
-                            assert!(
-                                out.status.success(),
-                                "{}",
-                                String::from_utf8_lossy(&out.stderr)
-                            );
-                            let v: Value = serde_json::from_slice(&out.stdout)
-                                .expect("a complete JSON document");
-                            let scope = &v["scopes"][0];
+                            let v: Snapshot =
+                                json_of("connguard stats --json", &d.cli(&["stats", "--json"]));
+                            let scope = &v.scopes[0];
                             (
-                                n(scope, "would_shed") + n(scope, "admitted"),
-                                scope["destinations"].as_array().unwrap().len(),
+                                scope.counts.would_shed + scope.counts.admitted,
+                                scope.destinations.len(),
                             )
                         })
                         .collect()
@@ -139,7 +137,7 @@ fn control_socket_is_private_and_never_replaces_a_file() {
     let file = dir.join("not-a-socket");
     std::fs::write(&file, "keep me").unwrap();
     let policy = dir.join("policy.toml");
-    std::fs::write(&policy, observe(&cg)).unwrap();
+    std::fs::write(&policy, observe(&cg).to_toml()).unwrap();
     let mut child = Command::new(connguard_bin())
         .args(["run", "--metrics", "off", "--policy"])
         .arg(&policy)
@@ -171,7 +169,7 @@ fn control_socket_is_private_and_never_replaces_a_file() {
     assert_eq!(std::fs::read_to_string(&file).unwrap(), "keep me");
 
     let socket = dir.join("private/connguard.sock");
-    let d = Daemon::start_at(&observe(&cg), Some(socket.clone()), &[]);
+    let d = Daemon::builder(observe(&cg)).socket(socket.clone()).start();
     let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
     assert_eq!((mode(&dir.join("private")), mode(&socket)), (0o700, 0o600));
     drop(d);
@@ -189,12 +187,16 @@ fn a_guard_whose_namespace_is_deleted_leaves_the_others_working() {
         ns.exec("ip", &["link", "set", "lo", "up"]);
     }
     let guard = |name: &str, port: u16, ns: &Netns| {
-        format!(
-            "[[listener]]\nname = \"{name}\"\nports = [\"{port}\"]\nnetns = \"{}\"\naccept_queue_watermark = 0.8\n",
-            ns.path()
-        )
+        Listener::new(name, [port])
+            .netns(&ns.path())
+            .accept_queue_watermark(0.8)
     };
-    let d = Daemon::start(&(guard("gone", 8080, &gone) + &guard("kept", 8081, &kept)));
+    let d = Daemon::builder(
+        Policy::new()
+            .listener(guard("gone", 8080, &gone))
+            .listener(guard("kept", 8081, &kept)),
+    )
+    .start();
     run("ip", &["netns", "delete", &gone.name]);
     let warning = format!("cannot read the socket table of netns {}", gone.path());
     let until = Instant::now() + Duration::from_secs(5);
@@ -208,25 +210,22 @@ fn a_guard_whose_namespace_is_deleted_leaves_the_others_working() {
     }
 
     let cg = Cgroup::new("ctl-kept");
-    let _listener = cg.hold_args(&["listen", &kept.path(), "127.0.0.1:8081", "8"]);
-    let burst = cg.hold_args(&["open", &kept.path(), "127.0.0.1:8081", "20", "200", "3000"]);
+    let addr = "127.0.0.1:8081".parse().unwrap();
+    let _listener = cg.hold(Probe::listen(kept.path(), addr, 8));
+    let burst = cg.hold(Probe::Open {
+        netns: kept.path(),
+        addr,
+        count: 20,
+        interval_ms: 200,
+        timeout_ms: 3000,
+    });
     let o = &burst.outcome;
     assert_eq!((o.ok, o.errors("ECONNREFUSED")), (7, 13), "{o:?}");
     let stats = d.stats();
-    let kept_stats = stats["listeners"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|l| l["name"] == "kept")
-        .unwrap();
-    assert_eq!(kept_stats["rst_shed"], 13, "{stats}");
+    let kept_stats = stats.listener("kept").unwrap();
+    assert_eq!(kept_stats.rst_shed, 13, "{stats:?}");
     let log = d.log.lock().unwrap().clone();
     assert_eq!(log.matches(&warning).count(), 1, "logged once:\n{log}");
-    let watcher = stats["jobs"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|j| j["name"] == "listener_watch")
-        .unwrap();
-    assert!(n(watcher, "runs") > 50, "{watcher}");
+    let watcher = stats.job("listener_watch").unwrap();
+    assert!(watcher.runs > 50, "{watcher:?}");
 }

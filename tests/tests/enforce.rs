@@ -3,15 +3,18 @@
 //! problems fail open.
 use std::{net::SocketAddr, time::Duration};
 
-use connguard_tests::{Cgroup, Daemon, Server, budget_policy, destination, n};
+use connguard_api::policy::{Limited, Mode, Per, Policy, Rule, Scope};
+use connguard_tests::{Cgroup, Daemon, Probe, Server, budget_policy, destination};
 
 /// (a) Budget 5, 20 concurrent clients: exactly 5 connect, 15 get ECONNREFUSED at once.
 #[test]
 fn budget_of_five_sheds_fifteen_of_twenty_at_once() {
     let server = Server::start("127.0.0.1:0");
     let cg = Cgroup::new("a");
-    let d = Daemon::with_metrics(&budget_policy("a", &cg.rel, "enforce", &server.addr, 5));
-    let mut held = cg.hold(&server.addr, 20, 20);
+    let d = Daemon::builder(budget_policy("a", &cg.rel, Mode::Enforce, &server.addr, 5))
+        .metrics()
+        .start();
+    let mut held = cg.hold(Probe::hold(server.addr, 20, 20));
     let out = &held.outcome;
     assert_eq!(
         (out.attempts, out.ok, out.errors("ECONNREFUSED")),
@@ -28,15 +31,15 @@ fn budget_of_five_sheds_fifteen_of_twenty_at_once() {
     let dst = destination(&s, &server.addr.to_string());
     assert_eq!(
         (
-            n(dst, "active"),
-            n(dst, "shed"),
-            n(dst, "admitted"),
-            n(dst, "peak")
+            dst.counts.active,
+            dst.counts.shed,
+            dst.counts.admitted,
+            dst.counts.peak
         ),
         (5, 15, 5, 5),
-        "{s}"
+        "{s:?}"
     );
-    assert_eq!((n(&s, "active"), n(&s, "shed")), (5, 15));
+    assert_eq!((s.counts.active, s.counts.shed), (5, 15));
     assert_eq!(server.peak(), 5);
     // The same counts in Prometheus text.
     let metrics = d.metrics();
@@ -54,8 +57,8 @@ fn budget_of_five_sheds_fifteen_of_twenty_at_once() {
     }
     // Ending the client returns every count to 0.
     held.kill();
-    let s = d.wait_scope("a", Duration::from_secs(5), |s| n(s, "active") == 0);
-    assert_eq!(n(&s, "active"), 0, "{s}");
+    let s = d.wait_scope("a", Duration::from_secs(5), |s| s.counts.active == 0);
+    assert_eq!(s.counts.active, 0, "{s:?}");
 }
 
 /// (c) 64 threads storm a budget of 10: the server never sees more than 10 at once.
@@ -63,8 +66,12 @@ fn budget_of_five_sheds_fifteen_of_twenty_at_once() {
 fn storm_of_64_threads_never_exceeds_budget_of_10() {
     let server = Server::start("127.0.0.1:0");
     let cg = Cgroup::new("c");
-    let d = Daemon::start(&budget_policy("c", &cg.rel, "enforce", &server.addr, 10));
-    let out = cg.probe(&["storm", &server.addr.to_string(), "64", "4"]);
+    let d = Daemon::builder(budget_policy("c", &cg.rel, Mode::Enforce, &server.addr, 10)).start();
+    let out = cg.probe(Probe::Storm {
+        addr: server.addr,
+        threads: 64,
+        seconds: 4,
+    });
     assert!(
         out.ok > 100,
         "too few connections to mean anything: {out:?}"
@@ -79,17 +86,16 @@ fn storm_of_64_threads_never_exceeds_budget_of_10() {
         "server saw {} concurrent connections",
         server.peak()
     );
-    let s = d.wait_scope("c", Duration::from_secs(5), |s| n(s, "active") == 0);
+    let s = d.wait_scope("c", Duration::from_secs(5), |s| s.counts.active == 0);
     let dst = destination(&s, &server.addr.to_string());
     assert_eq!(
-        n(dst, "peak"),
-        10,
-        "the storm should reach the budget, never pass it: {s}"
+        dst.counts.peak, 10,
+        "the storm should reach the budget, never pass it: {s:?}"
     );
     assert_eq!(
-        (n(dst, "admitted"), n(dst, "shed"), n(&s, "active")),
+        (dst.counts.admitted, dst.counts.shed, s.counts.active),
         (out.ok, out.errors("ECONNREFUSED"), 0),
-        "{s}"
+        "{s:?}"
     );
 }
 
@@ -98,18 +104,18 @@ fn storm_of_64_threads_never_exceeds_budget_of_10() {
 fn observe_mode_counts_would_shed_equal_to_enforce_shed() {
     let server = Server::start("127.0.0.1:0");
     let mut seen = Vec::new();
-    for mode in ["enforce", "observe"] {
+    for (mode, name) in [(Mode::Enforce, "enforce"), (Mode::Observe, "observe")] {
         let cg = Cgroup::new("d");
-        let d = Daemon::start(&budget_policy("d", &cg.rel, mode, &server.addr, 5));
-        let held = cg.hold(&server.addr, 20, 20);
+        let d = Daemon::builder(budget_policy("d", &cg.rel, mode, &server.addr, 5)).start();
+        let held = cg.hold(Probe::hold(server.addr, 20, 20));
         let s = d.scope("d");
         seen.push((
-            mode,
+            name,
             held.outcome.ok,
-            n(&s, "active"),
-            n(&s, "shed"),
-            n(&s, "would_shed"),
-            n(&s, "admitted"),
+            s.counts.active,
+            s.counts.shed,
+            s.counts.would_shed,
+            s.counts.admitted,
         ));
     }
     assert_eq!(
@@ -124,16 +130,19 @@ fn udp_is_untouched_and_uncounted() {
     let udp = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
     let addr = udp.local_addr().unwrap();
     let cg = Cgroup::new("e");
-    let d = Daemon::start(&budget_policy("e", &cg.rel, "enforce", &addr, 1));
-    let out = cg.probe(&["udp", &addr.to_string(), "10000"]);
+    let d = Daemon::builder(budget_policy("e", &cg.rel, Mode::Enforce, &addr, 1)).start();
+    let out = cg.probe(Probe::Udp {
+        addr,
+        cycles: 10000,
+    });
     assert_eq!((out.attempts, out.ok), (10000, 10000), "{out:?}");
     let s = d.scope("e");
     assert_eq!(
-        (n(&s, "admitted"), n(&s, "shed"), n(&s, "active")),
+        (s.counts.admitted, s.counts.shed, s.counts.active),
         (0, 0, 0),
-        "{s}"
+        "{s:?}"
     );
-    assert_eq!(s["destinations"].as_array().unwrap().len(), 0, "{s}");
+    assert_eq!(s.destinations.len(), 0, "{s:?}");
 }
 
 /// (f) IPv6 destinations have their own keys, written [addr]:port.
@@ -141,8 +150,8 @@ fn udp_is_untouched_and_uncounted() {
 fn ipv6_destination_budget() {
     let server = Server::start("[::1]:0");
     let cg = Cgroup::new("f6");
-    let d = Daemon::start(&budget_policy("f6", &cg.rel, "enforce", &server.addr, 3));
-    let held = cg.hold(&server.addr, 5, 1);
+    let d = Daemon::builder(budget_policy("f6", &cg.rel, Mode::Enforce, &server.addr, 3)).start();
+    let held = cg.hold(Probe::hold(server.addr, 5, 1));
     assert_eq!(
         (held.outcome.ok, held.outcome.errors("ECONNREFUSED")),
         (3, 2),
@@ -151,7 +160,7 @@ fn ipv6_destination_budget() {
     );
     let s = d.scope("f6");
     let dst = destination(&s, &format!("[::1]:{}", server.addr.port()));
-    assert_eq!((n(dst, "active"), n(dst, "shed")), (3, 2), "{s}");
+    assert_eq!((dst.counts.active, dst.counts.shed), (3, 2), "{s:?}");
 }
 
 /// `::ffff:127.0.0.1` through an AF_INET6 socket shares the IPv4 key.
@@ -159,22 +168,18 @@ fn ipv6_destination_budget() {
 fn ipv4_mapped_ipv6_shares_the_ipv4_budget() {
     let server = Server::start("127.0.0.1:0");
     let cg = Cgroup::new("f4");
-    let d = Daemon::start(&budget_policy("f4", &cg.rel, "enforce", &server.addr, 3));
-    let v4 = cg.hold(&server.addr, 3, 1);
+    let d = Daemon::builder(budget_policy("f4", &cg.rel, Mode::Enforce, &server.addr, 3)).start();
+    let v4 = cg.hold(Probe::hold(server.addr, 3, 1));
     assert_eq!(v4.outcome.ok, 3, "{:?}", v4.outcome);
     let mapped: SocketAddr = format!("[::ffff:127.0.0.1]:{}", server.addr.port())
         .parse()
         .unwrap();
-    let out = cg.probe(&["connect", &mapped.to_string(), "3", "1"]);
+    let out = cg.probe(Probe::connect(mapped, 3, 1));
     assert_eq!((out.ok, out.errors("ECONNREFUSED")), (0, 3), "{out:?}");
     let s = d.scope("f4");
-    assert_eq!(
-        s["destinations"].as_array().unwrap().len(),
-        1,
-        "one key for both families: {s}"
-    );
+    assert_eq!(s.destinations.len(), 1, "one key for both families: {s:?}");
     let dst = destination(&s, &server.addr.to_string());
-    assert_eq!((n(dst, "active"), n(dst, "shed")), (3, 3), "{s}");
+    assert_eq!((dst.counts.active, dst.counts.shed), (3, 3), "{s:?}");
 }
 
 /// (g) A process in a cgroup outside every scope is unaffected and uncounted.
@@ -183,19 +188,20 @@ fn cgroup_outside_every_scope_is_unaffected() {
     let server = Server::start("127.0.0.1:0");
     let guarded = Cgroup::new("g-guarded");
     let outside = Cgroup::new("g-outside");
-    let d = Daemon::start(&budget_policy(
+    let d = Daemon::builder(budget_policy(
         "g",
         &guarded.rel,
-        "enforce",
+        Mode::Enforce,
         &server.addr,
         1,
-    ));
-    let out = outside.probe(&["connect", &server.addr.to_string(), "20", "20"]);
+    ))
+    .start();
+    let out = outside.probe(Probe::connect(server.addr, 20, 20));
     assert_eq!((out.ok, out.attempts), (20, 20), "{out:?}");
     let s = d.scope("g");
-    assert_eq!((n(&s, "admitted"), n(&s, "shed")), (0, 0), "{s}");
+    assert_eq!((s.counts.admitted, s.counts.shed), (0, 0), "{s:?}");
     // Control: the same connects from the guarded cgroup are shed past 1.
-    let inside = guarded.probe(&["connect", &server.addr.to_string(), "20", "20"]);
+    let inside = guarded.probe(Probe::connect(server.addr, 20, 20));
     assert_eq!(
         (inside.ok, inside.errors("ECONNREFUSED")),
         (1, 19),
@@ -212,16 +218,16 @@ fn cgroup_created_after_start_is_governed_from_its_first_connect() {
     let policy = budget_policy(
         "j",
         &format!("connguard-test/{tag}-*"),
-        "enforce",
+        Mode::Enforce,
         &server.addr,
         1,
     );
-    let d = Daemon::start(&policy);
+    let d = Daemon::builder(policy).start();
     let cg = Cgroup::new(&tag);
-    let out = cg.probe(&["connect", &server.addr.to_string(), "3", "1"]);
+    let out = cg.probe(Probe::connect(server.addr, 3, 1));
     // Sequential connects, each closed only at the end: 1 admitted, 2 shed.
     assert_eq!((out.ok, out.errors("ECONNREFUSED")), (1, 2), "{out:?}");
-    assert_eq!(n(&d.scope("j"), "shed"), 2);
+    assert_eq!(d.scope("j").counts.shed, 2);
 }
 
 /// A cgroup created under a selected one while the daemon runs is governed from its
@@ -230,21 +236,28 @@ fn cgroup_created_after_start_is_governed_from_its_first_connect() {
 fn a_cgroup_created_under_a_selected_one_is_governed_from_its_first_connect() {
     let server = Server::start("127.0.0.1:0");
     let parent = Cgroup::new("k-parent");
-    let d = Daemon::start(&budget_policy("k", &parent.rel, "enforce", &server.addr, 1));
+    let d = Daemon::builder(budget_policy(
+        "k",
+        &parent.rel,
+        Mode::Enforce,
+        &server.addr,
+        1,
+    ))
+    .start();
     for i in 0..20 {
         let child = parent.child(&format!("new{i}"));
-        let out = child.probe(&["connect", &server.addr.to_string(), "3", "1"]);
+        let out = child.probe(Probe::connect(server.addr, 3, 1));
         assert_eq!(
             (out.ok, out.errors("ECONNREFUSED")),
             (1, 2),
             "child {i}: {out:?}"
         );
         // The connection ends with the probe; the next child starts from a free slot.
-        let s = d.wait_scope("k", Duration::from_secs(5), |s| n(s, "active") == 0);
-        assert_eq!(n(&s, "active"), 0, "{s}");
+        let s = d.wait_scope("k", Duration::from_secs(5), |s| s.counts.active == 0);
+        assert_eq!(s.counts.active, 0, "{s:?}");
     }
     let s = d.scope("k");
-    assert_eq!((n(&s, "admitted"), n(&s, "shed")), (20, 40), "{s}");
+    assert_eq!((s.counts.admitted, s.counts.shed), (20, 40), "{s:?}");
 }
 
 /// A daemon in a cgroup namespace (as in a container): its cgroup2 root is a cgroup
@@ -255,11 +268,10 @@ fn a_daemon_in_a_cgroup_namespace_governs_below_its_root() {
     let server = Server::start("127.0.0.1:0");
     let root = Cgroup::new("cgns");
     let app = root.child("app");
-    let d = Daemon::start_in_cgroup_namespace(
-        &budget_policy("app", "app", "enforce", &server.addr, 1),
-        &root,
-    );
-    let out = app.probe(&["connect", &server.addr.to_string(), "3", "1"]);
+    let d = Daemon::builder(budget_policy("app", "app", Mode::Enforce, &server.addr, 1))
+        .in_cgroup_namespace(&root)
+        .start();
+    let out = app.probe(Probe::connect(server.addr, 3, 1));
     assert_eq!(
         (out.ok, out.errors("ECONNREFUSED")),
         (1, 2),
@@ -267,7 +279,7 @@ fn a_daemon_in_a_cgroup_namespace_governs_below_its_root() {
         d.log.lock().unwrap(),
     );
     let s = d.scope("app");
-    assert_eq!((n(&s, "admitted"), n(&s, "shed")), (1, 2), "{s}");
+    assert_eq!((s.counts.admitted, s.counts.shed), (1, 2), "{s:?}");
     drop(d);
     drop(app);
 }
@@ -279,17 +291,18 @@ fn nested_scopes_the_nearest_selected_cgroup_wins() {
     let server = Server::start("127.0.0.1:0");
     let a = Cgroup::new("nest-a");
     let b = a.child("b");
-    let d = Daemon::start(&format!(
-        "[[scope]]\nname = \"a\"\ncgroup = \"{}\"\nmode = \"observe\"\n\n\
-         [[scope]]\nname = \"b\"\ncgroup = \"{}\"\nmax_connections = 1\n",
-        a.rel, b.rel
-    ));
+    let d = Daemon::builder(
+        Policy::new()
+            .scope(Scope::new("a", &a.rel).mode(Mode::Observe))
+            .scope(Scope::new("b", &b.rel).max_connections(1)),
+    )
+    .start();
     let grandchild = b.child("late");
-    let out = grandchild.probe(&["connect", &server.addr.to_string(), "3", "1"]);
+    let out = grandchild.probe(Probe::connect(server.addr, 3, 1));
     assert_eq!((out.ok, out.errors("ECONNREFUSED")), (1, 2), "{out:?}");
     let (sa, sb) = (d.scope("a"), d.scope("b"));
-    assert_eq!((n(&sb, "admitted"), n(&sb, "shed")), (1, 2), "{sb}");
-    assert_eq!((n(&sa, "admitted"), n(&sa, "shed")), (0, 0), "{sa}");
+    assert_eq!((sb.counts.admitted, sb.counts.shed), (1, 2), "{sb:?}");
+    assert_eq!((sa.counts.admitted, sa.counts.shed), (0, 0), "{sa:?}");
     drop(grandchild);
 }
 
@@ -300,30 +313,29 @@ fn socket_counts_for_the_cgroup_it_was_created_in() {
     let server = Server::start("127.0.0.1:0");
     let guarded = Cgroup::new("s-guarded");
     let outside = Cgroup::new("s-outside");
-    let d = Daemon::start(&budget_policy(
+    let d = Daemon::builder(budget_policy(
         "s",
         &guarded.rel,
-        "enforce",
+        Mode::Enforce,
         &server.addr,
         1,
-    ));
-    let _held = guarded.hold(&server.addr, 1, 1);
+    ))
+    .start();
+    let _held = guarded.hold(Probe::hold(server.addr, 1, 1));
     // Created in the guarded cgroup (budget spent), connecting from outside: shed.
-    let to_outside = guarded.probe(&[
-        "migrate",
-        &server.addr.to_string(),
-        &outside.path.display().to_string(),
-    ]);
+    let to_outside = guarded.probe(Probe::Migrate {
+        addr: server.addr,
+        cgroup_dir: outside.path.display().to_string(),
+    });
     assert_eq!(to_outside.errors("ECONNREFUSED"), 1, "{to_outside:?}");
     // Created outside, connecting from the guarded cgroup: unguarded.
-    let to_guarded = outside.probe(&[
-        "migrate",
-        &server.addr.to_string(),
-        &guarded.path.display().to_string(),
-    ]);
+    let to_guarded = outside.probe(Probe::Migrate {
+        addr: server.addr,
+        cgroup_dir: guarded.path.display().to_string(),
+    });
     assert_eq!(to_guarded.ok, 1, "{to_guarded:?}");
     let s = d.scope("s");
-    assert_eq!((n(&s, "admitted"), n(&s, "shed")), (1, 1), "{s}");
+    assert_eq!((s.counts.admitted, s.counts.shed), (1, 1), "{s:?}");
 }
 
 /// Rule order, a budget shared by a rule (`per = "rule"`), a scope budget, and a
@@ -337,15 +349,30 @@ fn shared_rule_budget_scope_budget_and_errno() {
     );
     let cg = Cgroup::new("rules");
     let (a, b) = (p1.addr.port(), p2.addr.port());
-    let d = Daemon::start(&format!(
-        "[[scope]]\nname = \"r\"\ncgroup = \"{}\"\nerrno = \"ETIMEDOUT\"\nmax_connections = 6\n\
-         [[scope.rule]]\nname = \"pair\"\ndst = [\"127.0.0.1\"]\nports = [\"{a}\", {b}]\nmax_connections = 3\nper = \"rule\"\n\
-         [[scope.rule]]\nname = \"shadowed\"\ndst = [\"127.0.0.0/8\"]\nports = [\"{a}\"]\nmax_connections = 100\n\
-         [[scope.rule]]\nname = \"rest\"\ndst = [\"127.0.0.0/8\"]\n",
-        cg.rel
-    ));
-    let h1 = cg.hold(&p1.addr, 2, 1);
-    let h2 = cg.hold(&p2.addr, 2, 1);
+    let d = Daemon::builder(
+        Policy::new().scope(
+            Scope::new("r", &cg.rel)
+                .errno("ETIMEDOUT")
+                .max_connections(6)
+                .rule(
+                    Rule::new("pair")
+                        .dst(["127.0.0.1"])
+                        .ports([a, b])
+                        .max_connections(3)
+                        .per(Per::Rule),
+                )
+                .rule(
+                    Rule::new("shadowed")
+                        .dst(["127.0.0.0/8"])
+                        .ports([a])
+                        .max_connections(100),
+                )
+                .rule(Rule::new("rest").dst(["127.0.0.0/8"])),
+        ),
+    )
+    .start();
+    let h1 = cg.hold(Probe::hold(p1.addr, 2, 1));
+    let h2 = cg.hold(Probe::hold(p2.addr, 2, 1));
     // The pair shares 3: the 4th connection is shed, with the scope's errno.
     assert_eq!(
         (
@@ -358,7 +385,7 @@ fn shared_rule_budget_scope_budget_and_errno() {
         h2.outcome
     );
     // Another port falls to "rest" (no budget of its own) and meets the scope's 6.
-    let h3 = cg.hold(&p3.addr, 4, 1);
+    let h3 = cg.hold(Probe::hold(p3.addr, 4, 1));
     assert_eq!(
         (h3.outcome.ok, h3.outcome.errors("ETIMEDOUT")),
         (3, 1),
@@ -366,32 +393,27 @@ fn shared_rule_budget_scope_budget_and_errno() {
         h3.outcome
     );
     let s = d.scope("r");
-    let rule = |name: &str| {
-        s["rules"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|r| r["name"] == name)
-            .unwrap()
-            .clone()
-    };
+    let rule = |name: &str| s.rule(name).unwrap().clone();
     assert_eq!(
-        (n(&rule("pair"), "active"), n(&rule("pair"), "shed")),
+        (rule("pair").counts.active, rule("pair").counts.shed),
         (3, 1),
-        "{s}"
+        "{s:?}"
     );
     assert_eq!(
-        n(&rule("shadowed"), "admitted"),
+        rule("shadowed").counts.admitted,
         0,
-        "first matching rule wins: {s}"
+        "first matching rule wins: {s:?}"
     );
     assert_eq!(
-        (n(&rule("rest"), "active"), n(&rule("rest"), "shed")),
+        (rule("rest").counts.active, rule("rest").counts.shed),
         (3, 1),
-        "{s}"
+        "{s:?}"
     );
-    assert_eq!((n(&s, "active"), n(&s, "shed")), (6, 2), "{s}");
-    assert_eq!(destination(&s, &p1.addr.to_string())["rule"], "pair");
+    assert_eq!((s.counts.active, s.counts.shed), (6, 2), "{s:?}");
+    assert_eq!(
+        destination(&s, &p1.addr.to_string()).rule.as_deref(),
+        Some("pair")
+    );
 }
 
 /// MPTCP connections are counted like TCP: the first subflow's connect() runs the
@@ -402,14 +424,24 @@ fn shared_rule_budget_scope_budget_and_errno() {
 fn mptcp_connections_are_counted_like_tcp() {
     let server = Server::start("127.0.0.1:0");
     let cg = Cgroup::new("mptcp");
-    let d = Daemon::start(&budget_policy("mptcp", &cg.rel, "enforce", &server.addr, 2));
-    let out = cg.probe(&["mptcp", &server.addr.to_string(), "3"]);
+    let d = Daemon::builder(budget_policy(
+        "mptcp",
+        &cg.rel,
+        Mode::Enforce,
+        &server.addr,
+        2,
+    ))
+    .start();
+    let out = cg.probe(Probe::Mptcp {
+        addr: server.addr,
+        count: 3,
+    });
     assert_eq!((out.ok, out.errors("ECONNREFUSED")), (2, 1), "{out:?}");
-    let s = d.wait_scope("mptcp", Duration::from_secs(5), |s| n(s, "active") == 0);
+    let s = d.wait_scope("mptcp", Duration::from_secs(5), |s| s.counts.active == 0);
     assert_eq!(
-        (n(&s, "admitted"), n(&s, "shed"), n(&s, "active")),
+        (s.counts.admitted, s.counts.shed, s.counts.active),
         (2, 1, 0),
-        "{s}"
+        "{s:?}"
     );
 }
 
@@ -422,10 +454,13 @@ fn deferred_fast_open_connect_is_released_on_close() {
     ns.exec("sysctl", &["-qw", "net.ipv4.tcp_fastopen=5"]);
     let addr: SocketAddr = "127.0.0.1:9".parse().unwrap();
     let cg = Cgroup::new("tfo");
-    let d = Daemon::start(&budget_policy("tfo", &cg.rel, "enforce", &addr, 1));
+    let d = Daemon::builder(budget_policy("tfo", &cg.rel, Mode::Enforce, &addr, 1)).start();
     // Nothing listens on the port: only a deferred connect() can succeed.
-    let out = cg.probe(&["tfo", &ns.path(), &addr.to_string()]);
+    let out = cg.probe(Probe::Tfo {
+        netns: ns.path(),
+        addr,
+    });
     assert_eq!(out.ok, 1, "{out:?}");
-    let s = d.wait_scope("tfo", Duration::from_secs(2), |s| n(s, "active") == 0);
-    assert_eq!((n(&s, "admitted"), n(&s, "active")), (1, 0), "{s}");
+    let s = d.wait_scope("tfo", Duration::from_secs(2), |s| s.counts.active == 0);
+    assert_eq!((s.counts.admitted, s.counts.active), (1, 0), "{s:?}");
 }

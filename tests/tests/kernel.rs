@@ -3,11 +3,12 @@
 //! CONNGUARD_WITHOUT, so that they run on every kernel), and what a clean stop leaves.
 use std::{collections::BTreeSet, process::Command, time::Duration};
 
+use connguard_api::{kernel::Features, policy::Mode};
 use connguard_tests::{
-    Cgroup, Daemon, Netns, Server, budget_policy, connguard_bin, destination, listener_policy, n,
-    require_prerequisites,
+    Cgroup, Daemon, Netns, Probe, Server, budget_policy, connguard_bin, destination,
+    listener_guard, require_prerequisites,
 };
-use serde_json::Value;
+use serde::{Deserialize, de::DeserializeOwned};
 
 /// Every feature `connguard kernel` probes, by the name it reports.
 const FEATURES: [&str; 12] = [
@@ -42,7 +43,7 @@ fn uname_r() -> String {
 }
 
 /// `connguard kernel --json`, with `without` treated as absent.
-fn kernel_json(without: &str) -> (bool, Value) {
+fn kernel_json(without: &str) -> (bool, Features) {
     let out = Command::new(connguard_bin())
         .args(["kernel", "--json"])
         .env("CONNGUARD_WITHOUT", without)
@@ -53,38 +54,35 @@ fn kernel_json(without: &str) -> (bool, Value) {
     (out.status.success(), v)
 }
 
-fn names(features: &Value) -> BTreeSet<String> {
-    features.as_object().unwrap().keys().cloned().collect()
-}
-
 /// `connguard kernel --json` names every feature with a yes or no, for this kernel's
 /// release; a feature named in CONNGUARD_WITHOUT reads false and the rest stay as probed.
 #[test]
 fn kernel_reports_every_feature_and_honours_without() {
     require_prerequisites();
     let (_, probed) = kernel_json("");
-    assert_eq!(probed["release"], uname_r(), "{probed}");
-    let expected: BTreeSet<String> = FEATURES.iter().map(|f| f.to_string()).collect();
-    assert_eq!(names(&probed["features"]), expected, "{probed}");
+    assert_eq!(probed.release, uname_r(), "{probed:?}");
+    let expected: BTreeSet<&str> = FEATURES.into_iter().collect();
+    let names: BTreeSet<&str> = probed.features.keys().map(String::as_str).collect();
+    assert_eq!(names, expected, "{probed:?}");
     assert_eq!(
-        probed["required"],
-        serde_json::json!([
+        probed.required,
+        [
             "atomic_fetch",
             "cgroup_links",
             "kernel_btf",
             "ring_buffer",
             "ancestor_cgroup_id"
-        ]),
-        "{probed}"
+        ],
+        "{probed:?}"
     );
     let (_, without) = kernel_json("set_retval,tcx");
     for f in FEATURES {
         let want = if f == "set_retval" || f == "tcx" {
-            Value::Bool(false)
+            Some(&false)
         } else {
-            probed["features"][f].clone()
+            probed.features.get(f)
         };
-        assert_eq!(without["features"][f], want, "{f}: {without}");
+        assert_eq!(without.features.get(f), want, "{f}: {without:?}");
     }
     let out = Command::new(connguard_bin())
         .args(["kernel", "--json"])
@@ -100,8 +98,8 @@ fn kernel_reports_every_feature_and_honours_without() {
     );
 }
 
-/// `bpftool -j ARGS`, which must succeed.
-fn bpftool(args: &[&str]) -> Value {
+/// `bpftool -j ARGS`, which must succeed, read as `T`.
+fn bpftool<T: DeserializeOwned>(args: &[&str]) -> T {
     let out = Command::new("bpftool")
         .arg("-j")
         .args(args)
@@ -112,7 +110,22 @@ fn bpftool(args: &[&str]) -> Value {
         "bpftool {args:?}: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    serde_json::from_slice(&out.stdout).unwrap_or(Value::Null)
+    serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("bpftool {args:?} printed no list it names: {e}"))
+}
+
+/// What `bpftool -j prog show` tells of a program.
+#[derive(Deserialize)]
+struct BpfProgram {
+    id: u64,
+    name: Option<String>,
+}
+
+/// What `bpftool -j link show` tells of a link.
+#[derive(Deserialize)]
+struct BpfLink {
+    id: u64,
+    prog_id: Option<u64>,
 }
 
 /// Held by every test here that loads connguard's programs: those that compare the set
@@ -129,22 +142,18 @@ fn loads() -> std::sync::MutexGuard<'static, ()> {
 /// The IDs of the loaded programs named in PROGRAMS (`bpftool prog show name X` fails
 /// when there is none, so all are listed and picked here).
 fn our_programs() -> BTreeSet<u64> {
-    bpftool(&["prog", "show"])
-        .as_array()
-        .expect("bpftool prog show lists programs")
-        .iter()
-        .filter(|p| PROGRAMS.iter().any(|n| p["name"] == *n))
-        .filter_map(|p| p["id"].as_u64())
+    bpftool::<Vec<BpfProgram>>(&["prog", "show"])
+        .into_iter()
+        .filter(|p| PROGRAMS.iter().any(|n| p.name.as_deref() == Some(n)))
+        .map(|p| p.id)
         .collect()
 }
 
 /// (link id, program id) of every BPF link.
 fn links() -> BTreeSet<(u64, u64)> {
-    bpftool(&["link", "show"])
-        .as_array()
-        .expect("bpftool link show lists links")
-        .iter()
-        .filter_map(|l| Some((l["id"].as_u64()?, l["prog_id"].as_u64()?)))
+    bpftool::<Vec<BpfLink>>(&["link", "show"])
+        .into_iter()
+        .filter_map(|l| Some((l.id, l.prog_id?)))
         .collect()
 }
 
@@ -188,11 +197,20 @@ fn clean_stop_leaves_nothing(tcx: bool) {
     let cg = Cgroup::new("stop");
     let (programs_before, links_before, pins_before) = (our_programs(), links(), pins());
     let addr = "127.0.0.1:9".parse().unwrap();
-    let d = Daemon::start_without(
-        &(budget_policy("stop", &cg.rel, "enforce", &addr, 1) + &listener_policy(&ns, "enforce")),
-        if tcx { "" } else { "tcx" },
+    let mut daemon = Daemon::builder(
+        budget_policy("stop", &cg.rel, Mode::Enforce, &addr, 1)
+            .listener(listener_guard(&ns, Mode::Enforce)),
     );
-    assert_eq!(d.stats()["kernel"]["features"]["tcx"], tcx);
+    if !tcx {
+        daemon = daemon.without("tcx");
+    }
+    let d = daemon.start();
+    assert_eq!(
+        d.stats()
+            .kernel
+            .and_then(|k| k.features.get("tcx").copied()),
+        Some(tcx)
+    );
     let ours: BTreeSet<u64> = our_programs()
         .difference(&programs_before)
         .copied()
@@ -254,7 +272,7 @@ fn clean_stop_leaves_nothing(tcx: bool) {
 fn a_clean_stop_leaves_no_program_link_pin_or_filter_behind() {
     require_prerequisites();
     let (_, probed) = kernel_json("");
-    clean_stop_leaves_nothing(probed["features"]["tcx"] == true);
+    clean_stop_leaves_nothing(probed.features.get("tcx") == Some(&true));
 }
 
 /// Without tcx, on any kernel: the clsact path, and its filter removed at stop.
@@ -319,11 +337,18 @@ fn without_optional_features_counts_stay_exact_and_sheds_fail_with_eperm() {
     let _turn = loads();
     let server = Server::start("127.0.0.1:0");
     let cg = Cgroup::new("degraded");
-    let d = Daemon::start_without(
-        &budget_policy("degraded", &cg.rel, "enforce", &server.addr, 3),
-        "set_retval,batch_lookup,so_netns_cookie",
-    );
-    let held = cg.hold(&server.addr, 10, 10);
+    let d = Daemon::builder(budget_policy(
+        "degraded",
+        &cg.rel,
+        Mode::Enforce,
+        &server.addr,
+        3,
+    ))
+    .without("set_retval")
+    .without("batch_lookup")
+    .without("so_netns_cookie")
+    .start();
+    let held = cg.hold(Probe::hold(server.addr, 10, 10));
     let out = &held.outcome;
     assert_eq!(
         (out.attempts, out.ok, out.errors("EPERM")),
@@ -334,21 +359,16 @@ fn without_optional_features_counts_stay_exact_and_sheds_fail_with_eperm() {
     let s = d.scope("degraded");
     let dst = destination(&s, &server.addr.to_string());
     assert_eq!(
-        (n(dst, "active"), n(dst, "shed"), n(dst, "admitted")),
+        (dst.counts.active, dst.counts.shed, dst.counts.admitted),
         (3, 7, 3),
-        "{s}"
+        "{s:?}"
     );
-    let kernel = &stats["kernel"];
-    assert_eq!(kernel["release"], uname_r());
+    let kernel = stats.kernel.as_ref().expect("stats carry the kernel");
+    assert_eq!(kernel.release, uname_r());
     for f in ["set_retval", "batch_lookup", "so_netns_cookie"] {
-        assert_eq!(kernel["features"][f], false, "{f}: {kernel}");
+        assert_eq!(kernel.features.get(f), Some(&false), "{f}: {kernel:?}");
     }
-    let jobs: Vec<&str> = stats["jobs"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|j| j["name"].as_str().unwrap())
-        .collect();
+    let jobs: Vec<&str> = stats.jobs.iter().map(|j| j.name.as_str()).collect();
     assert_eq!(
         jobs,
         [
@@ -361,7 +381,7 @@ fn without_optional_features_counts_stay_exact_and_sheds_fail_with_eperm() {
             "listener_attach",
             "forget_idle"
         ],
-        "{stats}"
+        "{stats:?}"
     );
     let log = d.log.lock().unwrap().clone();
     assert!(
@@ -372,6 +392,6 @@ fn without_optional_features_counts_stay_exact_and_sheds_fail_with_eperm() {
         "{log}"
     );
     drop(held);
-    let s = d.wait_scope("degraded", Duration::from_secs(5), |s| n(s, "active") == 0);
-    assert_eq!(n(&s, "active"), 0, "{s}");
+    let s = d.wait_scope("degraded", Duration::from_secs(5), |s| s.counts.active == 0);
+    assert_eq!(s.counts.active, 0, "{s:?}");
 }

@@ -1,13 +1,15 @@
 //! Listener accept-queue exhaustion: detected, and shed with RSTs by listener guards.
 use std::{
+    net::{IpAddr, Ipv4Addr, SocketAddr},
     process::Command,
     time::{Duration, Instant},
 };
 
-use connguard_tests::{
-    Cgroup, Daemon, Netns, Outcome, connguard_bin, listener_policy, monotonic_ms,
-};
-use serde_json::Value;
+use connguard_api::policy::{Listener, Mode, Policy, Scope};
+use connguard_tests::{Cgroup, Daemon, Netns, Outcome, Probe, listener_policy, monotonic_ms};
+
+/// The listener's address on a `Netns::veth_pair`'s server side.
+const SERVER: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(192, 0, 2, 1)), 8080);
 
 /// `nstat -asz NAME` in the namespace: the counter's absolute value.
 fn nstat(ns: &Netns, name: &str) -> u64 {
@@ -33,13 +35,22 @@ fn full_accept_queue_is_named_with_backlog_process_and_scope() {
     ns.exec("sysctl", &["-qw", "net.core.somaxconn=1"]);
     let server = Cgroup::new("listen-server");
     let client = Cgroup::new("listen-client");
-    let d = Daemon::start(&format!(
-        "[[scope]]\nname = \"api\"\ncgroup = \"{}\"\nmode = \"observe\"\n",
-        server.rel
+    let d =
+        Daemon::builder(Policy::new().scope(Scope::new("api", &server.rel).mode(Mode::Observe)))
+            .start();
+    let listener = server.hold(Probe::listen(
+        ns.path(),
+        "127.0.0.1:8090".parse().unwrap(),
+        1000,
     ));
-    let listener = server.hold_args(&["listen", &ns.path(), "127.0.0.1:8090", "1000"]);
     let before = nstat(&ns, "TcpExtListenOverflows");
-    let clients = client.hold_args(&["open", &ns.path(), "127.0.0.1:8090", "3"]);
+    let clients = client.hold(Probe::Open {
+        netns: ns.path(),
+        addr: "127.0.0.1:8090".parse().unwrap(),
+        count: 3,
+        interval_ms: 0,
+        timeout_ms: 500,
+    });
     assert_eq!(
         (clients.outcome.ok, clients.outcome.attempts),
         (2, 3),
@@ -52,46 +63,32 @@ fn full_accept_queue_is_named_with_backlog_process_and_scope() {
         nstat(&ns, "TcpExtListenOverflows"),
         nstat(&ns, "TcpExtListenDrops"),
     );
-    let out = Command::new(connguard_bin())
-        .args(["listeners", "--json", "--netns", &ns.path(), "--socket"])
-        .arg(&d.socket)
-        .output()
-        .unwrap();
+    let r = d.listeners(&ns.path());
     let (overflows_after, drops_after) = (
         nstat(&ns, "TcpExtListenOverflows"),
         nstat(&ns, "TcpExtListenDrops"),
     );
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let r: Value = serde_json::from_slice(&out.stdout).unwrap();
-    let l = &r["listeners"][0];
-    assert_eq!(l["addr"], "127.0.0.1:8090", "{r}");
+    let l = &r.listeners[0];
+    assert_eq!(l.addr, "127.0.0.1:8090", "{r:?}");
     assert_eq!(
-        (
-            l["accept_queue"].as_u64(),
-            l["backlog"].as_u64(),
-            l["state"].as_str()
-        ),
-        (Some(2), Some(1), Some("full")),
-        "{l}"
+        (l.accept_queue, l.backlog, l.state.as_str()),
+        (2, 1, "full"),
+        "{l:?}"
     );
     assert_eq!(
-        l["process"],
-        format!("guard-probe[{}]", listener.child.id()),
-        "{l}"
+        l.process,
+        Some(format!("guard-probe[{}]", listener.child.id())),
+        "{l:?}"
     );
     assert_eq!(
-        (l["cgroup"].as_str(), l["scope"].as_str()),
+        (l.cgroup.as_deref(), l.scope.as_deref()),
         (Some(server.rel.as_str()), Some("api")),
-        "{l}"
+        "{l:?}"
     );
     // The 3rd client's SYNs were dropped: the counters grew, and equal nstat's.
-    let overflows = r["counters"]["ListenOverflows"].as_u64().unwrap();
-    let drops = r["counters"]["ListenDrops"].as_u64().unwrap();
-    assert!(overflows > before, "{r}");
+    let overflows = r.counters["ListenOverflows"];
+    let drops = r.counters["ListenDrops"];
+    assert!(overflows > before, "{r:?}");
     for (ours, lo, hi) in [
         (overflows, overflows_before, overflows_after),
         (drops, drops_before, drops_after),
@@ -104,7 +101,7 @@ fn full_accept_queue_is_named_with_backlog_process_and_scope() {
             assert_eq!(ours, lo);
         }
     }
-    let w = r["warnings"][0].as_str().unwrap();
+    let w = &r.warnings[0];
     assert!(w.starts_with("127.0.0.1:8090 (guard-probe["), "{w}");
     assert!(
         w.contains("has 2 connections waiting to be accepted, past its backlog of 1"),
@@ -118,8 +115,14 @@ fn without_the_guard_clients_past_the_queue_wait_over_a_second() {
     let (server, client) = Netns::veth_pair();
     let server_cg = Cgroup::new("noguard-server");
     let client_cg = Cgroup::new("noguard-client");
-    let _listener = server_cg.hold_args(&["listen", &server.path(), "192.0.2.1:8080", "8"]);
-    let burst = client_cg.hold_args(&["open", &client.path(), "192.0.2.1:8080", "11", "0", "1500"]);
+    let _listener = server_cg.hold(Probe::listen(server.path(), SERVER, 8));
+    let burst = client_cg.hold(Probe::Open {
+        netns: client.path(),
+        addr: SERVER,
+        count: 11,
+        interval_ms: 0,
+        timeout_ms: 1500,
+    });
     let o = &burst.outcome;
     assert_eq!(
         (o.ok, o.errors("TIMEOUT")),
@@ -140,9 +143,16 @@ fn loopback_ipv4_and_ipv6_with_and_without_syncookies() {
             &["-qw", &format!("net.ipv4.tcp_syncookies={syncookies}")],
         );
         let cg = Cgroup::new("lo-guard");
-        let d = Daemon::start(&listener_policy(&ns, "enforce"));
-        let _listener = cg.hold_args(&["listen", &ns.path(), addr, "8"]);
-        let burst = cg.hold_args(&["open", &ns.path(), addr, "20", "200", "3000"]);
+        let d = Daemon::builder(listener_policy(&ns, Mode::Enforce)).start();
+        let addr: SocketAddr = addr.parse().unwrap();
+        let _listener = cg.hold(Probe::listen(ns.path(), addr, 8));
+        let burst = cg.hold(Probe::Open {
+            netns: ns.path(),
+            addr,
+            count: 20,
+            interval_ms: 200,
+            timeout_ms: 3000,
+        });
         let o = &burst.outcome;
         assert_eq!(
             (o.ok, o.errors("ECONNREFUSED")),
@@ -150,7 +160,7 @@ fn loopback_ipv4_and_ipv6_with_and_without_syncookies() {
             "{addr} syncookies={syncookies}: {o:?}"
         );
         assert!(o.max_error_us < 50_000, "{o:?}");
-        assert_eq!(d.stats()["listeners"][0]["rst_shed"], 13);
+        assert_eq!(d.stats().listeners[0].rst_shed, 13);
     }
 }
 
@@ -163,17 +173,23 @@ fn saturated_listener_answers_syns_with_rst_until_it_drains() {
     let (server, client) = Netns::veth_pair();
     let server_cg = Cgroup::new("rst-server");
     let client_cg = Cgroup::new("rst-client");
-    let d = Daemon::with_metrics(&listener_policy(&server, "enforce"));
-    let listener =
-        server_cg.hold_args(&["listen", &server.path(), "192.0.2.1:8080", "8", "on-usr1"]);
-    let burst = client_cg.hold_args(&[
-        "open",
-        &client.path(),
-        "192.0.2.1:8080",
-        "50",
-        "200",
-        "5000",
-    ]);
+    let d = Daemon::builder(listener_policy(&server, Mode::Enforce))
+        .metrics()
+        .start();
+    let listener = server_cg.hold(Probe::Listen {
+        netns: server.path(),
+        addr: SERVER,
+        backlog: 8,
+        accept_after_ms: None,
+        on_usr1: true,
+    });
+    let burst = client_cg.hold(Probe::Open {
+        netns: client.path(),
+        addr: SERVER,
+        count: 50,
+        interval_ms: 200,
+        timeout_ms: 5000,
+    });
     let o = &burst.outcome;
     assert_eq!(
         (o.ok, o.errors("ECONNREFUSED"), o.attempts),
@@ -186,16 +202,12 @@ fn saturated_listener_answers_syns_with_rst_until_it_drains() {
         o.max_error_us
     );
     let stats = d.stats();
-    assert_eq!(stats["listeners"][0]["rst_shed"], 43, "{stats}");
-    let q = &stats["listeners"][0]["queues"][0];
+    assert_eq!(stats.listeners[0].rst_shed, 43, "{stats:?}");
+    let q = &stats.listeners[0].queues[0];
     assert_eq!(
-        (
-            q["addr"].as_str(),
-            q["accept_queue"].as_u64(),
-            q["backlog"].as_u64()
-        ),
-        (Some("192.0.2.1:8080"), Some(7), Some(8)),
-        "{stats}"
+        (q.addr.as_str(), q.accept_queue, q.backlog),
+        ("192.0.2.1:8080", 7, 8),
+        "{stats:?}"
     );
     let metrics = d.metrics();
     for line in [
@@ -207,25 +219,9 @@ fn saturated_listener_answers_syns_with_rst_until_it_drains() {
             "no {line:?} in\n{metrics}"
         );
     }
-    let listeners = || {
-        let out = Command::new(connguard_bin())
-            .args(["listeners", "--json", "--netns", &server.path(), "--socket"])
-            .arg(&d.socket)
-            .output()
-            .unwrap();
-        let r: Value = serde_json::from_slice(&out.stdout).unwrap();
-        r["listeners"][0].clone()
-    };
+    let listeners = || d.listeners(&server.path()).listeners[0].clone();
     let l = listeners();
-    assert_eq!(
-        (
-            l["accept_queue"].as_u64(),
-            l["backlog"].as_u64(),
-            l["rst_shed"].as_u64()
-        ),
-        (Some(7), Some(8), Some(43)),
-        "{l}"
-    );
+    assert_eq!((l.accept_queue, l.backlog, l.rst_shed), (7, 8, 43), "{l:?}");
     // Once the server accepts (cued by SIGUSR1) and its queue has drained, every new
     // connection succeeds: the RST is decided per SYN on the queue as it is then.
     // SAFETY: kill(2) on the listener's own pid.
@@ -234,15 +230,21 @@ fn saturated_listener_answers_syns_with_rst_until_it_drains() {
         0
     );
     let until = Instant::now() + Duration::from_secs(5);
-    while listeners()["accept_queue"] != 0 {
+    while listeners().accept_queue != 0 {
         assert!(
             Instant::now() < until,
-            "the queue did not drain: {}",
+            "the queue did not drain: {:?}",
             listeners()
         );
         std::thread::sleep(Duration::from_millis(20));
     }
-    let after = client_cg.hold_args(&["open", &client.path(), "192.0.2.1:8080", "5", "0", "1000"]);
+    let after = client_cg.hold(Probe::Open {
+        netns: client.path(),
+        addr: SERVER,
+        count: 5,
+        interval_ms: 0,
+        timeout_ms: 1000,
+    });
     assert_eq!(after.outcome.ok, 5, "{:?}", after.outcome);
 }
 
@@ -252,19 +254,24 @@ fn observe_mode_sends_no_rst_and_counts_them() {
     let (server, client) = Netns::veth_pair();
     let server_cg = Cgroup::new("obs-server");
     let client_cg = Cgroup::new("obs-client");
-    let d = Daemon::start(&listener_policy(&server, "observe"));
-    let _listener = server_cg.hold_args(&["listen", &server.path(), "192.0.2.1:8080", "8"]);
-    let burst =
-        client_cg.hold_args(&["open", &client.path(), "192.0.2.1:8080", "12", "200", "300"]);
+    let d = Daemon::builder(listener_policy(&server, Mode::Observe)).start();
+    let _listener = server_cg.hold(Probe::listen(server.path(), SERVER, 8));
+    let burst = client_cg.hold(Probe::Open {
+        netns: client.path(),
+        addr: SERVER,
+        count: 12,
+        interval_ms: 200,
+        timeout_ms: 300,
+    });
     let o = &burst.outcome;
     assert_eq!(o.errors("ECONNREFUSED"), 0, "{o:?}");
     assert_eq!(o.ok, 9, "the queue holds backlog + 1: {o:?}");
     let stats = d.stats();
-    let g = &stats["listeners"][0];
-    assert_eq!(g["rst_shed"], 0, "{stats}");
+    let g = &stats.listeners[0];
+    assert_eq!(g.rst_shed, 0, "{stats:?}");
     // Clients 8 to 12 came while the queue was past the watermark (7 of 8); SYN
     // retransmits of those left waiting count again.
-    assert!(g["would_rst"].as_u64().unwrap() >= 5, "{stats}");
+    assert!(g.would_rst >= 5, "{stats:?}");
 }
 
 /// An established connection to the listener exchanges data all through the shedding.
@@ -273,29 +280,35 @@ fn established_connections_exchange_data_while_new_ones_are_shed() {
     let (server, client) = Netns::veth_pair();
     let server_cg = Cgroup::new("talk-server");
     let client_cg = Cgroup::new("talk-client");
-    let d = Daemon::start(&listener_policy(&server, "enforce"));
-    let _listener = server_cg.hold_args(&["echo1", &server.path(), "192.0.2.1:8080", "8"]);
+    let d = Daemon::builder(listener_policy(&server, Mode::Enforce)).start();
+    let _listener = server_cg.hold(Probe::Echo1 {
+        netns: server.path(),
+        addr: SERVER,
+        backlog: 8,
+    });
     let (path, probe) = (
         client.path(),
         client_cg.command(connguard_tests::probe_bin()),
     );
     let talker = std::thread::spawn(move || {
         let mut probe = probe;
-        probe
-            .args(["talk", &path, "192.0.2.1:8080", "50", "100"])
-            .output()
-            .unwrap()
+        let talk = Probe::Talk {
+            netns: path,
+            addr: SERVER,
+            rounds: 50,
+            interval_ms: 100,
+        };
+        probe.args(talk.args()).output().unwrap()
     });
     // Let the talker's connection be the one accepted.
     std::thread::sleep(std::time::Duration::from_millis(300));
-    let burst = client_cg.hold_args(&[
-        "open",
-        &client.path(),
-        "192.0.2.1:8080",
-        "20",
-        "200",
-        "3000",
-    ]);
+    let burst = client_cg.hold(Probe::Open {
+        netns: client.path(),
+        addr: SERVER,
+        count: 20,
+        interval_ms: 200,
+        timeout_ms: 3000,
+    });
     assert_eq!(
         (burst.outcome.ok, burst.outcome.errors("ECONNREFUSED")),
         (7, 13),
@@ -305,15 +318,15 @@ fn established_connections_exchange_data_while_new_ones_are_shed() {
     let talk = talker.join().unwrap();
     let talk: connguard_tests::Outcome = serde_json::from_slice(&talk.stdout).unwrap();
     assert_eq!((talk.ok, talk.attempts), (50, 50), "{talk:?}");
-    assert_eq!(d.stats()["listeners"][0]["rst_shed"], 13);
+    assert_eq!(d.stats().listeners[0].rst_shed, 13);
 }
 
 /// A `[[listener]]` for port 8080 in `ns` with an accept-queue watermark of 0.5.
-fn half_full(name: &str, ns: &Netns) -> String {
-    format!(
-        "[[listener]]\nname = \"{name}\"\nports = [\"8080\"]\nnetns = \"{}\"\naccept_queue_watermark = 0.5\nmode = \"enforce\"\n",
-        ns.path()
-    )
+fn half_full(name: &str, ns: &Netns) -> Listener {
+    Listener::new(name, [8080])
+        .netns(&ns.path())
+        .accept_queue_watermark(0.5)
+        .mode(Mode::Enforce)
 }
 
 /// Waits (deadline 5 s) until the daemon's reading lists `n` sockets of listener guard
@@ -322,13 +335,14 @@ fn wait_listed(d: &Daemon, index: usize, n: usize) {
     let until = Instant::now() + Duration::from_secs(5);
     loop {
         let stats = d.stats();
-        let listed = stats["listeners"][index]["queues"]
-            .as_array()
-            .map_or(0, Vec::len);
+        let listed = stats.listeners.get(index).map_or(0, |l| l.queues.len());
         if listed == n {
             return;
         }
-        assert!(Instant::now() < until, "{n} sockets never listed: {stats}");
+        assert!(
+            Instant::now() < until,
+            "{n} sockets never listed: {stats:?}"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
 }
@@ -346,10 +360,17 @@ fn a_burst_stops_at_the_watermark_per_syn() {
             &["-qw", &format!("net.ipv4.tcp_syncookies={syncookies}")],
         );
         let cg = Cgroup::new("burst");
-        let d = Daemon::start(&half_full("api", &server));
-        let _listener = cg.hold_args(&["listen", &server.path(), "192.0.2.1:8080", "8"]);
+        let d = Daemon::builder(Policy::new().listener(half_full("api", &server))).start();
+        let _listener = cg.hold(Probe::listen(server.path(), SERVER, 8));
         wait_listed(&d, 0, 1);
-        let b = cg.hold_args(&["burst", &client.path(), "192.0.2.1:8080", "50", "3000", "0"]);
+        let b = cg.hold(Probe::Burst {
+            netns: client.path(),
+            addr: SERVER,
+            count: 50,
+            timeout_ms: 3000,
+            retries: 0,
+            pause_ms: 0,
+        });
         let o = &b.outcome;
         // The guard counts the accept queue and the handshakes in flight, so a batch of
         // SYNs (a qemu TCG guest's veth hands over several before any handshake
@@ -375,10 +396,10 @@ fn a_burst_stops_at_the_watermark_per_syn() {
         // refused client among 50 threads, far from the 1 s of a SYN retransmit.
         assert!(o.max_error_us < 200_000, "syncookies={syncookies}: {o:?}");
         assert!(
-            o.categories["max_ok_us"] < 1_000_000,
+            o.category("max_ok_us") < 1_000_000,
             "a client waited a SYN retransmit: {o:?}"
         );
-        assert_eq!(d.stats()["listeners"][0]["rst_shed"], 50 - o.ok);
+        assert_eq!(d.stats().listeners[0].rst_shed, 50 - o.ok);
     }
 }
 
@@ -395,24 +416,28 @@ fn a_burst_stops_at_the_watermark_per_syn() {
 fn reuseport_sheds_only_for_the_stalled_member() {
     let (server, client) = Netns::veth_pair();
     let cg = Cgroup::new("reuseport");
-    let d = Daemon::start(&half_full("api", &server));
-    let _group = cg.hold_args(&["reuseport", &server.path(), "192.0.2.1:8080", "64", "4"]);
+    let d = Daemon::builder(Policy::new().listener(half_full("api", &server))).start();
+    let _group = cg.hold(Probe::Reuseport {
+        netns: server.path(),
+        addr: SERVER,
+        backlog: 64,
+        members: 4,
+    });
     wait_listed(&d, 0, 4);
-    let b = cg.hold_args(&[
-        "burst",
-        &client.path(),
-        "192.0.2.1:8080",
-        "200",
-        "3000",
-        "50",
-        "5",
-    ]);
+    let b = cg.hold(Probe::Burst {
+        netns: client.path(),
+        addr: SERVER,
+        count: 200,
+        timeout_ms: 3000,
+        retries: 50,
+        pause_ms: 5,
+    });
     let o = &b.outcome;
     let refused = o.errors("ECONNREFUSED");
     assert_eq!((o.ok, o.errors("TIMEOUT")), (200, 0), "{o:?}");
     assert!((1..=100).contains(&refused), "{refused} refusals: {o:?}");
-    assert!(o.categories["max_ok_us"] < 1_000_000, "{o:?}");
-    assert_eq!(d.stats()["listeners"][0]["rst_shed"], refused);
+    assert!(o.category("max_ok_us") < 1_000_000, "{o:?}");
+    assert_eq!(d.stats().listeners[0].rst_shed, refused);
 }
 
 /// Shedding stops within 1 s of the daemon no longer renewing its decisions: stopped
@@ -424,15 +449,21 @@ fn reuseport_sheds_only_for_the_stalled_member() {
 fn decisions_expire_when_the_daemon_stops_renewing_them() {
     let (server, client) = Netns::veth_pair();
     let cg = Cgroup::new("expire");
-    let d = Daemon::start(&half_full("api", &server));
-    let _listener = cg.hold_args(&["listen", &server.path(), "192.0.2.1:8080", "8"]);
+    let d = Daemon::builder(Policy::new().listener(half_full("api", &server))).start();
+    let _listener = cg.hold(Probe::listen(server.path(), SERVER, 8));
     wait_listed(&d, 0, 1);
-    let fill = cg.hold_args(&["open", &client.path(), "192.0.2.1:8080", "6", "0", "3000"]);
+    let fill = cg.hold(Probe::Open {
+        netns: client.path(),
+        addr: SERVER,
+        count: 6,
+        interval_ms: 0,
+        timeout_ms: 3000,
+    });
     assert_eq!(
         (fill.outcome.ok, fill.outcome.errors("ECONNREFUSED")),
         (4, 2)
     );
-    let rst_shed = |d: &Daemon| d.stats()["listeners"][0]["rst_shed"].as_u64().unwrap();
+    let rst_shed = |d: &Daemon| d.stats().listeners[0].rst_shed;
     // Starts the client, waits until it is being refused, then signals the daemon:
     // returns the client's outcome and how long after the signal it connected (ms).
     let signal_while_refused = |d: Daemon, signal: i32| -> (Outcome, u64, Option<Daemon>) {
@@ -440,8 +471,16 @@ fn decisions_expire_when_the_daemon_stops_renewing_them() {
         // The probe prints its outcome, then holds its connection until killed.
         let trying = std::thread::spawn(move || {
             let mut probe = probe;
+            let burst = Probe::Burst {
+                netns: path,
+                addr: SERVER,
+                count: 1,
+                timeout_ms: 3000,
+                retries: 400,
+                pause_ms: 10,
+            };
             let mut child = probe
-                .args(["burst", &path, "192.0.2.1:8080", "1", "3000", "400", "10"])
+                .args(burst.args())
                 .stdout(std::process::Stdio::piped())
                 .spawn()
                 .unwrap();
@@ -505,19 +544,47 @@ fn a_saturated_namespace_does_not_shed_another() {
         ns.exec("ip", &["link", "set", "lo", "up"]);
     }
     let cg = Cgroup::new("twons");
-    let d = Daemon::start(&(half_full("full", &full) + &half_full("fine", &fine)));
-    let _stalled = cg.hold_args(&["listen", &full.path(), "127.0.0.1:8080", "8"]);
-    let _accepting = cg.hold_args(&["listen", &fine.path(), "127.0.0.1:8080", "128", "0"]);
+    let d = Daemon::builder(
+        Policy::new()
+            .listener(half_full("full", &full))
+            .listener(half_full("fine", &fine)),
+    )
+    .start();
+    let _stalled = cg.hold(Probe::listen(
+        full.path(),
+        "127.0.0.1:8080".parse().unwrap(),
+        8,
+    ));
+    let _accepting = cg.hold(Probe::Listen {
+        netns: fine.path(),
+        addr: "127.0.0.1:8080".parse().unwrap(),
+        backlog: 128,
+        accept_after_ms: Some(0),
+        on_usr1: false,
+    });
     wait_listed(&d, 0, 1);
     wait_listed(&d, 1, 1);
-    let saturate = cg.hold_args(&["open", &full.path(), "127.0.0.1:8080", "10", "0", "3000"]);
+    let saturate = cg.hold(Probe::Open {
+        netns: full.path(),
+        addr: "127.0.0.1:8080".parse().unwrap(),
+        count: 10,
+        interval_ms: 0,
+        timeout_ms: 3000,
+    });
     assert_eq!(
         (saturate.outcome.ok, saturate.outcome.errors("ECONNREFUSED")),
         (4, 6),
         "{:?}",
         saturate.outcome
     );
-    let other = cg.hold_args(&["burst", &fine.path(), "127.0.0.1:8080", "20", "3000", "0"]);
+    let other = cg.hold(Probe::Burst {
+        netns: fine.path(),
+        addr: "127.0.0.1:8080".parse().unwrap(),
+        count: 20,
+        timeout_ms: 3000,
+        retries: 0,
+        pause_ms: 0,
+    });
     assert_eq!(
         (other.outcome.ok, other.outcome.attempts),
         (20, 20),
@@ -526,12 +593,9 @@ fn a_saturated_namespace_does_not_shed_another() {
     );
     let stats = d.stats();
     assert_eq!(
-        (
-            &stats["listeners"][0]["rst_shed"],
-            &stats["listeners"][1]["rst_shed"]
-        ),
-        (&Value::from(6), &Value::from(0)),
-        "{stats}"
+        (stats.listeners[0].rst_shed, stats.listeners[1].rst_shed),
+        (6, 0),
+        "{stats:?}"
     );
 }
 
@@ -542,10 +606,10 @@ fn a_veth_added_after_start_is_guarded() {
     let server = Netns::new("cglate");
     server.exec("ip", &["link", "set", "lo", "up"]);
     let cg = Cgroup::new("late");
-    let d = Daemon::start(&half_full("api", &server));
+    let d = Daemon::builder(Policy::new().listener(half_full("api", &server))).start();
     let client = Netns::new("cglatec");
     Netns::join(&server, &client);
-    let _listener = cg.hold_args(&["listen", &server.path(), "192.0.2.1:8080", "8"]);
+    let _listener = cg.hold(Probe::listen(server.path(), SERVER, 8));
     wait_listed(&d, 0, 1);
     // 5 s ran out in a 7 guest under TCG.
     let until = Instant::now() + Duration::from_secs(30);
@@ -562,7 +626,13 @@ fn a_veth_added_after_start_is_guarded() {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
-    let b = cg.hold_args(&["open", &client.path(), "192.0.2.1:8080", "10", "0", "1500"]);
+    let b = cg.hold(Probe::Open {
+        netns: client.path(),
+        addr: SERVER,
+        count: 10,
+        interval_ms: 0,
+        timeout_ms: 1500,
+    });
     assert_eq!(
         (b.outcome.ok, b.outcome.errors("ECONNREFUSED")),
         (4, 6),
@@ -578,7 +648,9 @@ fn a_veth_added_after_start_is_guarded() {
 fn without_per_syn_decisions_the_daemon_reading_sheds() {
     let (server, client) = Netns::veth_pair();
     let cg = Cgroup::new("polled");
-    let d = Daemon::start_without(&half_full("api", &server), "listener_per_syn");
+    let d = Daemon::builder(Policy::new().listener(half_full("api", &server)))
+        .without("listener_per_syn")
+        .start();
     assert!(
         d.log
             .lock()
@@ -587,16 +659,15 @@ fn without_per_syn_decisions_the_daemon_reading_sheds() {
         "{}",
         d.log.lock().unwrap()
     );
-    let _listener = cg.hold_args(&["listen", &server.path(), "192.0.2.1:8080", "8"]);
+    let _listener = cg.hold(Probe::listen(server.path(), SERVER, 8));
     wait_listed(&d, 0, 1);
-    let b = cg.hold_args(&[
-        "open",
-        &client.path(),
-        "192.0.2.1:8080",
-        "10",
-        "200",
-        "3000",
-    ]);
+    let b = cg.hold(Probe::Open {
+        netns: client.path(),
+        addr: SERVER,
+        count: 10,
+        interval_ms: 200,
+        timeout_ms: 3000,
+    });
     assert_eq!(
         (b.outcome.ok, b.outcome.errors("ECONNREFUSED")),
         (4, 6),

@@ -10,9 +10,10 @@ use std::{
 };
 
 use aya::maps::{HashMap, Map, MapData, MapError};
-use connguard_tests::{Cgroup, Daemon, Server, n};
+use connguard_api::policy::{Limited, Mode, Policy, Scope};
+use connguard_tests::{Cgroup, Daemon, Probe, Server};
 use guard_common::{Counter, CounterKey, MAX_SCOPE_IDS, STATE_LAYOUT, TimeWaitKey};
-use serde_json::Value;
+use serde::Deserialize;
 
 /// The value of the series `name{labels}` in a scrape.
 fn value(metrics: &str, name: &str, labels: &str) -> Option<u64> {
@@ -41,21 +42,18 @@ fn other_never_goes_down_as_destinations_enter_the_top_and_are_forgotten() {
     let port = server.addr.port();
     let at = |host: u8| -> SocketAddr { format!("127.0.0.{host}:{port}").parse().unwrap() };
     let cg = Cgroup::new("other");
-    let d = Daemon::with_metrics_and(
-        &format!(
-            "[[scope]]\nname = \"m\"\ncgroup = \"{}\"\nmode = \"observe\"\n",
-            cg.rel
-        ),
-        &["--forget-idle", "1"],
-    );
+    let d = Daemon::builder(Policy::new().scope(Scope::new("m", &cg.rel).mode(Mode::Observe)))
+        .metrics()
+        .args(&["--forget-idle", "1"])
+        .start();
     // 127.0.0.2 to .21: 2 held each (active 2), the 20 busiest. .30: 9 opened and
     // closed, 1 held (active 1, 10 admitted). .31: 1 opened and closed, then idle.
-    let _busy: Vec<_> = (2..22).map(|h| cg.hold(&at(h), 2, 2)).collect();
-    assert_eq!(cg.probe(&["connect", &at(30).to_string(), "9", "9"]).ok, 9);
-    let _entering = cg.hold(&at(30), 1, 1);
-    assert_eq!(cg.probe(&["connect", &at(31).to_string(), "1", "1"]).ok, 1);
-    let s = d.wait_scope("m", Duration::from_secs(5), |s| n(s, "active") == 41);
-    assert_eq!((n(&s, "active"), n(&s, "admitted")), (41, 51), "{s}");
+    let _busy: Vec<_> = (2..22).map(|h| cg.hold(Probe::hold(at(h), 2, 2))).collect();
+    assert_eq!(cg.probe(Probe::connect(at(30), 9, 9)).ok, 9);
+    let _entering = cg.hold(Probe::hold(at(30), 1, 1));
+    assert_eq!(cg.probe(Probe::connect(at(31), 1, 1)).ok, 1);
+    let s = d.wait_scope("m", Duration::from_secs(5), |s| s.counts.active == 41);
+    assert_eq!((s.counts.active, s.counts.admitted), (41, 51), "{s:?}");
 
     let other = "scope=\"m\",rule=\"\",dst=\"other\"";
     let mut last = [0; 3];
@@ -92,26 +90,18 @@ fn other_never_goes_down_as_destinations_enter_the_top_and_are_forgotten() {
     // .31 is forgotten (idle for 1 to 2 s): its connection stays in `other`.
     let gone = at(31).to_string();
     let s = d.wait_scope("m", Duration::from_secs(10), |s| {
-        !s["destinations"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .any(|x| x["dst"] == gone)
+        s.destination(&gone).is_none()
     });
     assert!(
-        !s["destinations"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .any(|x| x["dst"] == gone),
-        "{gone} not forgotten: {s}"
+        s.destination(&gone).is_none(),
+        "{gone} not forgotten: {s:?}"
     );
     scrape(11);
 
     // .30 holds 2 more (active 3): it enters the 20 busiest with its 12, and the last
     // of the others (by address text, .9) leaves them. `other` keeps .30's past and
     // gains its 2 new connections.
-    let _more = cg.hold(&at(30), 2, 2);
+    let _more = cg.hold(Probe::hold(at(30), 2, 2));
     let metrics = scrape(13);
     assert_eq!(listed(&metrics), 20, "{metrics}");
     let entered = format!("scope=\"m\",rule=\"\",dst=\"{}\"", at(30));
@@ -132,7 +122,7 @@ fn other_never_goes_down_as_destinations_enter_the_top_and_are_forgotten() {
         Some(2)
     );
     // New connections of a listed destination are its series', not `other`'s.
-    assert_eq!(cg.probe(&["connect", &at(30).to_string(), "1", "1"]).ok, 1);
+    assert_eq!(cg.probe(Probe::connect(at(30), 1, 1)).ok, 1);
     let metrics = scrape(13);
     assert_eq!(totals(&metrics, &entered), [13, 0, 0], "{metrics}");
 }
@@ -173,10 +163,9 @@ fn full_maps_lose_diagnostic_events_apart_from_fail_open_admissions() {
     // Two servers: the second one's destination has no counter yet when COUNTERS is full.
     let (first, second) = (Server::start("127.0.0.1:0"), Server::start("127.0.0.1:0"));
     let cg = Cgroup::new("lost");
-    let d = Daemon::with_metrics(&format!(
-        "[[scope]]\nname = \"lost\"\ncgroup = \"{}\"\nmax_connections = 100\n",
-        cg.rel
-    ));
+    let d = Daemon::builder(Policy::new().scope(Scope::new("lost", &cg.rel).max_connections(100)))
+        .metrics()
+        .start();
     let entries = fill(&mut pinned::<TimeWaitKey, u64>("TIME_WAITS"), |i| {
         TimeWaitKey {
             netns: i,
@@ -189,16 +178,16 @@ fn full_maps_lose_diagnostic_events_apart_from_fail_open_admissions() {
         // A TIME_WAIT birth is counted just after its connection's release.
         let mut stats = d.stats();
         for _ in 0..100 {
-            if n(&stats, "lost_events") >= lost_events {
+            if stats.lost_events >= lost_events {
                 break;
             }
             std::thread::sleep(Duration::from_millis(20));
             stats = d.stats();
         }
         assert_eq!(
-            (n(&stats, "internal_errors"), n(&stats, "lost_events")),
+            (stats.internal_errors, stats.lost_events),
             (internal_errors, lost_events),
-            "{stats}"
+            "{stats:?}"
         );
         let metrics = d.metrics();
         for line in [
@@ -219,14 +208,10 @@ fn full_maps_lose_diagnostic_events_apart_from_fail_open_admissions() {
     };
     // The client closes first: each connection leaves a TIME_WAIT entry, counted when
     // its socket reaches TCP_CLOSE.
-    let out = cg.probe(&["connect", &first.addr.to_string(), "20", "20"]);
+    let out = cg.probe(Probe::connect(first.addr, 20, 20));
     assert_eq!(out.ok, 20, "{out:?}");
-    let s = d.wait_scope("lost", Duration::from_secs(5), |s| n(s, "active") == 0);
-    assert_eq!(
-        (n(&s, "admitted"), n(&s, "time_wait_created")),
-        (20, 0),
-        "{s}"
-    );
+    let s = d.wait_scope("lost", Duration::from_secs(5), |s| s.counts.active == 0);
+    assert_eq!((s.counts.admitted, s.time_wait_created), (20, 0), "{s:?}");
     expect(0, 20);
 
     fill(&mut pinned::<CounterKey, Counter>("COUNTERS"), |i| {
@@ -237,10 +222,10 @@ fn full_maps_lose_diagnostic_events_apart_from_fail_open_admissions() {
             ..Default::default()
         }
     });
-    let out = cg.probe(&["connect", &second.addr.to_string(), "5", "5"]);
+    let out = cg.probe(Probe::connect(second.addr, 5, 5));
     assert_eq!(out.ok, 5, "{out:?}");
-    let s = d.wait_scope("lost", Duration::from_secs(5), |s| n(s, "active") == 0);
-    assert_eq!(n(&s, "admitted"), 25, "{s}");
+    let s = d.wait_scope("lost", Duration::from_secs(5), |s| s.counts.active == 0);
+    assert_eq!(s.counts.admitted, 25, "{s:?}");
     expect(5, 25);
 }
 
@@ -305,42 +290,55 @@ fn exported(metrics: &str) -> BTreeSet<String> {
         .collect()
 }
 
-/// The PromQL expressions of a Grafana dashboard's panels, checking that it loads as a
-/// dashboard: a title and uid, and panels each with a type, a title and a place, whose
-/// queries each have a refId and an expression.
-fn dashboard_exprs(dashboard: &Value) -> Vec<String> {
-    for field in ["title", "uid"] {
-        assert!(dashboard[field].is_string(), "dashboard without {field}");
-    }
-    assert!(dashboard["schemaVersion"].is_u64(), "no schemaVersion");
-    let panels = dashboard["panels"].as_array().expect("panels");
-    assert!(!panels.is_empty());
+/// What a Grafana dashboard needs to load: a title and uid, and panels each with a type,
+/// a title and a place, whose queries each have a refId and an expression. Reading a
+/// file into it checks them; the fields not read afterwards are there to be required.
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+#[expect(dead_code, reason = "required by reading, not read")]
+struct Dashboard {
+    title: String,
+    uid: String,
+    schema_version: u64,
+    panels: Vec<Panel>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+#[expect(dead_code, reason = "required by reading, not read")]
+struct Panel {
+    title: String,
+    #[serde(rename = "type")]
+    kind: String,
+    grid_pos: GridPos,
+    targets: Option<Vec<Target>>,
+}
+
+#[derive(Deserialize)]
+#[expect(dead_code, reason = "required by reading, not read")]
+struct GridPos {
+    h: u64,
+    w: u64,
+    x: u64,
+    y: u64,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+#[expect(dead_code, reason = "required by reading, not read")]
+struct Target {
+    ref_id: String,
+    expr: String,
+}
+
+/// The PromQL expressions of a Grafana dashboard's panels (rows hold none).
+fn dashboard_exprs(dashboard: &Dashboard) -> Vec<String> {
+    assert!(!dashboard.panels.is_empty());
     let mut exprs = Vec::new();
-    for p in panels {
-        let title = p["title"]
-            .as_str()
-            .unwrap_or_else(|| panic!("panel without title: {p}"));
-        assert!(p["type"].is_string(), "panel {title} without type");
-        for k in ["h", "w", "x", "y"] {
-            assert!(p["gridPos"][k].is_u64(), "panel {title}: no gridPos.{k}");
-        }
-        if p["type"] == "row" {
-            continue;
-        }
-        let targets = p["targets"]
-            .as_array()
-            .unwrap_or_else(|| panic!("panel {title}: no targets"));
-        assert!(!targets.is_empty(), "panel {title}: no targets");
-        for t in targets {
-            assert!(
-                t["refId"].is_string(),
-                "panel {title}: a target without refId"
-            );
-            let expr = t["expr"]
-                .as_str()
-                .unwrap_or_else(|| panic!("panel {title}: no expr"));
-            exprs.push(expr.to_string());
-        }
+    for p in dashboard.panels.iter().filter(|p| p.kind != "row") {
+        let targets = p.targets.as_deref().unwrap_or_default();
+        assert!(!targets.is_empty(), "panel {}: no targets", p.title);
+        exprs.extend(targets.iter().map(|t| t.expr.clone()));
     }
     exprs
 }
@@ -351,10 +349,9 @@ fn dashboard_exprs(dashboard: &Value) -> Vec<String> {
 #[test]
 fn shipped_alerts_and_dashboard_use_the_exported_metrics() {
     let cg = Cgroup::new("shipped");
-    let d = Daemon::with_metrics(&format!(
-        "[[scope]]\nname = \"s\"\ncgroup = \"{}\"\n",
-        cg.rel
-    ));
+    let d = Daemon::builder(Policy::new().scope(Scope::new("s", &cg.rel)))
+        .metrics()
+        .start();
     let metrics = d.metrics();
     let metrics = &metrics[metrics.find("\r\n\r\n").expect("HTTP headers") + 4..];
     let exported = exported(metrics);
@@ -379,7 +376,7 @@ fn shipped_alerts_and_dashboard_use_the_exported_metrics() {
     );
 
     let path = root().join("packaging/grafana/connguard.json");
-    let dashboard: Value = serde_json::from_slice(&std::fs::read(&path).unwrap())
+    let dashboard: Dashboard = serde_json::from_slice(&std::fs::read(&path).unwrap())
         .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let used = metric_names(&dashboard_exprs(&dashboard).join("\n"));
     let unknown: Vec<_> = used.difference(&exported).collect();

@@ -2,7 +2,13 @@
 //! counts; a bad policy changes nothing.
 use std::{process::Command, time::Duration};
 
-use connguard_tests::{Cgroup, Daemon, Server, budget_policy, connguard_bin, destination, n};
+use connguard_api::{
+    policy::{Limited, Mode, Policy, Scope},
+    stats::{ScopeStats, Snapshot},
+};
+use connguard_tests::{
+    Cgroup, Daemon, Probe, Server, budget_policy, budget_scope, connguard_bin, destination,
+};
 
 fn check(text: &str) -> (i32, String) {
     let file = std::env::temp_dir().join(format!("connguard-check-{}.toml", std::process::id()));
@@ -61,28 +67,31 @@ fn check_rejects_bad_files_with_line_and_column() {
 fn reload_keeps_counts_and_a_bad_file_changes_nothing() {
     let server = Server::start("127.0.0.1:0");
     let cg = Cgroup::new("h");
-    let policy = budget_policy("h", &cg.rel, "enforce", &server.addr, 5);
-    let d = Daemon::with_metrics(&policy);
-    let held = cg.hold(&server.addr, 5, 5);
+    let policy = budget_policy("h", &cg.rel, Mode::Enforce, &server.addr, 5);
+    let d = Daemon::builder(&policy).metrics().start();
+    let held = cg.hold(Probe::hold(server.addr, 5, 5));
     assert_eq!(held.outcome.ok, 5);
 
     // A good reload that changes an unrelated scope (SIGHUP and `connguard reload`).
     std::fs::write(
         &d.policy,
-        format!("{policy}\n[[scope]]\nname = \"other\"\ncgroup = \"nowhere\"\n"),
+        policy
+            .clone()
+            .scope(Scope::new("other", "nowhere"))
+            .to_toml(),
     )
     .unwrap();
     unsafe { libc::kill(d.pid(), libc::SIGHUP) };
     let stats = wait_generation(&d, 2);
-    assert_eq!(stats["policy"]["last_error"], serde_json::Value::Null);
-    assert_eq!(n(&d.scope("h"), "active"), 5, "counts survive a reload");
-    let more = cg.probe(&["connect", &server.addr.to_string(), "5", "1"]);
+    assert_eq!(stats.policy.last_error, None);
+    assert_eq!(d.scope("h").counts.active, 5, "counts survive a reload");
+    let more = cg.probe(Probe::connect(server.addr, 5, 1));
     assert_eq!(
         more.errors("ECONNREFUSED"),
         5,
         "still at budget after reload: {more:?}"
     );
-    let out = d.cli(&["reload"]);
+    let out = d.reload();
     assert!(
         out.status.success(),
         "{}",
@@ -97,7 +106,7 @@ fn reload_keeps_counts_and_a_bad_file_changes_nothing() {
     let bad =
         format!("{policy}\n[[scope]]\nname = \"bad\"\ncgroup = \"x\"\nmax_connections = -1\n");
     std::fs::write(&d.policy, &bad).unwrap();
-    let out = d.cli(&["reload"]);
+    let out = d.reload();
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
     let line = bad.lines().count();
@@ -107,29 +116,30 @@ fn reload_keeps_counts_and_a_bad_file_changes_nothing() {
     );
     assert!(err.contains(&want), "{err}");
     let stats = d.stats();
-    assert_eq!(stats["policy"]["generation"], 3);
+    assert_eq!(stats.policy.generation, 3);
     assert!(
-        stats["policy"]["last_error"]
-            .as_str()
-            .unwrap()
-            .starts_with(&want),
-        "{stats}"
+        stats
+            .policy
+            .last_error
+            .as_deref()
+            .is_some_and(|e| e.starts_with(&want)),
+        "{stats:?}"
     );
     assert!(
         d.log.lock().unwrap().contains(&want),
         "the rejection is logged"
     );
     let s = d.scope("h");
-    assert_eq!((n(&s, "active"), n(&s, "shed")), (5, 5), "{s}");
-    let more = cg.probe(&["connect", &server.addr.to_string(), "5", "1"]);
+    assert_eq!((s.counts.active, s.counts.shed), (5, 5), "{s:?}");
+    let more = cg.probe(Probe::connect(server.addr, 5, 1));
     assert_eq!(
         more.errors("ECONNREFUSED"),
         5,
         "old policy still enforced: {more:?}"
     );
     drop(held);
-    let s = d.wait_scope("h", Duration::from_secs(5), |s| n(s, "active") == 0);
-    assert_eq!(n(&s, "active"), 0);
+    let s = d.wait_scope("h", Duration::from_secs(5), |s| s.counts.active == 0);
+    assert_eq!(s.counts.active, 0);
 }
 
 /// Scope and rule counts follow names: a scope removed by a reload and added again by a
@@ -139,60 +149,66 @@ fn reload_keeps_counts_and_a_bad_file_changes_nothing() {
 fn a_scope_removed_and_added_again_keeps_its_counts() {
     let server = Server::start("127.0.0.1:0");
     let (a, b) = (Cgroup::new("ra"), Cgroup::new("rb"));
-    let policy = format!(
-        "{}\n{}",
-        budget_policy("a", &a.rel, "enforce", &server.addr, 3),
-        budget_policy("b", &b.rel, "enforce", &server.addr, 3)
-    );
-    let d = Daemon::start(&policy);
-    let held_a = a.hold(&server.addr, 3, 3);
-    let held_b = b.hold(&server.addr, 1, 1);
+    let policy = Policy::new()
+        .scope(budget_scope("a", &a.rel, Mode::Enforce, &server.addr, 3))
+        .scope(budget_scope("b", &b.rel, Mode::Enforce, &server.addr, 3));
+    let d = Daemon::builder(&policy).start();
+    let held_a = a.hold(Probe::hold(server.addr, 3, 3));
+    let held_b = b.hold(Probe::hold(server.addr, 1, 1));
     assert_eq!((held_a.outcome.ok, held_b.outcome.ok), (3, 1));
-    let rule = |s: &serde_json::Value| s["rules"][0].clone();
+    let rule = |s: &ScopeStats| s.rules[0].clone();
 
     std::fs::write(
         &d.policy,
-        budget_policy("b", &b.rel, "enforce", &server.addr, 3),
+        budget_policy("b", &b.rel, Mode::Enforce, &server.addr, 3).to_toml(),
     )
     .unwrap();
-    assert!(d.cli(&["reload"]).status.success());
-    let scopes = d.stats()["scopes"].clone();
-    assert_eq!(scopes.as_array().map(Vec::len), Some(1), "{scopes}");
-    std::fs::write(&d.policy, &policy).unwrap();
-    assert!(d.cli(&["reload"]).status.success());
+    assert!(d.reload().status.success());
+    let scopes = d.stats().scopes;
+    assert_eq!(scopes.len(), 1, "{scopes:?}");
+    std::fs::write(&d.policy, policy.to_toml()).unwrap();
+    assert!(d.reload().status.success());
     let (sa, sb) = (d.scope("a"), d.scope("b"));
-    assert_eq!((n(&sa, "active"), n(&rule(&sa), "active")), (3, 3), "{sa}");
-    assert_eq!((n(&sb, "active"), n(&rule(&sb), "active")), (1, 1), "{sb}");
-    let more = a.probe(&["connect", &server.addr.to_string(), "2", "1"]);
+    assert_eq!(
+        (sa.counts.active, rule(&sa).counts.active),
+        (3, 3),
+        "{sa:?}"
+    );
+    assert_eq!(
+        (sb.counts.active, rule(&sb).counts.active),
+        (1, 1),
+        "{sb:?}"
+    );
+    let more = a.probe(Probe::connect(server.addr, 2, 1));
     assert_eq!(
         more.errors("ECONNREFUSED"),
         2,
         "budget still spent: {more:?}"
     );
-    let more = b.probe(&["connect", &server.addr.to_string(), "1", "1"]);
+    let more = b.probe(Probe::connect(server.addr, 1, 1));
     assert_eq!(more.ok, 1, "the other scope's rule has room: {more:?}");
     let sa = d.scope("a");
-    assert_eq!((n(&sa, "shed"), n(&rule(&sa), "shed")), (2, 2), "{sa}");
+    assert_eq!((sa.counts.shed, rule(&sa).counts.shed), (2, 2), "{sa:?}");
     drop(held_a);
     drop(held_b);
     for name in ["a", "b"] {
         let s = d.wait_scope(name, Duration::from_secs(5), |s| {
-            n(s, "active") == 0 && n(&rule(s), "active") == 0
+            s.counts.active == 0 && rule(s).counts.active == 0
         });
-        assert_eq!((n(&s, "active"), n(&rule(&s), "active")), (0, 0), "{s}");
+        assert_eq!((s.counts.active, rule(&s).counts.active), (0, 0), "{s:?}");
     }
 }
 
-fn wait_generation(d: &Daemon, generation: u64) -> serde_json::Value {
+fn wait_generation(d: &Daemon, generation: u64) -> Snapshot {
     for _ in 0..100 {
         let stats = d.stats();
-        if stats["policy"]["generation"] == generation {
+        if stats.policy.generation == generation {
             return stats;
         }
         std::thread::sleep(Duration::from_millis(20));
     }
     panic!(
-        "policy generation never reached {generation}: {}",
+        "policy generation never reached {generation}: {:?}",
         d.stats()
     );
 }
@@ -229,23 +245,27 @@ fn the_whole_host_with_50000_cgroups_applies_and_reloads() {
         .map(|i| parent.child(&format!("c{i}")))
         .collect();
     let server = Server::start("127.0.0.1:0");
-    let policy = "[[scope]]\nname = \"host\"\ncgroup = \"/\"\nmode = \"observe\"\n";
-    let d = Daemon::start(policy);
-    std::fs::write(&d.policy, format!("{policy}max_connections = 100000\n")).unwrap();
-    let out = d.cli(&["reload"]);
+    let host = Scope::new("host", "/").mode(Mode::Observe);
+    let d = Daemon::builder(Policy::new().scope(host.clone())).start();
+    std::fs::write(
+        &d.policy,
+        Policy::new().scope(host.max_connections(100_000)).to_toml(),
+    )
+    .unwrap();
+    let out = d.reload();
     assert!(
         out.status.success(),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert_eq!(d.stats()["policy"]["generation"], 2);
+    assert_eq!(d.stats().policy.generation, 2);
     let last = children.last().unwrap();
-    let probe = last.probe(&["connect", &server.addr.to_string(), "1", "1"]);
+    let probe = last.probe(Probe::connect(server.addr, 1, 1));
     assert_eq!(probe.ok, 1, "{probe:?}");
     // The scope holds the whole host's connections; this destination only ours.
     let s = d.scope("host");
     let dst = destination(&s, &server.addr.to_string());
-    assert_eq!((n(dst, "admitted"), n(dst, "shed")), (1, 0), "{dst}");
+    assert_eq!((dst.counts.admitted, dst.counts.shed), (1, 0), "{dst:?}");
     drop(d);
     drop(children);
 }

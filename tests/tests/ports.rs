@@ -1,8 +1,19 @@
 //! Ephemeral-port and TIME_WAIT exhaustion, diagnosed on the real kernel.
-use std::{collections::BTreeMap, process::Command};
+use std::{
+    collections::BTreeMap,
+    net::{IpAddr, Ipv4Addr, SocketAddr},
+    process::Command,
+};
 
-use connguard_tests::{Cgroup, Daemon, Netns, connguard_bin, destination};
-use serde_json::Value;
+use connguard_api::{
+    policy::{Limited, Mode, Policy, Scope},
+    ports::{DestinationPorts, EaddrnotavailCount, PortsReport, SourcePool},
+};
+use connguard_tests::{Cgroup, Daemon, Netns, Probe, ServePort, connguard_bin, json_of};
+
+/// The servers of `serve`.
+const TO_8080: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 8080);
+const TO_8081: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 8081);
 
 /// A netns with a 100-port ephemeral range and tcp_tw_reuse 0.
 fn small_range_netns() -> Netns {
@@ -17,12 +28,12 @@ fn small_range_netns() -> Netns {
 }
 
 /// `connguard ports --json` for the namespace, with no daemon to ask.
-fn ports_json(ns: &Netns) -> Value {
+fn ports_json(ns: &Netns) -> PortsReport {
     ports_json_with(ns, "/nonexistent/connguard.sock")
 }
 
 /// `connguard ports --json` for the namespace, asking the daemon on `socket`.
-fn ports_json_with(ns: &Netns, socket: &str) -> Value {
+fn ports_json_with(ns: &Netns, socket: &str) -> PortsReport {
     let out = Command::new(connguard_bin())
         .args(["ports", "--json", "--netns", &ns.path(), "--socket", socket])
         .output()
@@ -33,6 +44,12 @@ fn ports_json_with(ns: &Netns, socket: &str) -> Value {
         String::from_utf8_lossy(&out.stderr)
     );
     serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// The row of `dst` in a ports report.
+fn destination<'a>(r: &'a PortsReport, dst: &str) -> &'a DestinationPorts {
+    r.destination(dst)
+        .unwrap_or_else(|| panic!("no destination {dst} in {r:#?}"))
 }
 
 /// `ss -Htan` in the namespace: (src addr, dst addr:port, state) per socket.
@@ -59,7 +76,10 @@ fn ss(ns: &Netns) -> Vec<(String, String, String, u16)> {
 
 /// Servers on 127.0.0.1:8080 and :8081 in the namespace, run from `cg`, until dropped.
 fn serve(cg: &Cgroup, ns: &Netns) -> connguard_tests::Holder {
-    cg.hold_args(&["serve", &ns.path(), "8080", "8081"])
+    cg.hold(Probe::Serve {
+        netns: ns.path(),
+        ports: vec![ServePort::plain(8080), ServePort::plain(8081)],
+    })
 }
 
 /// A namespace whose range holds 100 ports, without the daemon: EADDRNOTAVAIL at
@@ -71,17 +91,17 @@ fn exhausted_destination_is_named_with_exact_counts() {
     let ns = small_range_netns();
     let cg = Cgroup::new("ports");
     let servers = serve(&cg, &ns);
-    let out = cg.probe(&["churn", &ns.path(), "127.0.0.1:8080", "150", "0"]);
+    let out = cg.probe(Probe::churn(ns.path(), TO_8080, 150));
     // The 101st fails (about 1 run in 5 here a TIME_WAIT entry goes early and the 102nd
     // does); after the first, every one fails.
-    let first = out.categories["first_eaddrnotavail"];
+    let first = out.category("first_eaddrnotavail");
     assert!((101..=102).contains(&first), "{out:?}");
     assert_eq!(
         (out.ok, out.errors("EADDRNOTAVAIL")),
         (first - 1, 151 - first),
         "{out:?}"
     );
-    let other = cg.probe(&["churn", &ns.path(), "127.0.0.1:8081", "1", "0"]);
+    let other = cg.probe(Probe::churn(ns.path(), TO_8081, 1));
     assert_eq!(other.ok, 1, "the limit is per destination: {other:?}");
     // --pid names the same namespace as --netns.
     let by_pid = Command::new(connguard_bin())
@@ -95,17 +115,13 @@ fn exhausted_destination_is_named_with_exact_counts() {
         .arg(servers.child.id().to_string())
         .output()
         .unwrap();
-    let by_pid: Value = serde_json::from_slice(&by_pid.stdout).unwrap();
-    assert_eq!(by_pid["destinations"], ports_json(&ns)["destinations"]);
+    let by_pid: PortsReport = json_of("connguard ports --json --pid", &by_pid);
+    assert_eq!(by_pid.destinations, ports_json(&ns).destinations);
 
     let r = ports_json(&ns);
     assert_eq!(
-        (
-            r["ephemeral_range"].clone(),
-            r["ephemeral_ports"].clone(),
-            r["tcp_tw_reuse"].clone()
-        ),
-        (serde_json::json!([40000, 40099]), 100.into(), 0.into())
+        (r.ephemeral_range, r.ephemeral_ports, r.tcp_tw_reuse),
+        ([40000, 40099], 100, 0)
     );
     let d = destination(&r, "127.0.0.1:8080");
     let ss = ss(&ns);
@@ -115,33 +131,22 @@ fn exhausted_destination_is_named_with_exact_counts() {
         .count();
     assert_eq!(ss_tw, 100, "{ss:?}");
     assert_eq!(
-        (
-            d["in_use"].as_u64(),
-            d["time_wait"].as_u64(),
-            d["active"].as_u64(),
-            d["ratio"].as_f64()
-        ),
-        (Some(100), Some(100), Some(0), Some(1.0)),
-        "{d}"
+        (d.in_use, d.time_wait, d.active, d.ratio),
+        (100, 100, 0, 1.0),
+        "{d:?}"
     );
     let other = destination(&r, "127.0.0.1:8081");
-    assert_eq!(
-        (other["in_use"].as_u64(), other["time_wait"].as_u64()),
-        (Some(1), Some(1)),
-        "{other}"
-    );
-    let warnings = r["warnings"].as_array().unwrap();
+    assert_eq!((other.in_use, other.time_wait), (1, 1), "{other:?}");
+    let warnings = &r.warnings;
     assert!(
-        warnings.iter().any(|w| w.as_str().unwrap().starts_with(
+        warnings.iter().any(|w| w.starts_with(
             "127.0.0.1 -> 127.0.0.1:8080 holds 100 of 100 ephemeral ports (100%): 100 in TIME_WAIT, 0 active. \
              New connections from 127.0.0.1 to 127.0.0.1:8080 fail with EADDRNOTAVAIL."
         )),
         "{warnings:?}"
     );
     assert!(
-        !warnings
-            .iter()
-            .any(|w| w.as_str().unwrap().contains("-> 127.0.0.1:8081")),
+        !warnings.iter().any(|w| w.contains("-> 127.0.0.1:8081")),
         "{warnings:?}"
     );
 
@@ -158,28 +163,17 @@ fn exhausted_destination_is_named_with_exact_counts() {
         }
     }
     let mut from_report: BTreeMap<(String, String), BTreeMap<String, u64>> = BTreeMap::new();
-    for d in r["destinations"].as_array().unwrap() {
-        let mut states: BTreeMap<String, u64> = d["states"]
-            .as_object()
-            .unwrap()
+    for d in &r.destinations {
+        let mut states: BTreeMap<String, u64> = d
+            .states
             .iter()
-            .map(|(k, v)| (k.clone(), v.as_u64().unwrap()))
+            .map(|(k, v)| (k.clone(), u64::from(*v)))
             .collect();
-        if d["time_wait"].as_u64().unwrap() > 0 {
-            states.insert("TIME-WAIT".into(), d["time_wait"].as_u64().unwrap());
+        if d.time_wait > 0 {
+            states.insert("TIME-WAIT".into(), d.time_wait.into());
         }
-        assert_eq!(
-            d["in_use"].as_u64().unwrap(),
-            states.values().sum::<u64>(),
-            "{d}"
-        );
-        from_report.insert(
-            (
-                d["src"].as_str().unwrap().into(),
-                d["dst"].as_str().unwrap().into(),
-            ),
-            states,
-        );
+        assert_eq!(u64::from(d.in_use), states.values().sum::<u64>(), "{d:?}");
+        from_report.insert((d.src.clone(), d.dst.clone()), states);
     }
     assert_eq!(from_report, from_ss);
 }
@@ -191,21 +185,21 @@ fn exhausted_destination_is_named_with_exact_counts() {
 fn bind_before_connect_pool_is_reported_per_source_address() {
     let ns = small_range_netns();
     let cg = Cgroup::new("bind");
-    let held = cg.hold_args(&["bind", &ns.path(), "127.0.0.2:0", "85"]);
+    let held = cg.hold(Probe::Bind {
+        netns: ns.path(),
+        addr: "127.0.0.2:0".parse().unwrap(),
+        count: 85,
+        destinations: Vec::new(),
+    });
     assert_eq!(held.outcome.ok, 85);
     let r = ports_json(&ns);
-    let warnings: Vec<&str> = r["warnings"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|w| w.as_str().unwrap())
-        .collect();
-    assert!(r["destinations"].as_array().unwrap().is_empty(), "{r}");
-    if r["bound_inactive_listed"] == false {
-        assert_eq!(r["bound_ports"], 0, "{r}");
-        assert_eq!(r["bound_sources"], serde_json::json!([]), "{r}");
+    let warnings = &r.warnings;
+    assert!(r.destinations.is_empty(), "{r:?}");
+    if r.bound_inactive_listed == Some(false) {
+        assert_eq!(r.bound_ports, 0, "{r:?}");
+        assert_eq!(r.bound_sources, [], "{r:?}");
         assert_eq!(
-            warnings,
+            r.warnings,
             [
                 "This kernel's sock_diag does not list sockets that are bound but neither \
               connected nor listening (Linux 6.7 and later do): ports held by bind() alone \
@@ -214,23 +208,14 @@ fn bind_before_connect_pool_is_reported_per_source_address() {
         );
         return;
     }
-    assert_eq!(r["bound_inactive_listed"], true, "{r}");
-    let pool = r["bound_sources"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|p| p["src"] == "127.0.0.2")
-        .unwrap_or_else(|| panic!("{r}"));
+    assert_eq!(r.bound_inactive_listed, Some(true), "{r:?}");
+    let pool = r.source("127.0.0.2").unwrap_or_else(|| panic!("{r:?}"));
     assert_eq!(
-        (
-            pool["in_use"].as_u64(),
-            pool["bound_inactive"].as_u64(),
-            pool["ratio"].as_f64()
-        ),
-        (Some(85), Some(85), Some(0.85)),
-        "{pool}"
+        (pool.in_use, pool.bound_inactive, pool.ratio),
+        (85, 85, 0.85),
+        "{pool:?}"
     );
-    assert_eq!(r["bound_ports"], 85, "{r}");
+    assert_eq!(r.bound_ports, 85, "{r:?}");
     assert!(
         warnings.iter().any(|w| w.starts_with(
             "85 of 100 ephemeral ports (85%) are taken by bind() or listen(), 85 of them bound but unconnected"
@@ -249,53 +234,53 @@ fn a_source_pool_spent_by_bind_before_connect_is_warned_about() {
     let ns = small_range_netns();
     let cg = Cgroup::new("proxy");
     let _servers = serve(&cg, &ns);
-    let proxy = cg.hold_args(&[
-        "bind",
-        &ns.path(),
-        "127.0.0.6:0",
-        "105",
-        "127.0.0.1:8080,127.0.0.1:8081",
-    ]);
+    let proxy = cg.hold(Probe::Bind {
+        netns: ns.path(),
+        addr: "127.0.0.6:0".parse().unwrap(),
+        count: 105,
+        destinations: vec![TO_8080, TO_8081],
+    });
     assert_eq!(
         (proxy.outcome.ok, proxy.outcome.errors("EADDRINUSE")),
         (100, 5),
         "{:?}",
         proxy.outcome
     );
-    let plain = cg.probe(&["churn", &ns.path(), "127.0.0.1:8081", "1", "0"]);
+    let plain = cg.probe(Probe::churn(ns.path(), TO_8081, 1));
     assert_eq!(plain.errors("EADDRNOTAVAIL"), 1, "{plain:?}");
 
     let r = ports_json(&ns);
     for dst in ["127.0.0.1:8080", "127.0.0.1:8081"] {
         let d = destination(&r, dst);
         assert_eq!(
-            (
-                d["src"].as_str(),
-                d["in_use"].as_u64(),
-                d["available"].as_u64()
-            ),
-            (Some("127.0.0.6"), Some(50), Some(50)),
-            "{d}"
+            (d.src.as_str(), d.in_use, d.available),
+            ("127.0.0.6", 50, 50),
+            "{d:?}"
         );
     }
     assert_eq!(
-        r["bound_sources"][0],
-        serde_json::json!({"src": "127.0.0.6", "in_use": 100, "bound_inactive": 0, "ratio": 1.0}),
-        "{r}"
+        r.bound_sources[0],
+        SourcePool {
+            src: "127.0.0.6".into(),
+            in_use: 100,
+            bound_inactive: 0,
+            ratio: 1.0
+        },
+        "{r:?}"
     );
     let warning = "Source address 127.0.0.6 holds 100 of 100 ephemeral ports (100%): connections \
                    to 2 destination(s), and 0 socket(s) bound but unconnected. bind() to \
                    127.0.0.6 with port 0 fails with EADDRINUSE.";
     let remedies = "Remedies: set IP_BIND_ADDRESS_NO_PORT before bind() so that connect() picks \
                     the port per destination; bind to more source addresses; reuse connections";
-    let warnings = r["warnings"].as_array().unwrap();
+    let warnings = &r.warnings;
     // Past the first, only the note of a kernel whose sock_diag lists no bound-only socket.
     assert_eq!(
         warnings.len(),
-        1 + usize::from(r["bound_inactive_listed"] != true),
+        1 + usize::from(r.bound_inactive_listed != Some(true)),
         "{warnings:?}"
     );
-    let first = warnings[0].as_str().unwrap();
+    let first = &warnings[0];
     assert!(
         first.starts_with(warning) && first.contains(remedies),
         "{first}"
@@ -329,7 +314,7 @@ fn an_answer_it_cannot_read_leaves_the_daemon_free_report_and_one_warning() {
     let ns = small_range_netns();
     let cg = Cgroup::new("other-version");
     let _servers = serve(&cg, &ns);
-    let churned = cg.probe(&["churn", &ns.path(), "127.0.0.1:8080", "3", "0"]);
+    let churned = cg.probe(Probe::churn(ns.path(), TO_8080, 3));
     assert_eq!(churned.ok, 3, "{churned:?}");
     let dir = std::env::temp_dir().join(connguard_tests::unique("connguard-other-version"));
     std::fs::create_dir_all(&dir).unwrap();
@@ -350,13 +335,9 @@ fn an_answer_it_cannot_read_leaves_the_daemon_free_report_and_one_warning() {
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
-    let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let r: PortsReport = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(r, ports_json(&ns));
-    assert_eq!(
-        destination(&r, "127.0.0.1:8080")["time_wait"].as_u64(),
-        Some(3),
-        "{r}"
-    );
+    assert_eq!(destination(&r, "127.0.0.1:8080").time_wait, 3, "{r:?}");
     let lines: Vec<&str> = stderr.lines().collect();
     assert_eq!(lines.len(), 1, "{stderr}");
     let head = format!(
@@ -383,32 +364,34 @@ fn with_the_daemon_rates_scopes_and_eaddrnotavail_are_attributed() {
     let cg = Cgroup::new("portsd");
     let server_cg = Cgroup::new("portsd-servers");
     let _servers = serve(&server_cg, &ns);
-    let d = Daemon::with_metrics(&format!(
-        "[[scope]]\nname = \"client\"\ncgroup = \"{}\"\nmode = \"observe\"\n",
-        cg.rel
-    ));
-    let out = cg.probe(&["churn", &ns.path(), "127.0.0.1:8080", "150", "0"]);
+    let d = Daemon::builder(Policy::new().scope(Scope::new("client", &cg.rel).mode(Mode::Observe)))
+        .metrics()
+        .start();
+    let out = cg.probe(Probe::churn(ns.path(), TO_8080, 150));
     let failed = out.errors("EADDRNOTAVAIL");
     assert!((49..=50).contains(&failed), "{out:?}");
     // Rates come from samples every 0.5 s.
     std::thread::sleep(std::time::Duration::from_millis(1200));
     let r = ports_json_with(&ns, &d.socket.display().to_string());
     let d8080 = destination(&r, "127.0.0.1:8080");
-    assert_eq!(d8080["scopes"], serde_json::json!(["client"]), "{d8080}");
-    assert!(d8080["time_wait_per_s"].as_f64().unwrap() > 0.0, "{d8080}");
-    assert_eq!(
-        d8080["seconds_to_exhaustion"].as_f64(),
-        Some(0.0),
-        "{d8080}"
+    assert_eq!(d8080.scopes, ["client"], "{d8080:?}");
+    assert!(
+        d8080.time_wait_per_s.is_some_and(|rate| rate > 0.0),
+        "{d8080:?}"
     );
+    assert_eq!(d8080.seconds_to_exhaustion, Some(0.0), "{d8080:?}");
     assert_eq!(
-        r["eaddrnotavail"],
-        serde_json::json!([{"scope": "client", "comm": "guard-probe", "count": failed}]),
-        "{r}"
+        r.eaddrnotavail,
+        [EaddrnotavailCount {
+            scope: "client".into(),
+            comm: "guard-probe".into(),
+            count: failed
+        }],
+        "{r:?}"
     );
     // Every connection left one TIME_WAIT entry, counted for its scope.
     let s = d.scope("client");
-    assert_eq!(s["time_wait_created"].as_u64(), Some(out.ok), "{s}");
+    assert_eq!(s.time_wait_created, out.ok, "{s:?}");
     let metrics = d.metrics();
     for line in [
         format!(
@@ -422,7 +405,7 @@ fn with_the_daemon_rates_scopes_and_eaddrnotavail_are_attributed() {
             "no line {line:?} in\n{metrics}"
         );
     }
-    let w = r["warnings"].as_array().unwrap()[0].as_str().unwrap();
+    let w = &r.warnings[0];
     assert!(
         w.contains("TIME_WAIT entries are created at") && w.contains("Held by scope(s) client."),
         "{w}"
@@ -438,10 +421,8 @@ fn with_the_daemon_rates_scopes_and_eaddrnotavail_are_attributed() {
 fn a_full_time_wait_map_costs_the_daemon_a_few_copies_of_it() {
     const ENTRIES: u32 = 65_536;
     let cg = Cgroup::new("twmem");
-    let d = Daemon::start(&format!(
-        "[[scope]]\nname = \"s\"\ncgroup = \"{}\"\nmode = \"observe\"\n",
-        cg.rel
-    ));
+    let d =
+        Daemon::builder(Policy::new().scope(Scope::new("s", &cg.rel).mode(Mode::Observe))).start();
     let rss_kib = || {
         let status = std::fs::read_to_string(format!("/proc/{}/status", d.pid())).unwrap();
         let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
@@ -512,15 +493,26 @@ fn port_watermark_sheds_one_scope_and_keeps_headroom_for_others() {
     // The daemon watches the namespaces of the scope's processes: one that stays (a
     // listener outside the ephemeral range, as a service would have) keeps the
     // namespace watched after the churn's process has exited.
-    let _resident = churner.hold_args(&["listen", &ns.path(), "127.0.0.1:9000", "1"]);
-    let d = Daemon::start(&format!(
-        "[[scope]]\nname = \"churner\"\ncgroup = \"{}\"\nport_watermark = 0.8\n\n\
-         [[scope]]\nname = \"other\"\ncgroup = \"{}\"\n",
-        churner.rel, other.rel
+    let _resident = churner.hold(Probe::listen(
+        ns.path(),
+        "127.0.0.1:9000".parse().unwrap(),
+        1,
     ));
+    let d = Daemon::builder(
+        Policy::new()
+            .scope(Scope::new("churner", &churner.rel).port_watermark(0.8))
+            .scope(Scope::new("other", &other.rel)),
+    )
+    .start();
     // 20 connections a second: the daemon re-reads the socket table every 0.5 s.
-    let out = churner.probe(&["churn", &ns.path(), "127.0.0.1:8080", "120", "20"]);
-    let first = out.categories["first_refused"];
+    let out = churner.probe(Probe::Churn {
+        netns: ns.path(),
+        addr: TO_8080,
+        count: 120,
+        per_second: 20,
+        reset: false,
+    });
+    let first = out.category("first_refused");
     assert!(
         (81..=97).contains(&first),
         "shed should start just past 80 held ports: {out:?}"
@@ -532,25 +524,24 @@ fn port_watermark_sheds_one_scope_and_keeps_headroom_for_others() {
     );
     assert_eq!(out.ok + out.errors("ECONNREFUSED"), 120, "{out:?}");
     let r = ports_json(&ns);
-    let held = destination(&r, "127.0.0.1:8080")["in_use"]
-        .as_u64()
-        .unwrap();
+    let held = destination(&r, "127.0.0.1:8080").in_use;
     assert_eq!(
-        held, out.ok,
+        u64::from(held),
+        out.ok,
         "one TIME_WAIT entry per admitted connection, the rest is headroom"
     );
-    let o = other.probe(&["churn", &ns.path(), "127.0.0.1:8080", "3", "0"]);
+    let o = other.probe(Probe::churn(ns.path(), TO_8080, 3));
     assert_eq!(o.ok, 3, "another scope still connects: {o:?}");
     let stats = d.stats();
-    let watched = stats["watched_ports"].as_array().unwrap();
     assert!(
-        watched
+        stats
+            .watched_ports
             .iter()
-            .any(|w| w["dst"] == "127.0.0.1:8080" && w["ratio"].as_f64().unwrap() >= 0.8),
-        "{stats}"
+            .any(|w| w.dst == "127.0.0.1:8080" && w.ratio >= 0.8),
+        "{stats:?}"
     );
     let s = d.scope("churner");
-    assert_eq!(s["shed"].as_u64(), Some(out.errors("ECONNREFUSED")), "{s}");
+    assert_eq!(s.counts.shed, out.errors("ECONNREFUSED"), "{s:?}");
 }
 
 /// `connguard top` for a namespace, without a daemon, in a detached tmux session of
@@ -612,7 +603,7 @@ fn top_shows_the_exhausted_destination_in_a_terminal_and_quits_on_q() {
     let cg = Cgroup::new("top");
     let _servers = serve(&cg, &ns);
     // Past the range: all 100 ports end up held, whatever entry leaves early.
-    let out = cg.probe(&["churn", &ns.path(), "127.0.0.1:8080", "110", "0"]);
+    let out = cg.probe(Probe::churn(ns.path(), TO_8080, 110));
     assert!(out.errors("EADDRNOTAVAIL") > 0, "{out:?}");
     let top = Top::start(&ns);
     let text = top.screen_with("100/100");

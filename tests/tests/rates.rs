@@ -6,17 +6,21 @@ use std::{
     time::{Duration, Instant},
 };
 
-use connguard_tests::{Cgroup, Daemon, Netns, Outcome, Server, destination, free_port, n};
-use serde_json::Value;
+use connguard_api::{
+    policy::{Limited, Mode, Per, Policy, Rule, Scope},
+    stats::{DestStats, ScopeStats},
+};
+use connguard_tests::{Cgroup, Daemon, Netns, Outcome, Probe, Server, destination, free_port};
 
-/// A scope over `cg` with one rule for `dst` (an address) and `port` carrying `limits`
-/// (TOML lines), for each endpoint.
-fn policy(cg: &Cgroup, mode: &str, dst: &str, port: u16, limits: &str) -> String {
-    format!(
-        "[[scope]]\nname = \"s\"\ncgroup = \"{}\"\nmode = \"{mode}\"\n\n\
-         [[scope.rule]]\nname = \"r\"\ndst = [\"{dst}\"]\nports = [\"{port}\"]\n{limits}\n",
-        cg.rel
-    )
+/// A scope `s` over `cg` with the one rule `rule`.
+fn policy(cg: &Cgroup, mode: Mode, rule: Rule) -> Policy {
+    Policy::new().scope(Scope::new("s", &cg.rel).mode(mode).rule(rule))
+}
+
+/// A rule `r` for `dst` (an address) and `port`, whose limits the caller sets (for each
+/// endpoint unless it says otherwise).
+fn rule(dst: &str, port: u16) -> Rule {
+    Rule::new("r").dst([dst]).ports([port])
 }
 
 /// What a bucket of `burst` tokens refilled one per `interval_us` admits over attempts
@@ -27,16 +31,19 @@ fn admissible(burst: u64, interval_us: u64, elapsed_us: u64) -> u64 {
 
 /// 1,000 attempts in 100 ms to `addr` against `rate = "100/s"`, `burst = 10` (as
 /// `mode`).
-fn thousand_in_100ms(mode: &str, addr: SocketAddr) -> (Outcome, Value) {
+fn thousand_in_100ms(mode: Mode, addr: SocketAddr) -> (Outcome, DestStats) {
     let cg = Cgroup::new("rate");
-    let d = Daemon::start(&policy(
+    let d = Daemon::builder(policy(
         &cg,
         mode,
-        "127.0.0.1",
-        addr.port(),
-        "rate = \"100/s\"\nburst = 10",
-    ));
-    let out = cg.probe(&["paced", &addr.to_string(), "1000", "100"]);
+        rule("127.0.0.1", addr.port()).rate("100/s").burst(10),
+    ))
+    .start();
+    let out = cg.probe(Probe::Paced {
+        addr,
+        count: 1000,
+        spread_ms: 100,
+    });
     let s = d.scope("s");
     (out, destination(&s, &addr.to_string()).clone())
 }
@@ -47,8 +54,8 @@ fn thousand_in_100ms(mode: &str, addr: SocketAddr) -> (Outcome, Value) {
 #[test]
 fn a_rate_admits_the_burst_and_a_token_per_interval_and_refuses_the_rest_at_once() {
     let server = Server::start("127.0.0.1:0");
-    let (out, dst) = thousand_in_100ms("enforce", server.addr);
-    let want = admissible(10, 10_000, out.categories["elapsed_us"]);
+    let (out, dst) = thousand_in_100ms(Mode::Enforce, server.addr);
+    let want = admissible(10, 10_000, out.category("elapsed_us"));
     assert!(
         out.ok.abs_diff(want) <= 1,
         "{} admitted, want {want}: {out:?}",
@@ -61,14 +68,14 @@ fn a_rate_admits_the_burst_and_a_token_per_interval_and_refuses_the_rest_at_once
     assert!(out.max_error_us < 100_000, "{out:?}");
     assert_eq!(
         (
-            n(&dst, "admitted"),
-            n(&dst, "shed"),
-            n(&dst, "rate_limited")
+            dst.counts.admitted,
+            dst.counts.shed,
+            dst.counts.rate_limited
         ),
         (out.ok, 1000 - out.ok, 1000 - out.ok),
-        "{dst}"
+        "{dst:?}"
     );
-    assert_eq!(n(&dst, "handshake_limited"), 0, "{dst}");
+    assert_eq!(dst.counts.handshake_limited, 0, "{dst:?}");
 }
 
 /// Observe mode runs the same bucket: it admits every attempt and counts as would-be
@@ -79,22 +86,22 @@ fn a_rate_admits_the_burst_and_a_token_per_interval_and_refuses_the_rest_at_once
 #[test]
 fn observe_mode_counts_what_the_rate_would_refuse() {
     let closed = SocketAddr::from(([127, 0, 0, 1], free_port()));
-    let (out, dst) = thousand_in_100ms("observe", closed);
+    let (out, dst) = thousand_in_100ms(Mode::Observe, closed);
     assert_eq!(out.errors("ECONNREFUSED"), 1000, "{out:?}");
-    let want = 1000 - admissible(10, 10_000, out.categories["elapsed_us"]);
-    let would = n(&dst, "would_shed");
+    let want = 1000 - admissible(10, 10_000, out.category("elapsed_us"));
+    let would = dst.counts.would_shed;
     assert!(
         would.abs_diff(want) <= 1,
-        "{would} would_shed, want {want}: {dst}"
+        "{would} would_shed, want {want}: {dst:?}"
     );
     assert_eq!(
         (
-            n(&dst, "shed"),
-            n(&dst, "rate_limited"),
-            n(&dst, "admitted")
+            dst.counts.shed,
+            dst.counts.rate_limited,
+            dst.counts.admitted
         ),
         (0, would, 1000),
-        "{dst}"
+        "{dst:?}"
     );
 }
 
@@ -104,47 +111,32 @@ fn observe_mode_counts_what_the_rate_would_refuse() {
 #[test]
 fn a_reload_keeps_the_bucket_and_a_faster_rate_starts_from_empty() {
     let server = Server::start("127.0.0.1:0");
-    let addr = server.addr.to_string();
+    let addr = server.addr;
     let cg = Cgroup::new("ratereload");
-    let slow = policy(
-        &cg,
-        "enforce",
-        "127.0.0.1",
-        server.addr.port(),
-        "rate = \"1/min\"\nburst = 2",
-    );
-    let d = Daemon::start(&slow);
-    let out = cg.probe(&["connect", &addr, "3", "1"]);
+    let slow = rule("127.0.0.1", addr.port()).rate("1/min").burst(2);
+    let d = Daemon::builder(policy(&cg, Mode::Enforce, slow.clone())).start();
+    let out = cg.probe(Probe::connect(addr, 3, 1));
     assert_eq!((out.ok, out.errors("ECONNREFUSED")), (2, 1), "{out:?}");
-    let reload = |text: &str, generation: u64| {
-        std::fs::write(&d.policy, text).unwrap();
-        let r = d.cli(&["reload"]);
+    let reload = |rule: Rule, generation: u64| {
+        std::fs::write(&d.policy, policy(&cg, Mode::Enforce, rule).to_toml()).unwrap();
+        let r = d.reload();
         assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
-        assert_eq!(d.stats()["policy"]["generation"], generation);
+        assert_eq!(d.stats().policy.generation, generation);
     };
-    reload(&format!("{slow}max_connections = 100\n"), 2);
-    let out = cg.probe(&["connect", &addr, "1", "1"]);
+    reload(slow.max_connections(100), 2);
+    let out = cg.probe(Probe::connect(addr, 1, 1));
     assert_eq!(
         out.errors("ECONNREFUSED"),
         1,
         "the bucket was refilled: {out:?}"
     );
-    reload(
-        &policy(
-            &cg,
-            "enforce",
-            "127.0.0.1",
-            server.addr.port(),
-            "rate = \"100/s\"\nburst = 1",
-        ),
-        3,
-    );
+    reload(rule("127.0.0.1", addr.port()).rate("100/s").burst(1), 3);
     // The first attempt finds the old debt and empties the bucket; 10 ms later a token.
     let until = Instant::now() + Duration::from_secs(2);
     let mut tries = 0;
     loop {
         tries += 1;
-        let out = cg.probe(&["connect", &addr, "1", "1"]);
+        let out = cg.probe(Probe::connect(addr, 1, 1));
         if out.ok == 1 {
             break;
         }
@@ -156,8 +148,8 @@ fn a_reload_keeps_the_bucket_and_a_faster_rate_starts_from_empty() {
     }
     assert!(tries <= 3, "{tries} tries");
     let s = d.scope("s");
-    let dst = destination(&s, &addr);
-    assert_eq!(n(dst, "admitted"), 3, "{dst}");
+    let dst = destination(&s, &addr.to_string());
+    assert_eq!(dst.counts.admitted, 3, "{dst:?}");
 }
 
 /// `max_connecting = 5` against a destination that never answers: of 50 connects at
@@ -170,27 +162,31 @@ fn max_connecting_lets_five_handshakes_wait_and_refuses_the_rest_at_once() {
     let ns = Netns::with_blackhole("cghs");
     // `connecting` of the destination, the rule and the scope (0 for a destination not
     // listed yet).
-    let levels = |s: &Value| {
-        let dst = s["destinations"]
-            .as_array()
-            .and_then(|ds| ds.iter().find(|d| d["dst"] == "192.0.2.2:80"))
-            .map_or(0, |d| n(d, "connecting"));
-        (dst, n(&s["rules"][0], "connecting"), n(s, "connecting"))
+    let levels = |s: &ScopeStats| {
+        let dst = s
+            .destination("192.0.2.2:80")
+            .map_or(0, |d| d.counts.connecting);
+        (dst, s.rules[0].counts.connecting, s.counts.connecting)
     };
-    for (per, waiting_at) in [("endpoint", (5, 0, 0)), ("rule", (0, 5, 0))] {
+    for (per, waiting_at) in [(Per::Endpoint, (5, 0, 0)), (Per::Rule, (0, 5, 0))] {
         let cg = Cgroup::new("handshakes");
-        let d = Daemon::start(&policy(
+        let d = Daemon::builder(policy(
             &cg,
-            "enforce",
-            "192.0.2.2",
-            80,
-            &format!("max_connecting = 5\nper = \"{per}\""),
-        ));
+            Mode::Enforce,
+            rule("192.0.2.2", 80).max_connecting(5).per(per),
+        ))
+        .start();
         for round in 1..=2u64 {
             // The 5 wait 3 s: time to see them counted, in a slow guest too.
             let (out, waiting) = std::thread::scope(|t| {
-                let probe =
-                    t.spawn(|| cg.probe(&["handshakes", &ns.path(), "192.0.2.2:80", "50", "3000"]));
+                let probe = t.spawn(|| {
+                    cg.probe(Probe::Handshakes {
+                        netns: ns.path(),
+                        addr: "192.0.2.2:80".parse().unwrap(),
+                        count: 50,
+                        timeout_ms: 3000,
+                    })
+                });
                 let waiting =
                     d.wait_scope("s", Duration::from_secs(3), |s| levels(s) == waiting_at);
                 (probe.join().unwrap(), waiting)
@@ -198,29 +194,29 @@ fn max_connecting_lets_five_handshakes_wait_and_refuses_the_rest_at_once() {
             assert_eq!(
                 levels(&waiting),
                 waiting_at,
-                "per {per}, round {round}: `connecting` of destination, rule and scope \
-                 while 5 wait: {waiting}"
+                "per {per:?}, round {round}: `connecting` of destination, rule and scope \
+                 while 5 wait: {waiting:?}"
             );
             assert_eq!(
                 (out.errors("TIMEOUT"), out.errors("ECONNREFUSED"), out.ok),
                 (5, 45, 0),
-                "per {per}, round {round}: {out:?}"
+                "per {per:?}, round {round}: {out:?}"
             );
             // At once, not after a SYN timeout (1 s): well under 1 ms on the host; a qemu
             // TCG guest took 11.6 ms to wake the slowest of 50 threads.
-            assert!(out.categories["refused_max_us"] < 200_000, "{out:?}");
-            let s = d.wait_scope("s", Duration::from_secs(5), |s| n(s, "active") == 0);
-            assert_eq!(levels(&s), (0, 0, 0), "per {per}, round {round}: {s}");
+            assert!(out.category("refused_max_us") < 200_000, "{out:?}");
+            let s = d.wait_scope("s", Duration::from_secs(5), |s| s.counts.active == 0);
+            assert_eq!(levels(&s), (0, 0, 0), "per {per:?}, round {round}: {s:?}");
             let dst = destination(&s, "192.0.2.2:80");
             assert_eq!(
                 (
-                    n(dst, "admitted"),
-                    n(dst, "shed"),
-                    n(dst, "handshake_limited"),
-                    n(dst, "rate_limited")
+                    dst.counts.admitted,
+                    dst.counts.shed,
+                    dst.counts.handshake_limited,
+                    dst.counts.rate_limited
                 ),
                 (5 * round, 45 * round, 45 * round, 0),
-                "per {per}, round {round}: {dst}"
+                "per {per:?}, round {round}: {dst:?}"
             );
         }
     }
@@ -232,26 +228,25 @@ fn max_connecting_lets_five_handshakes_wait_and_refuses_the_rest_at_once() {
 fn an_established_connection_leaves_the_handshake_budget() {
     let server = Server::start("127.0.0.1:0");
     let cg = Cgroup::new("hsdone");
-    let d = Daemon::start(&policy(
+    let d = Daemon::builder(policy(
         &cg,
-        "enforce",
-        "127.0.0.1",
-        server.addr.port(),
-        "max_connecting = 1",
-    ));
-    let held = cg.hold(&server.addr, 20, 1);
+        Mode::Enforce,
+        rule("127.0.0.1", server.addr.port()).max_connecting(1),
+    ))
+    .start();
+    let held = cg.hold(Probe::hold(server.addr, 20, 1));
     assert_eq!(held.outcome.ok, 20, "{:?}", held.outcome);
     let s = d.scope("s");
     let dst = destination(&s, &server.addr.to_string());
     assert_eq!(
-        (n(dst, "active"), n(dst, "connecting"), n(dst, "shed")),
+        (dst.counts.active, dst.counts.connecting, dst.counts.shed),
         (20, 0, 0),
-        "{dst}"
+        "{dst:?}"
     );
     drop(held);
-    let s = d.wait_scope("s", Duration::from_secs(5), |s| n(s, "active") == 0);
+    let s = d.wait_scope("s", Duration::from_secs(5), |s| s.counts.active == 0);
     let dst = destination(&s, &server.addr.to_string());
-    assert_eq!((n(&s, "active"), n(dst, "connecting")), (0, 0), "{s}");
+    assert_eq!((s.counts.active, dst.counts.connecting), (0, 0), "{s:?}");
 }
 
 /// The connect programs carry the code of the controls the first policy uses: a reload
@@ -260,10 +255,14 @@ fn an_established_connection_leaves_the_handshake_budget() {
 #[test]
 fn a_reload_that_adds_a_control_the_programs_lack_is_rejected() {
     let cg = Cgroup::new("ratelate");
-    let text = policy(&cg, "enforce", "127.0.0.1", 9, "max_connections = 5");
-    let d = Daemon::start(&text);
-    std::fs::write(&d.policy, format!("{text}rate = \"10/s\"\n")).unwrap();
-    let r = d.cli(&["reload"]);
+    let budget = rule("127.0.0.1", 9).max_connections(5);
+    let d = Daemon::builder(policy(&cg, Mode::Enforce, budget.clone())).start();
+    std::fs::write(
+        &d.policy,
+        policy(&cg, Mode::Enforce, budget.rate("10/s")).to_toml(),
+    )
+    .unwrap();
+    let r = d.reload();
     assert!(!r.status.success());
     let err = String::from_utf8_lossy(&r.stderr);
     assert!(
@@ -272,11 +271,13 @@ fn a_reload_that_adds_a_control_the_programs_lack_is_rejected() {
         "{err}"
     );
     let stats = d.stats();
-    assert_eq!(stats["policy"]["generation"], 1, "{stats}");
+    assert_eq!(stats.policy.generation, 1, "{stats:?}");
     assert!(
-        stats["policy"]["last_error"]
-            .as_str()
+        stats
+            .policy
+            .last_error
+            .as_deref()
             .is_some_and(|e| e.contains("restart the daemon")),
-        "{stats}"
+        "{stats:?}"
     );
 }

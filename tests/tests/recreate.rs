@@ -9,8 +9,9 @@
 //! all of them) fails it and the scheduler's noise does not.
 use std::time::Duration;
 
+use connguard_api::policy::Mode;
 use connguard_tests::{
-    BPF_CGROUP_INET_SOCK_RELEASE, Cgroup, Daemon, Server, budget_policy, n, wait_attached,
+    BPF_CGROUP_INET_SOCK_RELEASE, Cgroup, Daemon, Probe, Server, budget_policy, wait_attached,
 };
 
 /// First connects allowed to win the race against the daemon's attach, of 100.
@@ -27,16 +28,16 @@ fn a_selected_cgroup_created_again_is_governed_from_its_first_connect() {
     // The budget is held by a connection from a sibling the same scope selects, so
     // every governed connect from the recreated cgroup is shed.
     let selected = format!("{}/{{svc,hold}}", parent.rel);
-    let policy = budget_policy("r", &selected, "enforce", &server.addr, 1);
-    let d = Daemon::start(&policy);
+    let policy = budget_policy("r", &selected, Mode::Enforce, &server.addr, 1);
+    let d = Daemon::builder(policy).start();
     let hold = parent.child("hold");
     wait_attached(&hold, BPF_CGROUP_INET_SOCK_RELEASE);
-    let _held = hold.hold(&server.addr, 1, 1);
-    assert_eq!(n(&d.scope("r"), "active"), 1);
+    let _held = hold.hold(Probe::hold(server.addr, 1, 1));
+    assert_eq!(d.scope("r").counts.active, 1);
     let mut missed = Vec::new();
     for i in 0..100 {
         let svc = parent.child("svc");
-        let out = svc.probe(&["connect", &server.addr.to_string(), "1", "1"]);
+        let out = svc.probe(Probe::connect(server.addr, 1, 1));
         match (out.ok, out.errors("ECONNREFUSED")) {
             (0, 1) => {}
             (1, 0) => missed.push(i),
@@ -51,6 +52,6 @@ fn a_selected_cgroup_created_again_is_governed_from_its_first_connect() {
         "first connects not governed in recreations {missed:?}, more than {LOST} of 100"
     );
     let shed = 100 - missed.len() as u64;
-    let s = d.wait_scope("r", Duration::from_secs(5), |s| n(s, "shed") == shed);
-    assert_eq!((n(&s, "active"), n(&s, "shed")), (1, shed), "{s}");
+    let s = d.wait_scope("r", Duration::from_secs(5), |s| s.counts.shed == shed);
+    assert_eq!((s.counts.active, s.counts.shed), (1, shed), "{s:?}");
 }

@@ -2,7 +2,9 @@
 //! pinned state, the programs stay attached, and a lease makes them fail open.
 use std::time::{Duration, Instant};
 
-use connguard_tests::{Cgroup, Daemon, Server, budget_policy, n};
+use connguard_api::policy::{Limited, Mode, Policy, Scope};
+use connguard_tests::{Cgroup, Daemon, Probe, Server, budget_policy};
+use serde::Deserialize;
 
 const WAIT: Duration = Duration::from_secs(10);
 
@@ -11,32 +13,32 @@ const WAIT: Duration = Duration::from_secs(10);
 fn restart_keeps_every_count(signal: i32) {
     let server = Server::start("127.0.0.1:0");
     let cg = Cgroup::new("restart");
-    let policy = budget_policy("r", &cg.rel, "enforce", &server.addr, 5);
-    let d = Daemon::start(&policy);
-    let held = cg.hold(&server.addr, 5, 5);
+    let policy = budget_policy("r", &cg.rel, Mode::Enforce, &server.addr, 5);
+    let d = Daemon::builder(&policy).start();
+    let held = cg.hold(Probe::hold(server.addr, 5, 5));
     assert_eq!(held.outcome.ok, 5, "{:?}", held.outcome);
     d.exit_keeping_state(signal);
 
-    let d = Daemon::start_adopting(&policy, &[]);
+    let d = Daemon::builder(&policy).adopting().start();
     let s = d.scope("r");
-    assert_eq!((n(&s, "active"), n(&s, "admitted")), (5, 5), "{s}");
+    assert_eq!((s.counts.active, s.counts.admitted), (5, 5), "{s:?}");
     assert!(d.log.lock().unwrap().contains("adopted the pinned state"));
-    let out = cg.probe(&["connect", &server.addr.to_string(), "5", "5"]);
+    let out = cg.probe(Probe::connect(server.addr, 5, 5));
     assert_eq!((out.ok, out.errors("ECONNREFUSED")), (0, 5), "{out:?}");
     drop(held);
-    let s = d.wait_scope("r", WAIT, |s| n(s, "active") == 0);
-    assert_eq!(n(&s, "active"), 0, "closing the 5 old connections: {s}");
-    let again = cg.hold(&server.addr, 5, 5);
+    let s = d.wait_scope("r", WAIT, |s| s.counts.active == 0);
+    assert_eq!(s.counts.active, 0, "closing the 5 old connections: {s:?}");
+    let again = cg.hold(Probe::hold(server.addr, 5, 5));
     assert_eq!(again.outcome.ok, 5, "{:?}", again.outcome);
     let s = d.scope("r");
     assert_eq!(
-        (n(&s, "active"), n(&s, "admitted"), n(&s, "shed")),
+        (s.counts.active, s.counts.admitted, s.counts.shed),
         (5, 10, 5),
-        "{s}"
+        "{s:?}"
     );
     drop(again);
-    let s = d.wait_scope("r", WAIT, |s| n(s, "active") == 0);
-    assert_eq!(n(&s, "active"), 0, "{s}");
+    let s = d.wait_scope("r", WAIT, |s| s.counts.active == 0);
+    assert_eq!(s.counts.active, 0, "{s:?}");
     assert_eq!(
         server.peak(),
         5,
@@ -61,14 +63,14 @@ fn a_restart_after_sigkill_within_the_lease_keeps_every_count() {
 fn a_daemon_gone_for_good_fails_open_after_its_lease_and_the_next_adopts_its_counts() {
     let server = Server::start("127.0.0.1:0");
     let cg = Cgroup::new("lease");
-    let policy = budget_policy("l", &cg.rel, "enforce", &server.addr, 2);
-    let d = Daemon::start_with(&policy, &["--lease", "3"]);
-    let held = cg.hold(&server.addr, 2, 2);
+    let policy = budget_policy("l", &cg.rel, Mode::Enforce, &server.addr, 2);
+    let d = Daemon::builder(&policy).args(&["--lease", "3"]).start();
+    let held = cg.hold(Probe::hold(server.addr, 2, 2));
     assert_eq!(held.outcome.ok, 2, "{:?}", held.outcome);
     d.exit_keeping_state(libc::SIGKILL);
     // The lease the killed daemon last renewed, and the clock the programs read.
     let until = lease_deadline();
-    let out = cg.probe(&["connect", &server.addr.to_string(), "1", "1"]);
+    let out = cg.probe(Probe::connect(server.addr, 1, 1));
     if guard_common::monotonic_ns() < until {
         assert_eq!(out.errors("ECONNREFUSED"), 1, "within the lease: {out:?}");
     }
@@ -76,7 +78,7 @@ fn a_daemon_gone_for_good_fails_open_after_its_lease_and_the_next_adopts_its_cou
     // and none before.
     let give_up = Instant::now() + WAIT;
     let over = loop {
-        let over = cg.hold(&server.addr, 1, 1);
+        let over = cg.hold(Probe::hold(server.addr, 1, 1));
         let ended = guard_common::monotonic_ns();
         if over.outcome.ok == 1 {
             assert!(
@@ -94,16 +96,16 @@ fn a_daemon_gone_for_good_fails_open_after_its_lease_and_the_next_adopts_its_cou
         std::thread::sleep(Duration::from_millis(200));
     };
 
-    let d = Daemon::start_adopting(&policy, &[]);
+    let d = Daemon::builder(&policy).adopting().start();
     let stats = d.stats();
-    assert_eq!(n(&stats, "lease_expired"), 1, "{stats}");
+    assert_eq!(stats.lease_expired, 1, "{stats:?}");
     let s = d.scope("l");
-    assert_eq!(n(&s, "active"), 3, "the one let through was counted: {s}");
-    let out = cg.probe(&["connect", &server.addr.to_string(), "1", "1"]);
+    assert_eq!(s.counts.active, 3, "the one let through was counted: {s:?}");
+    let out = cg.probe(Probe::connect(server.addr, 1, 1));
     assert_eq!(out.errors("ECONNREFUSED"), 1, "a new lease sheds: {out:?}");
     drop((held, over));
-    let s = d.wait_scope("l", WAIT, |s| n(s, "active") == 0);
-    assert_eq!(n(&s, "active"), 0, "{s}");
+    let s = d.wait_scope("l", WAIT, |s| s.counts.active == 0);
+    assert_eq!(s.counts.active, 0, "{s:?}");
 }
 
 /// Until when (CLOCK_MONOTONIC ns) the programs may shed: `LEASE[0]` of the pinned state.
@@ -118,12 +120,21 @@ fn lease_deadline() -> u64 {
         ])
         .output()
         .expect("run bpftool");
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("bpftool JSON");
-    let bytes: Vec<u8> = v["value"]
-        .as_array()
-        .unwrap_or_else(|| panic!("no value in {v}"))
+    /// What `bpftool -j map lookup` prints: the value's bytes, as "0x.." strings.
+    #[derive(Deserialize)]
+    struct Lookup {
+        value: Vec<String>,
+    }
+    let lookup: Lookup = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "bpftool printed {:?}: {e}",
+            String::from_utf8_lossy(&out.stdout)
+        )
+    });
+    let bytes: Vec<u8> = lookup
+        .value
         .iter()
-        .map(|b| u8::from_str_radix(b.as_str().unwrap().trim_start_matches("0x"), 16).unwrap())
+        .map(|b| u8::from_str_radix(b.trim_start_matches("0x"), 16).unwrap())
         .collect();
     u64::from_le_bytes(bytes.try_into().expect("8 bytes"))
 }
@@ -134,20 +145,20 @@ fn lease_deadline() -> u64 {
 fn connections_opened_and_closed_with_no_daemon_leave_no_drift() {
     let server = Server::start("127.0.0.1:0");
     let cg = Cgroup::new("gap");
-    let policy = budget_policy("g", &cg.rel, "enforce", &server.addr, 100);
-    let d = Daemon::start(&policy);
+    let policy = budget_policy("g", &cg.rel, Mode::Enforce, &server.addr, 100);
+    let d = Daemon::builder(&policy).start();
     d.exit_keeping_state(libc::SIGTERM);
-    let churn = cg.probe(&["connect", &server.addr.to_string(), "50", "5"]);
+    let churn = cg.probe(Probe::connect(server.addr, 50, 5));
     assert_eq!(churn.ok, 50, "{churn:?}");
-    let held = cg.hold(&server.addr, 3, 3);
+    let held = cg.hold(Probe::hold(server.addr, 3, 3));
     assert_eq!(held.outcome.ok, 3, "{:?}", held.outcome);
 
-    let d = Daemon::start_adopting(&policy, &[]);
-    let s = d.wait_scope("g", WAIT, |s| n(s, "active") == 3);
-    assert_eq!((n(&s, "active"), n(&s, "admitted")), (3, 53), "{s}");
+    let d = Daemon::builder(&policy).adopting().start();
+    let s = d.wait_scope("g", WAIT, |s| s.counts.active == 3);
+    assert_eq!((s.counts.active, s.counts.admitted), (3, 53), "{s:?}");
     drop(held);
-    let s = d.wait_scope("g", WAIT, |s| n(s, "active") == 0);
-    assert_eq!(n(&s, "active"), 0, "{s}");
+    let s = d.wait_scope("g", WAIT, |s| s.counts.active == 0);
+    assert_eq!(s.counts.active, 0, "{s:?}");
 }
 
 /// `connguard stop` detaches everything and unpins the state: the next daemon starts
@@ -156,9 +167,9 @@ fn connections_opened_and_closed_with_no_daemon_leave_no_drift() {
 fn stop_detaches_and_unpins_everything() {
     let server = Server::start("127.0.0.1:0");
     let cg = Cgroup::new("stop");
-    let policy = budget_policy("s", &cg.rel, "enforce", &server.addr, 1);
-    let d = Daemon::start(&policy);
-    let held = cg.hold(&server.addr, 1, 1);
+    let policy = budget_policy("s", &cg.rel, Mode::Enforce, &server.addr, 1);
+    let d = Daemon::builder(&policy).start();
+    let held = cg.hold(Probe::hold(server.addr, 1, 1));
     let out = d.cli(&["stop"]);
     assert!(
         out.status.success(),
@@ -172,7 +183,7 @@ fn stop_detaches_and_unpins_everything() {
         Some(0)
     );
     // Nothing is governed: a second connection passes.
-    let out = cg.probe(&["connect", &server.addr.to_string(), "1", "1"]);
+    let out = cg.probe(Probe::connect(server.addr, 1, 1));
     assert_eq!(out.ok, 1, "{out:?}");
     drop(held);
     d.exit_keeping_state(libc::SIGTERM);
@@ -185,16 +196,19 @@ fn stop_detaches_and_unpins_everything() {
 fn a_daemon_of_another_state_layout_seeds_and_replaces_the_old_state() {
     let server = Server::start("127.0.0.1:0");
     let cg = Cgroup::new("layout");
-    let policy = budget_policy("u", &cg.rel, "enforce", &server.addr, 3);
-    let d = Daemon::start(&policy);
-    let held = cg.hold(&server.addr, 2, 2);
+    let policy = budget_policy("u", &cg.rel, Mode::Enforce, &server.addr, 3);
+    let d = Daemon::builder(&policy).start();
+    let held = cg.hold(Probe::hold(server.addr, 2, 2));
     assert_eq!(held.outcome.ok, 2, "{:?}", held.outcome);
     d.exit_keeping_state(libc::SIGTERM);
     let old = format!("/sys/fs/bpf/connguard/v{}", guard_common::STATE_LAYOUT);
     assert!(std::path::Path::new(&old).exists());
 
     let layout = (guard_common::STATE_LAYOUT + 1).to_string();
-    let d = Daemon::start_adopting(&policy, &["--state-layout", &layout]);
+    let d = Daemon::builder(&policy)
+        .adopting()
+        .args(&["--state-layout", &layout])
+        .start();
     assert!(
         !std::path::Path::new(&old).exists(),
         "{old} was not removed"
@@ -208,12 +222,16 @@ fn a_daemon_of_another_state_layout_seeds_and_replaces_the_old_state() {
         Some(1)
     );
     let s = d.scope("u");
-    assert_eq!((n(&s, "active"), n(&s, "admitted")), (2, 2), "seeded: {s}");
-    let more = cg.hold(&server.addr, 3, 3);
+    assert_eq!(
+        (s.counts.active, s.counts.admitted),
+        (2, 2),
+        "seeded: {s:?}"
+    );
+    let more = cg.hold(Probe::hold(server.addr, 3, 3));
     assert_eq!(more.outcome.ok, 1, "the budget holds: {:?}", more.outcome);
     drop((held, more));
-    let s = d.wait_scope("u", WAIT, |s| n(s, "active") == 0);
-    assert_eq!(n(&s, "active"), 0, "{s}");
+    let s = d.wait_scope("u", WAIT, |s| s.counts.active == 0);
+    assert_eq!(s.counts.active, 0, "{s:?}");
 }
 
 /// Connections opened before the daemon's first start (no pinned state) are counted
@@ -224,32 +242,37 @@ fn connections_opened_before_the_first_start_are_seeded_and_released_once() {
     let server = Server::start("127.0.0.1:0");
     let cg = Cgroup::new("seed");
     connguard_tests::remove_pinned_state();
-    let held = cg.hold(&server.addr, 5, 5);
+    let held = cg.hold(Probe::hold(server.addr, 5, 5));
     assert_eq!(held.outcome.ok, 5, "{:?}", held.outcome);
     // A listener in the cgroup with a connection accepted from outside it: its server
     // side is not seeded.
-    let port = connguard_tests::free_port().to_string();
-    let listen = format!("127.0.0.1:{port}");
-    let inner = cg.hold_args(&["listen", "/proc/self/ns/net", &listen, "16", "0"]);
-    let _accepted = std::net::TcpStream::connect(&listen).expect("connect to the listener");
-    let policy = budget_policy("s", &cg.rel, "enforce", &server.addr, 5);
-    let d = Daemon::start(&policy);
+    let listen = std::net::SocketAddr::from(([127, 0, 0, 1], connguard_tests::free_port()));
+    let inner = cg.hold(Probe::Listen {
+        netns: "/proc/self/ns/net".into(),
+        addr: listen,
+        backlog: 16,
+        accept_after_ms: Some(0),
+        on_usr1: false,
+    });
+    let _accepted = std::net::TcpStream::connect(listen).expect("connect to the listener");
+    let policy = budget_policy("s", &cg.rel, Mode::Enforce, &server.addr, 5);
+    let d = Daemon::builder(&policy).start();
     let log = d.log.lock().unwrap().clone();
     assert!(log.contains("from the socket table: s 5"), "{log}");
     let s = d.scope("s");
-    assert_eq!((n(&s, "active"), n(&s, "admitted")), (5, 5), "{s}");
-    let out = cg.probe(&["connect", &server.addr.to_string(), "3", "3"]);
+    assert_eq!((s.counts.active, s.counts.admitted), (5, 5), "{s:?}");
+    let out = cg.probe(Probe::connect(server.addr, 3, 3));
     assert_eq!((out.ok, out.errors("ECONNREFUSED")), (0, 3), "{out:?}");
     drop(held);
-    let s = d.wait_scope("s", WAIT, |s| n(s, "active") == 0);
-    assert_eq!(n(&s, "active"), 0, "released once: {s}");
-    let again = cg.hold(&server.addr, 5, 5);
+    let s = d.wait_scope("s", WAIT, |s| s.counts.active == 0);
+    assert_eq!(s.counts.active, 0, "released once: {s:?}");
+    let again = cg.hold(Probe::hold(server.addr, 5, 5));
     assert_eq!(again.outcome.ok, 5, "{:?}", again.outcome);
     let s = d.scope("s");
-    assert_eq!((n(&s, "active"), n(&s, "admitted")), (5, 10), "{s}");
+    assert_eq!((s.counts.active, s.counts.admitted), (5, 10), "{s:?}");
     drop((again, inner));
-    let s = d.wait_scope("s", WAIT, |s| n(s, "active") == 0);
-    assert_eq!(n(&s, "active"), 0, "{s}");
+    let s = d.wait_scope("s", WAIT, |s| s.counts.active == 0);
+    assert_eq!(s.counts.active, 0, "{s:?}");
 }
 
 /// Writes `counter` as scope 0's entry of the pinned SCOPE_COUNTERS, with bpftool:
@@ -294,9 +317,9 @@ fn wait_log(d: &Daemon, line: &str) {
 fn the_audit_corrects_a_count_set_wrong_behind_its_back() {
     let server = Server::start("127.0.0.1:0");
     let cg = Cgroup::new("audit");
-    let policy = budget_policy("a", &cg.rel, "enforce", &server.addr, 10);
-    let mut d = Daemon::start(&policy);
-    let held = cg.hold(&server.addr, 3, 3);
+    let policy = budget_policy("a", &cg.rel, Mode::Enforce, &server.addr, 10);
+    let mut d = Daemon::builder(&policy).start();
+    let held = cg.hold(Probe::hold(server.addr, 3, 3));
     assert_eq!(held.outcome.ok, 3, "{:?}", held.outcome);
     // Scope "a" has id 0: active 7 instead of 3 (a leak of 4).
     set_scope_counter(guard_common::Counter {
@@ -306,16 +329,16 @@ fn the_audit_corrects_a_count_set_wrong_behind_its_back() {
         ..Default::default()
     });
     d.expected_corrections = 1;
-    let s = d.wait_scope("a", WAIT, |s| n(s, "active") == 3);
-    assert_eq!(n(&s, "active"), 3, "corrected: {s}");
+    let s = d.wait_scope("a", WAIT, |s| s.counts.active == 3);
+    assert_eq!(s.counts.active, 3, "corrected: {s:?}");
     wait_log(
         &d,
         "audit: scope a counted 7 active connection(s), the sockets hold 3",
     );
-    assert_eq!(n(&d.stats(), "audit_corrections"), 1);
+    assert_eq!(d.stats().audit_corrections, 1);
     drop(held);
-    let s = d.wait_scope("a", WAIT, |s| n(s, "active") == 0);
-    assert_eq!(n(&s, "active"), 0, "{s}");
+    let s = d.wait_scope("a", WAIT, |s| s.counts.active == 0);
+    assert_eq!(s.counts.active, 0, "{s:?}");
 }
 
 /// A handshake count set wrong (4 in the handshake where the 3 connections are
@@ -327,15 +350,12 @@ fn the_audit_corrects_a_count_set_wrong_behind_its_back() {
 fn the_audit_corrects_a_handshake_count_set_wrong_behind_its_back() {
     let server = Server::start("127.0.0.1:0");
     let cg = Cgroup::new("audit-hs");
-    let policy = format!(
-        "[[scope]]\nname = \"a\"\ncgroup = \"{}\"\nmax_connecting = 4\n",
-        cg.rel
-    );
-    let mut d = Daemon::start_with(&policy, &["--audit", "3"]);
-    let held = cg.hold(&server.addr, 3, 3);
+    let policy = Policy::new().scope(Scope::new("a", &cg.rel).max_connecting(4));
+    let mut d = Daemon::builder(&policy).args(&["--audit", "3"]).start();
+    let held = cg.hold(Probe::hold(server.addr, 3, 3));
     assert_eq!(held.outcome.ok, 3, "{:?}", held.outcome);
     let s = d.scope("a");
-    assert_eq!((n(&s, "active"), n(&s, "connecting")), (3, 0), "{s}");
+    assert_eq!((s.counts.active, s.counts.connecting), (3, 0), "{s:?}");
     set_scope_counter(guard_common::Counter {
         active: 3,
         peak: 3,
@@ -343,29 +363,29 @@ fn the_audit_corrects_a_handshake_count_set_wrong_behind_its_back() {
         connecting: 4,
         ..Default::default()
     });
-    let out = cg.probe(&["connect", &server.addr.to_string(), "1", "1"]);
+    let out = cg.probe(Probe::connect(server.addr, 1, 1));
     assert_eq!(
         out.errors("ECONNREFUSED"),
         1,
         "4 counted in the handshake: {out:?}"
     );
     d.expected_corrections = 1;
-    let s = d.wait_scope("a", WAIT, |s| n(s, "connecting") == 0);
+    let s = d.wait_scope("a", WAIT, |s| s.counts.connecting == 0);
     assert_eq!(
-        (n(&s, "active"), n(&s, "connecting")),
+        (s.counts.active, s.counts.connecting),
         (3, 0),
-        "corrected: {s}"
+        "corrected: {s:?}"
     );
     wait_log(
         &d,
         "audit: scope a counted 4 connection(s) in the handshake, the sockets hold 0",
     );
-    assert_eq!(n(&d.stats(), "audit_corrections"), 1);
-    let out = cg.probe(&["connect", &server.addr.to_string(), "1", "1"]);
+    assert_eq!(d.stats().audit_corrections, 1);
+    let out = cg.probe(Probe::connect(server.addr, 1, 1));
     assert_eq!(out.ok, 1, "after the correction: {out:?}");
     drop(held);
-    let s = d.wait_scope("a", WAIT, |s| n(s, "active") == 0);
-    assert_eq!((n(&s, "active"), n(&s, "connecting")), (0, 0), "{s}");
+    let s = d.wait_scope("a", WAIT, |s| s.counts.active == 0);
+    assert_eq!((s.counts.active, s.counts.connecting), (0, 0), "{s:?}");
 }
 
 /// Five minutes (CONNGUARD_CHURN_SECONDS: the kernel matrix's guests run one) of
@@ -378,17 +398,17 @@ fn minutes_of_mixed_churn_with_three_restarts_leave_every_count_at_zero() {
     let run = connguard_tests::churn_length();
     let ns = connguard_tests::Netns::with_blackhole("cgchurn");
     let cg = Cgroup::new("churn");
-    let policy = format!(
-        "[[scope]]\nname = \"m\"\ncgroup = \"{}\"\nmax_connections = 100000\n",
-        cg.rel
-    );
-    let mut d = Some(Daemon::start(&policy));
+    let policy = Policy::new().scope(Scope::new("m", &cg.rel).max_connections(100_000));
+    let mut d = Some(Daemon::builder(&policy).start());
     let start = Instant::now();
     let attempts = std::thread::scope(|s| {
         let churn = s.spawn(|| {
             let mut attempts = 0;
             while start.elapsed() < run {
-                let out = cg.probe(&["mixed", &ns.path(), "10000"]);
+                let out = cg.probe(Probe::Mixed {
+                    netns: ns.path(),
+                    count: 10000,
+                });
                 assert!(out.attempts >= 10_000, "{out:?}");
                 attempts += out.attempts;
             }
@@ -401,24 +421,23 @@ fn minutes_of_mixed_churn_with_three_restarts_leave_every_count_at_zero() {
             let at = run * (k as u32 + 1) / 4;
             std::thread::sleep(at.saturating_sub(start.elapsed()));
             d.take().unwrap().exit_keeping_state(signal);
-            d = Some(Daemon::start_adopting(&policy, &[]));
+            d = Some(Daemon::builder(&policy).adopting().start());
         }
         churn.join().unwrap()
     });
     let d = d.unwrap();
-    let s = d.wait_scope("m", WAIT, |s| n(s, "active") == 0);
-    assert_eq!(n(&s, "active"), 0, "{s}");
+    let s = d.wait_scope("m", WAIT, |s| s.counts.active == 0);
+    assert_eq!(s.counts.active, 0, "{s:?}");
     assert_eq!(
-        n(&s, "admitted"),
-        attempts,
-        "each attempt admitted once: {s}"
+        s.counts.admitted, attempts,
+        "each attempt admitted once: {s:?}"
     );
     let busy = connguard_tests::active_destinations(&s);
     assert!(busy.is_empty(), "keys still active: {busy:?}");
     let stats = d.stats();
     assert_eq!(
-        (n(&stats, "internal_errors"), n(&stats, "audit_corrections")),
+        (stats.internal_errors, stats.audit_corrections),
         (0, 0),
-        "{stats}"
+        "{stats:?}"
     );
 }

@@ -6,7 +6,8 @@ use std::{
     time::{Duration, Instant},
 };
 
-use connguard_tests::{Cgroup, Daemon, Server, budget_policy, connguard_bin, n, unique};
+use connguard_api::policy::Mode;
+use connguard_tests::{Cgroup, Daemon, Probe, Server, budget_policy, connguard_bin, unique};
 
 const UNIT: &str = include_str!("../../packaging/connguard.service");
 
@@ -55,15 +56,20 @@ fn readiness_is_sent_once_the_policy_is_applied() {
     notify
         .set_read_timeout(Some(Duration::from_secs(10)))
         .unwrap();
-    let d = Daemon::start_with_env(
-        &budget_policy("notify", &cg.rel, "enforce", &server.addr, 5),
-        &[("NOTIFY_SOCKET", path.as_os_str())],
-    );
+    let d = Daemon::builder(budget_policy(
+        "notify",
+        &cg.rel,
+        Mode::Enforce,
+        &server.addr,
+        5,
+    ))
+    .env("NOTIFY_SOCKET", &path)
+    .start();
     let message = receive(&notify);
     assert!(message.lines().any(|l| l == "READY=1"), "{message:?}");
-    let out = cg.probe(&["connect", &server.addr.to_string(), "1", "1"]);
+    let out = cg.probe(Probe::connect(server.addr, 1, 1));
     assert_eq!(out.ok, 1, "{out:?}");
-    assert_eq!(n(&d.scope("notify"), "admitted"), 1);
+    assert_eq!(d.scope("notify").counts.admitted, 1);
     // Dropped: SIGTERM, and a wait for the exit.
     drop(d);
     let message = receive(&notify);

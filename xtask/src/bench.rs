@@ -5,15 +5,20 @@
 use std::{
     collections::BTreeMap,
     io::Write,
+    net::SocketAddr,
     path::PathBuf,
     process::{Command, Stdio},
     time::{Duration, Instant},
 };
 
 use anyhow::Context;
+use connguard_api::{
+    policy::{Breaker, Limited, Listener, Mode, Policy, Port, Rule, Scope},
+    stats::Snapshot,
+};
 use connguard_tests::{
     BPF_CGROUP_INET_SOCK_RELEASE, BPF_CGROUP_INET4_CONNECT, Cgroup, Daemon, Holder, Netns, Outcome,
-    attached_programs, wait_attached,
+    Probe, ServePort, attached_programs, listener_guard, wait_attached,
 };
 use serde_json::{Value, json};
 
@@ -74,14 +79,17 @@ pub fn run(quick: bool) -> anyhow::Result<()> {
         &["-qw", "net.ipv4.ip_local_port_range=10000 60999"],
     );
     let server_cg = Cgroup::new("bench-servers");
-    let mut ports: Vec<String> = ["8080", "8081", "greet:8082", "8089"]
-        .map(String::from)
-        .to_vec();
-    ports.extend((0..MODES.len() as u16).map(|i| (MODE_PORTS + i).to_string()));
-    let mut serve = vec!["serve".to_string(), ns.path()];
-    serve.extend(ports);
-    let serve: Vec<&str> = serve.iter().map(String::as_str).collect();
-    let servers = server_cg.hold_args(&serve);
+    let mut ports = vec![
+        ServePort::plain(PORT),
+        ServePort::plain(8081),
+        ServePort::greeting(RESET_PORT),
+        ServePort::plain(COSTS_PORT),
+    ];
+    ports.extend((0..MODES.len() as u16).map(|i| ServePort::plain(MODE_PORTS + i)));
+    let servers = server_cg.hold(Probe::Serve {
+        netns: ns.path(),
+        ports,
+    });
     let s = Setup {
         client: Cgroup::new("bench-client"),
         other: Cgroup::new("bench-other"),
@@ -89,12 +97,8 @@ pub fn run(quick: bool) -> anyhow::Result<()> {
         _servers: servers,
         _server_cg: server_cg,
     };
-    let policy = thousand_rules(&s.client.rel, "");
-    let with_controls = thousand_rules(
-        &s.client.rel,
-        "rate = \"1000000000/s\"\nburst = 1000000\nmax_connecting = 100000\n\
-         [scope.rule.breaker]\nmin_samples = 100000\n",
-    );
+    let policy = thousand_rules(&s.client.rel, false);
+    let with_controls = thousand_rules(&s.client.rel, true);
 
     // 1: churn, interleaved: no guard; connguard with 1,000 rules and destinations
     // tracked, from the governed client and from an ungoverned one; nftables ct count;
@@ -134,7 +138,7 @@ pub fn run(quick: bool) -> anyhow::Result<()> {
                             CONTROLS => (&s.client, "governed with controls", &with_controls),
                             _ => (&s.client, "governed", &policy),
                         };
-                        let d = Daemon::start(policy);
+                        let d = Daemon::builder(policy).start();
                         spray(&s, destinations)?;
                         let rate = churn(&s, client, churn_n, port, reset)?;
                         let _stats_on = BpfStats::set(true)?;
@@ -171,10 +175,9 @@ pub fn run(quick: bool) -> anyhow::Result<()> {
     // to connect4 attached to it (the policy entry is written just before).
     let recreation = {
         let parent = Cgroup::new("bench-recreate");
-        let _d = Daemon::start(&format!(
-            "[[scope]]\nname = \"svc\"\ncgroup = \"{}/svc\"\n",
-            parent.rel
-        ));
+        let _d =
+            Daemon::builder(Policy::new().scope(Scope::new("svc", &format!("{}/svc", parent.rel))))
+                .start();
         let mut window_us = Vec::new();
         for _ in 0..RECREATIONS {
             let t = Instant::now();
@@ -197,10 +200,17 @@ pub fn run(quick: bool) -> anyhow::Result<()> {
     // hook (no SYN leaves); nftables' `ct count over 1 reject with tcp reset` sends the
     // SYN through the output hook and answers it with a RST.
     let shed = {
-        let _d = Daemon::start(&format!(
-            "[[scope]]\nname = \"bench\"\ncgroup = \"{}\"\n[[scope.rule]]\ndst = [\"127.0.0.1\"]\nports = [\"8081\"]\nmax_connections = 1\n",
-            s.client.rel
-        ));
+        let _d = Daemon::builder(
+            Policy::new().scope(
+                Scope::new("bench", &s.client.rel).rule(
+                    Rule::default()
+                        .dst(["127.0.0.1"])
+                        .ports([8081])
+                        .max_connections(1),
+                ),
+            ),
+        )
+        .start();
         refusals(&s)?
     };
     let nft_reject = {
@@ -219,29 +229,30 @@ pub fn run(quick: bool) -> anyhow::Result<()> {
     let inbound = {
         let (srv, cli) = Netns::veth_pair();
         let listen_cg = Cgroup::new("bench-listen");
-        let target = "192.0.2.1:8080";
-        let _listener = listen_cg.hold_args(&["listen", &srv.path(), target, "8"]);
+        let target: SocketAddr = "192.0.2.1:8080".parse()?;
+        let _listener = listen_cg.hold(Probe::listen(srv.path(), target, 8));
         let _queued = hold_open(&s.client, &cli, target, 9)?;
-        let no_guard = s
-            .client
-            .probe(&["shedlat", &cli.path(), target, "3", "3000"]);
+        let shedlat = |count| Probe::Shedlat {
+            netns: cli.path(),
+            addr: target,
+            count,
+            timeout_ms: Some(3000),
+        };
+        let no_guard = s.client.probe(shedlat(3));
         let guard = {
-            let d = Daemon::start(&connguard_tests::listener_policy(&srv, "enforce"));
+            let d = Daemon::builder(connguard_tests::listener_policy(&srv, Mode::Enforce)).start();
             let started = Instant::now();
-            while d.stats()["listeners"][0]["shedding"] != true {
+            while !d.stats().listeners.first().is_some_and(|l| l.shedding) {
                 anyhow::ensure!(
                     started.elapsed() < Duration::from_secs(5),
                     "the listener guard did not engage"
                 );
                 std::thread::sleep(Duration::from_millis(20));
             }
-            s.client
-                .probe(&["shedlat", &cli.path(), target, "1000", "3000"])
+            s.client.probe(shedlat(1000))
         };
         nft(&srv, Some(INPUT_NFT))?;
-        let reject = s
-            .client
-            .probe(&["shedlat", &cli.path(), target, "1000", "3000"]);
+        let reject = s.client.probe(shedlat(1000));
         nft(&srv, None)?;
         json!({"connguard_rst": latency(&guard), "nftables_reject": latency(&reject), "no_guard": latency(&no_guard)})
     };
@@ -252,9 +263,13 @@ pub fn run(quick: bool) -> anyhow::Result<()> {
         let many = if quick { 10_000 } else { 100_000 };
         // With a listener guard, so that the listener watcher reads a socket table at
         // every tick (observe mode: nothing is refused).
-        let d = Daemon::with_metrics(
-            &(policy.clone() + &connguard_tests::listener_policy(&s.ns, "observe")),
-        );
+        let d = Daemon::builder(
+            policy
+                .clone()
+                .listener(listener_guard(&s.ns, Mode::Observe)),
+        )
+        .metrics()
+        .start();
         spray(&s, many)?;
         let (mut stats, mut scrape, mut listed) = (Vec::new(), Vec::new(), 0);
         for _ in 0..ONE_SHOTS {
@@ -262,9 +277,10 @@ pub fn run(quick: bool) -> anyhow::Result<()> {
             let out = d.cli(&["stats", "--json"]);
             stats.push(ms(t));
             anyhow::ensure!(out.status.success(), "connguard stats --json failed");
-            listed = serde_json::from_slice::<Value>(&out.stdout)?["scopes"][0]["destinations"]
-                .as_array()
-                .map_or(0, Vec::len);
+            listed = serde_json::from_slice::<Snapshot>(&out.stdout)?
+                .scopes
+                .first()
+                .map_or(0, |s| s.destinations.len());
             let t = Instant::now();
             d.metrics();
             scrape.push(ms(t));
@@ -284,14 +300,14 @@ pub fn run(quick: bool) -> anyhow::Result<()> {
     // enter the namespace themselves (setns), alternated, and the count is ss's.
     let ports_ms = {
         let tw = if quick { 10_000 } else { 60_000 };
-        for port in ["8080", "8081"] {
-            s.client.probe(&[
-                "churn",
-                &s.ns.path(),
-                &format!("127.0.0.1:{port}"),
-                &(tw / 2).to_string(),
-                "0",
-            ]);
+        for port in [PORT, 8081] {
+            s.client.probe(Probe::Churn {
+                netns: s.ns.path(),
+                addr: SocketAddr::from(([127, 0, 0, 1], port)),
+                count: tw / 2,
+                per_second: 0,
+                reset: false,
+            });
         }
         let mut ports = Command::new(connguard_tests::connguard_bin());
         ports.args(["ports", "--json", "--socket", "/nonexistent", "--netns"]);
@@ -315,7 +331,7 @@ pub fn run(quick: bool) -> anyhow::Result<()> {
 
     // 4: daemon memory and CPU, idle and under churn, with the destinations of 1.
     let (idle, busy) = {
-        let d = Daemon::start(&policy);
+        let d = Daemon::builder(&policy).start();
         spray(&s, destinations)?;
         let secs = Duration::from_secs(if quick { 2 } else { 5 });
         let idle = usage(d.pid(), secs, || {
@@ -430,24 +446,33 @@ fn listener_cpu(quick: bool) -> anyhow::Result<Value> {
             &["-qw", "net.ipv4.ip_local_port_range=10000 65000"],
         );
         let cg = Cgroup::new("bench-listen-cpu");
-        let listener = format!("127.0.0.1:{GUARDED_PORT}");
-        let servers: Vec<String> = (0..HOLDERS)
-            .map(|i| format!("127.0.0.1:{}", HOLDING_PORTS + i as u16))
+        let listen = |port: u16, backlog| Probe::Listen {
+            netns: ns.path(),
+            addr: SocketAddr::from(([127, 0, 0, 1], port)),
+            backlog,
+            accept_after_ms: Some(0),
+            on_usr1: false,
+        };
+        let servers: Vec<SocketAddr> = (0..HOLDERS)
+            .map(|i| SocketAddr::from(([127, 0, 0, 1], HOLDING_PORTS + i as u16)))
             .collect();
-        let mut listening = vec![["listen", &ns.path(), &listener, "128", "0"].map(String::from)];
-        for s in &servers {
-            listening.push(["listen", &ns.path(), s, "4096", "0"].map(String::from));
-        }
+        let mut listening = vec![listen(GUARDED_PORT, 128)];
+        listening.extend(servers.iter().map(|s| listen(s.port(), 4096)));
         let _servers = holders(&cg, &listening, Duration::from_secs(10))?;
-        let d = Daemon::start_with(
-            &format!(
-                "[[listener]]\nname = \"api\"\nports = [\"{GUARDED_PORT}\"]\nnetns = \"{}\"\naccept_queue_watermark = 0.8\nmode = \"enforce\"\n",
-                ns.path()
-            ),
-            &["--audit", "3600"],
-        );
+        let guard = Listener::new("api", [GUARDED_PORT])
+            .netns(&ns.path())
+            .accept_queue_watermark(0.8)
+            .mode(Mode::Enforce);
+        let d = Daemon::builder(Policy::new().listener(guard))
+            .args(&["--audit", "3600"])
+            .start();
         let started = Instant::now();
-        while d.stats()["listeners"][0]["queues"][0].is_null() {
+        while d
+            .stats()
+            .listeners
+            .first()
+            .is_none_or(|l| l.queues.is_empty())
+        {
             anyhow::ensure!(
                 started.elapsed() < Duration::from_secs(5),
                 "the listener guard did not read its listener"
@@ -457,10 +482,15 @@ fn listener_cpu(quick: bool) -> anyhow::Result<Value> {
         // Past the start's own work (its audit, the first attachments).
         std::thread::sleep(Duration::from_secs(3));
         alone.push(process_cpu(d.pid(), window)?);
-        let per = (connections / HOLDERS).to_string();
-        let opening: Vec<[String; 6]> = servers
+        let opening: Vec<Probe> = servers
             .iter()
-            .map(|s| ["open", &ns.path(), s, &per, "0", "2000"].map(String::from))
+            .map(|&addr| Probe::Open {
+                netns: ns.path(),
+                addr,
+                count: connections / HOLDERS,
+                interval_ms: 0,
+                timeout_ms: 2000,
+            })
             .collect();
         let clients = holders(&cg, &opening, Duration::from_secs(120))?;
         for (c, s) in clients.iter().zip(&servers) {
@@ -502,18 +532,15 @@ fn listener_cpu(quick: bool) -> anyhow::Result<Value> {
 /// guard-probe in `cg` once for each of `runs`, started together, each a mode that prints
 /// its outcome and then holds its sockets; every outcome within `within`, or the probes
 /// are killed.
-fn holders<A: AsRef<[String]>>(
-    cg: &Cgroup,
-    runs: &[A],
-    within: Duration,
-) -> anyhow::Result<Vec<Holder>> {
+fn holders(cg: &Cgroup, runs: &[Probe], within: Duration) -> anyhow::Result<Vec<Holder>> {
     use std::io::BufRead;
     let deadline = Instant::now() + within;
     let mut started = Vec::new();
-    for args in runs {
+    for probe in runs {
+        let args = probe.args();
         let mut child = cg
             .command(connguard_tests::probe_bin())
-            .args(args.as_ref())
+            .args(&args)
             .stdout(Stdio::piped())
             .spawn()
             .context("start guard-probe")?;
@@ -524,7 +551,7 @@ fn holders<A: AsRef<[String]>>(
             let _ = std::io::BufReader::new(stdout).read_line(&mut line);
             let _ = tx.send(line);
         });
-        started.push((child, rx, args.as_ref().join(" ")));
+        started.push((child, rx, args.join(" ")));
     }
     let (mut held, mut failed) = (Vec::new(), None);
     for (mut child, rx, args) in started {
@@ -603,14 +630,11 @@ fn listener_period(d: &Daemon) -> anyhow::Result<Value> {
     c.write_all(b"stats 0\n")?;
     let mut text = String::new();
     c.read_to_string(&mut text)?;
-    let stats: Value = serde_json::from_str(&text)?;
-    let job = stats["jobs"]
-        .as_array()
-        .and_then(|jobs| jobs.iter().find(|j| j["name"] == "listener_watch"))
+    let stats: Snapshot = serde_json::from_str(&text)?;
+    let job = stats
+        .job("listener_watch")
         .context("no listener_watch job in the daemon's stats")?;
-    Ok(
-        json!({"p50": job["period_p50_ms"], "p99": job["period_p99_ms"], "max": job["period_max_ms"]}),
-    )
+    Ok(json!({"p50": job.period_p50_ms, "p99": job.period_p99_ms, "max": job.period_max_ms}))
 }
 
 /// `clients` threads running `connguard stats --json` back to back for `window`; how
@@ -650,21 +674,24 @@ fn rate_key(close: &str, mode: &str) -> String {
 /// `port`, from `client`, closed with a RST when `reset`, timed by the probe (process
 /// start and netns entry left out).
 fn churn(s: &Setup, client: &Cgroup, n: usize, port: u16, reset: bool) -> anyhow::Result<f64> {
-    let (ns, target, count) = (s.ns.path(), format!("127.0.0.1:{port}"), n.to_string());
-    let mut args = vec!["churn", &ns, &target, &count, "0"];
-    if reset {
-        args.push("reset");
-    }
-    let out: Outcome = client.probe(&args);
+    let out = client.probe(Probe::Churn {
+        netns: s.ns.path(),
+        addr: SocketAddr::from(([127, 0, 0, 1], port)),
+        count: n as u64,
+        per_second: 0,
+        reset,
+    });
     anyhow::ensure!(out.ok == n as u64, "churn lost connections: {out:?}");
-    Ok(n as f64 / (out.categories["elapsed_ns"] as f64 / 1e9))
+    Ok(n as f64 / (out.category("elapsed_ns") as f64 / 1e9))
 }
 
 /// N refused connects to distinct loopback addresses: N new tracked destinations.
 fn spray(s: &Setup, n: usize) -> anyhow::Result<()> {
-    let out = s
-        .client
-        .probe(&["spray", &s.ns.path(), &n.to_string(), "9"]);
+    let out = s.client.probe(Probe::Spray {
+        netns: s.ns.path(),
+        count: n as u64,
+        port: 9,
+    });
     anyhow::ensure!(
         out.errors("ECONNREFUSED") == n as u64,
         "spray did not make {n} destinations: {out:?}"
@@ -675,10 +702,14 @@ fn spray(s: &Setup, n: usize) -> anyhow::Result<()> {
 /// With one connection to 127.0.0.1:8081 held, 1,000 more, each timed to its failure;
 /// every one must be refused.
 fn refusals(s: &Setup) -> anyhow::Result<Outcome> {
-    let _held = hold_open(&s.client, &s.ns, "127.0.0.1:8081", 1)?;
-    let out = s
-        .client
-        .probe(&["shedlat", &s.ns.path(), "127.0.0.1:8081", "1000"]);
+    let addr = SocketAddr::from(([127, 0, 0, 1], 8081));
+    let _held = hold_open(&s.client, &s.ns, addr, 1)?;
+    let out = s.client.probe(Probe::Shedlat {
+        netns: s.ns.path(),
+        addr,
+        count: 1000,
+        timeout_ms: None,
+    });
     anyhow::ensure!(
         out.errors("ECONNREFUSED") == 1000,
         "not every connect was refused: {out:?}"
@@ -687,8 +718,14 @@ fn refusals(s: &Setup) -> anyhow::Result<Outcome> {
 }
 
 /// N connections from `client` to `target` inside `ns`, held open; all must connect.
-fn hold_open(client: &Cgroup, ns: &Netns, target: &str, n: u64) -> anyhow::Result<Holder> {
-    let held = client.hold_args(&["open", &ns.path(), target, &n.to_string()]);
+fn hold_open(client: &Cgroup, ns: &Netns, target: SocketAddr, n: u64) -> anyhow::Result<Holder> {
+    let held = client.hold(Probe::Open {
+        netns: ns.path(),
+        addr: target,
+        count: n,
+        interval_ms: 0,
+        timeout_ms: 500,
+    });
     anyhow::ensure!(
         held.outcome.ok == n,
         "{n} connections to {target} not all open: {:?}",
@@ -698,20 +735,29 @@ fn hold_open(client: &Cgroup, ns: &Netns, target: &str, n: u64) -> anyhow::Resul
 }
 
 /// A policy of 1,000 rules: 999 on other networks, the last one matching loopback,
-/// with `controls` (TOML lines) besides its budget.
-fn thousand_rules(cgroup: &str, controls: &str) -> String {
-    let mut p =
-        format!("[[scope]]\nname = \"bench\"\ncgroup = \"{cgroup}\"\nmax_connections = 1000000\n");
-    for i in 0..999 {
-        p += &format!(
-            "[[scope.rule]]\nname = \"r{i}\"\ndst = [\"10.{}.{}.0/24\"]\nports = [\"{}\", \"9000-9100\"]\nmax_connections = 100\n",
-            i / 250,
-            i % 250,
-            8000 + i % 50
+/// with `controls` a rate, a handshake budget and a breaker besides its budget (none
+/// reached).
+fn thousand_rules(cgroup: &str, controls: bool) -> Policy {
+    let mut scope = Scope::new("bench", cgroup).max_connections(1_000_000);
+    for i in 0..999u16 {
+        scope = scope.rule(
+            Rule::new(&format!("r{i}"))
+                .dst([format!("10.{}.{}.0/24", i / 250, i % 250)])
+                .ports([Port::from(8000 + i % 50), Port::from(9000..=9100)])
+                .max_connections(100),
         );
     }
-    p + "[[scope.rule]]\nname = \"loopback\"\ndst = [\"127.0.0.0/8\"]\nmax_connections = 100000\n"
-        + controls
+    let mut loopback = Rule::new("loopback")
+        .dst(["127.0.0.0/8"])
+        .max_connections(100_000);
+    if controls {
+        loopback = loopback
+            .rate("1000000000/s")
+            .burst(1_000_000)
+            .max_connecting(100_000)
+            .breaker(Breaker::new().min_samples(100_000));
+    }
+    Policy::new().scope(scope.rule(loopback))
 }
 
 /// The nftables equivalent of the churn's budget, which is not reached.
@@ -771,25 +817,16 @@ impl Drop for BpfStats {
 
 /// p50 and p99 of the time connect() took to fail, and how the attempts ended.
 fn latency(o: &Outcome) -> Value {
-    json!({"p50": o.categories["p50_ns"], "p99": o.categories["p99_ns"], "attempts": o.attempts, "ok": o.ok, "errors": o.errors})
+    json!({"p50": o.category("p50_ns"), "p99": o.category("p99_ns"), "attempts": o.attempts, "ok": o.ok, "errors": o.errors})
 }
 
 /// (run_time_ns, run_count) per program from `stats --json`.
-fn program_costs(stats: &Value) -> BTreeMap<String, (f64, f64)> {
-    stats["programs"]
-        .as_array()
-        .map(|ps| {
-            ps.iter()
-                .map(|p| {
-                    let f = |k: &str| p[k].as_f64().unwrap_or(0.0);
-                    (
-                        p["name"].as_str().unwrap_or("?").to_string(),
-                        (f("run_time_ns"), f("run_count")),
-                    )
-                })
-                .collect()
-        })
-        .unwrap_or_default()
+fn program_costs(stats: &Snapshot) -> BTreeMap<String, (f64, f64)> {
+    stats
+        .programs
+        .iter()
+        .map(|p| (p.name.clone(), (p.run_time_ns as f64, p.run_count as f64)))
+        .collect()
 }
 
 /// Resident memory (MiB) and CPU share (% of one core, from the scheduler's

@@ -3,13 +3,18 @@
 //! with a circuit breaker, and its recovery through the ramp: told as a short story.
 use std::{
     io::{BufRead, BufReader},
+    net::{IpAddr, Ipv4Addr, SocketAddr},
     path::Path,
     process::{Command, Stdio},
     time::Duration,
 };
 
 use anyhow::{Context, bail};
-use connguard_tests::{Cgroup, Netns, Nginx, wrk};
+use connguard_api::{
+    policy::{Breaker, Limited, Mode, Policy, Rule, Scope},
+    stats::Snapshot,
+};
+use connguard_tests::{Cgroup, Netns, Nginx, Probe, ServePort, wrk};
 
 const CONNECTIONS: u64 = 300;
 const BUDGET: u64 = 50;
@@ -32,11 +37,16 @@ pub fn run(connguard: &Path) -> anyhow::Result<()> {
     let dir = std::env::temp_dir().join(format!("connguard-demo-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     let policy = dir.join("demo.toml");
-    let text = format!(
-        "[[scope]]\nname = \"client\"\ncgroup = \"{}\"\nmode = \"enforce\"\n\n[[scope.rule]]\nname = \"nginx\"\ndst = [\"127.0.0.1\"]\nports = [\"{}\"]\nmax_connections = {BUDGET}\n",
-        client.rel,
-        nginx.addr.port()
-    );
+    let text = Policy::new()
+        .scope(
+            Scope::new("client", &client.rel).mode(Mode::Enforce).rule(
+                Rule::new("nginx")
+                    .dst(["127.0.0.1"])
+                    .ports([nginx.addr.port()])
+                    .max_connections(BUDGET),
+            ),
+        )
+        .to_toml();
     std::fs::write(&policy, &text)?;
     let socket = dir.join("connguard.sock");
     println!(
@@ -73,7 +83,7 @@ pub fn run(connguard: &Path) -> anyhow::Result<()> {
 }
 
 /// The dependency of the retry storm: a port in a namespace of its own.
-const DEPENDENCY: &str = "127.0.0.1:9400";
+const DEPENDENCY: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 9400);
 
 /// Part two: a failing dependency, retries multiplying, the breaker opening, the
 /// dependency recovering through the ramp.
@@ -91,11 +101,23 @@ fn retry_storm(connguard: &Path, client: &Cgroup) -> anyhow::Result<()> {
     let dir = std::env::temp_dir().join(format!("connguard-demo-storm-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     let policy = dir.join("storm.toml");
-    let text = format!(
-        "[[scope]]\nname = \"client\"\ncgroup = \"{}\"\n\n[[scope.rule]]\nname = \"dependency\"\ndst = [\"127.0.0.1\"]\nports = [\"9400\"]\n\n\
-         [scope.rule.breaker]\nmin_samples = 10\nfailure_ratio = 0.5\nopen_for = \"2s\"\nramp = [10, 50, 100]\nstep_successes = 3\n",
-        client.rel
-    );
+    let text = Policy::new()
+        .scope(
+            Scope::new("client", &client.rel).rule(
+                Rule::new("dependency")
+                    .dst(["127.0.0.1"])
+                    .ports([DEPENDENCY.port()])
+                    .breaker(
+                        Breaker::new()
+                            .min_samples(10)
+                            .failure_ratio(0.5)
+                            .open_for("2s")
+                            .ramp([10, 50, 100])
+                            .step_successes(3),
+                    ),
+            ),
+        )
+        .to_toml();
     std::fs::write(&policy, &text)?;
     let socket = dir.join("connguard.sock");
     println!(
@@ -114,9 +136,17 @@ fn retry_storm(connguard: &Path, client: &Cgroup) -> anyhow::Result<()> {
          through 10 %, then 50 %, then everything, each step after 3 successes in a row. 40 connects, one at a time:"
     );
     let server = Cgroup::new("demo-dep-server");
-    let _serving = server.hold_args(&["serve", &ns.path(), "9400"]);
+    let _serving = server.hold(Probe::Serve {
+        netns: ns.path(),
+        ports: vec![ServePort::plain(DEPENDENCY.port())],
+    });
     wait_half_open(connguard, &socket)?;
-    let out = client.probe(&["shedlat", &ns.path(), DEPENDENCY, "40"]);
+    let out = client.probe(Probe::Shedlat {
+        netns: ns.path(),
+        addr: DEPENDENCY,
+        count: 40,
+        timeout_ms: None,
+    });
     println!(
         "   {} connected, {} refused at once by the breaker.\n",
         out.ok,
@@ -137,7 +167,8 @@ fn retry_storm(connguard: &Path, client: &Cgroup) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Waits (10 s at most) until the dependency's breaker is no longer open.
+/// Waits (10 s at most) until the dependency's breaker is past its open time: the
+/// kernel half-opens it at the next attempt, and shows it open until then.
 fn wait_half_open(connguard: &Path, socket: &Path) -> anyhow::Result<()> {
     let until = std::time::Instant::now() + Duration::from_secs(10);
     while std::time::Instant::now() < until {
@@ -145,12 +176,14 @@ fn wait_half_open(connguard: &Path, socket: &Path) -> anyhow::Result<()> {
             .args(["stats", "--json", "--socket"])
             .arg(socket)
             .output()?;
-        let stats: serde_json::Value = serde_json::from_slice(&out.stdout)?;
-        let open = stats["scopes"][0]["destinations"]
-            .as_array()
+        let stats: Snapshot = serde_json::from_slice(&out.stdout)?;
+        let open = stats
+            .scopes
+            .first()
             .into_iter()
-            .flatten()
-            .any(|d| d["breaker"]["state"] == "open");
+            .flat_map(|s| &s.destinations)
+            .filter_map(|d| d.breaker.as_ref())
+            .any(|b| b.state == "open" && b.open_remaining_ms != Some(0));
         if !open {
             return Ok(());
         }

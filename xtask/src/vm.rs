@@ -16,6 +16,7 @@ use std::{
 };
 
 use anyhow::{Context, bail, ensure};
+use connguard_api::kernel::Features;
 use connguard_tests::CHURN_SECONDS_VAR;
 use serde::{Deserialize, Serialize};
 
@@ -298,12 +299,7 @@ impl Guest {
                 tail()
             );
         };
-        #[derive(Deserialize)]
-        struct Kernel {
-            features: BTreeMap<String, bool>,
-            required: Vec<String>,
-        }
-        let kernel: Kernel = output
+        let kernel: Features = output
         .lines()
         .find_map(|l| l.strip_prefix("FEATURES "))
         .and_then(|j| serde_json::from_str(j).ok())

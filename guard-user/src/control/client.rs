@@ -7,9 +7,8 @@ use std::{
 };
 
 use anyhow::{Context, bail, ensure};
+use connguard_api::control::{ErrorReply, Request};
 use serde::de::DeserializeOwned;
-
-use super::protocol::{ErrorReply, Request};
 
 /// Asks a running daemon; fails with the daemon's error when it answers with one.
 pub fn ask<T: DeserializeOwned>(socket: &Path, request: Request) -> anyhow::Result<T> {

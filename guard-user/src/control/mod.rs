@@ -1,6 +1,5 @@
-//! How the daemon is reached: the control protocol, its server and client, and the
-//! Prometheus endpoint.
+//! How the daemon is reached: the control protocol's server and client (its requests
+//! and replies are connguard_api::control), and the Prometheus endpoint.
 pub mod client;
 pub mod metrics;
-pub mod protocol;
 pub mod server;

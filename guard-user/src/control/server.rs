@@ -15,12 +15,11 @@ use std::{
 };
 
 use anyhow::{Context, bail};
+use connguard_api::control::{MAX_REQUEST, Reply, Request};
 use tokio::{
     io::{AsyncBufReadExt, AsyncReadExt, BufReader},
     sync::Semaphore,
 };
-
-use super::protocol::{MAX_REQUEST, Reply, Request};
 
 const READ_TIMEOUT: Duration = Duration::from_secs(2);
 const WRITE_TIMEOUT: Duration = Duration::from_secs(10);

@@ -10,10 +10,10 @@ use std::{
     time::{Duration, Instant},
 };
 
+use connguard_api::stats::JobStats;
 use tokio::time::MissedTickBehavior;
 
 use super::lock;
-use crate::report::snapshot::JobStats;
 
 /// Runs kept for the period figures of `stats`.
 const KEPT_RUNS: usize = 257;

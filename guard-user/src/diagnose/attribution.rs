@@ -6,47 +6,15 @@ use std::{
     time::{Duration, Instant},
 };
 
+use connguard_api::ports::{
+    ActiveScopes, DaemonDestination, DaemonPorts, EaddrnotavailCount, PortsReport,
+};
 use guard_common::{
     Counter, CounterKey, EaddrKey, TimeWaitKey,
     addr::{endpoint, unmapped},
 };
-use serde::{Deserialize, Serialize};
 
-use super::ports::{PortsReport, diagnose};
-
-/// connect() failures with EADDRNOTAVAIL of one process name in one scope (total).
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct EaddrnotavailCount {
-    pub scope: String,
-    pub comm: String,
-    pub count: u64,
-}
-
-/// What the daemon adds to a namespace's report: rates and attribution from the eBPF
-/// side (the `ports COOKIE` control request).
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
-pub struct DaemonPorts {
-    /// Destinations with TIME_WAIT entries born within the rates' window.
-    pub destinations: Vec<DaemonDestination>,
-    /// Destinations (any namespace, any source) with active admitted connections.
-    pub active: Vec<ActiveScopes>,
-    pub eaddrnotavail: Vec<EaddrnotavailCount>,
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct ActiveScopes {
-    pub dst: String,
-    pub scopes: Vec<String>,
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct DaemonDestination {
-    pub src: String,
-    pub dst: String,
-    /// TIME_WAIT entries born per second over the last 5 to 7.5 s (TimeWaitRates).
-    pub time_wait_per_s: f64,
-    pub scopes: Vec<String>,
-}
+use super::ports::diagnose;
 
 /// Rates are TIME_WAIT births over at least this window (at most 1.5 times it).
 pub const RATE_WINDOW: Duration = Duration::from_secs(5);

@@ -9,8 +9,8 @@
 //! (net/ipv4/tcp_diag.c), and half-open connections as SYN_RECV entries.
 use std::{collections::BTreeMap, fmt::Write};
 
+use connguard_api::listeners::{Listener, ListenersReport};
 use guard_common::{addr::endpoint, linux::TCP_LISTEN};
-use serde::{Deserialize, Serialize};
 
 use crate::host::{
     procfs::{socket_owners, tcp_ext_counters},
@@ -26,45 +26,6 @@ pub const COUNTERS: &[&str] = &[
     "SyncookiesSent",
     "TCPSynRetrans",
 ];
-
-/// `connguard listeners --json`.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct ListenersReport {
-    pub netns: String,
-    /// Fullest first.
-    pub listeners: Vec<Listener>,
-    /// The namespace's TcpExt counters (totals since the namespace was created), as
-    /// `nstat -az` shows them.
-    pub counters: BTreeMap<String, u64>,
-    pub warnings: Vec<String>,
-}
-
-/// One listening socket. The kernel counts accept-queue overflows per namespace, not per
-/// listener: they are in the report's `counters`.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct Listener {
-    pub netns: String,
-    /// `a.b.c.d:port` or `[v6]:port` (0.0.0.0 or :: for every address).
-    pub addr: String,
-    /// The port alone, host order.
-    pub port: u16,
-    /// Owning process as `comm[pid]`, when one holds the socket.
-    pub process: Option<String>,
-    /// Its cgroup, below the cgroup2 mount.
-    pub cgroup: Option<String>,
-    /// Its scope (asked from the daemon; null without one or outside every scope).
-    pub scope: Option<String>,
-    /// Connections waiting to be accept()ed.
-    pub accept_queue: u32,
-    /// Effective backlog: min(listen() backlog, net.core.somaxconn).
-    pub backlog: u32,
-    /// Half-open connections (SYN received, SYN-ACK sent).
-    pub syn_recv: u32,
-    /// SYNs answered with RST by connguard's guard for this port (from the daemon).
-    pub rst_shed: u64,
-    /// "full" when the queue holds more than the backlog (new SYNs are dropped), else "ok".
-    pub state: String,
-}
 
 /// The listeners of the calling thread's namespace.
 pub fn report(

@@ -1,12 +1,11 @@
 //! Ephemeral-port and TIME_WAIT exhaustion: how many local ports each (source address,
 //! destination) pair holds against the namespace's ephemeral range (host::ports has the
 //! kernel's rules), in numbers and in plain sentences.
-use std::{collections::BTreeMap, fmt::Write};
+use std::fmt::Write;
 
+use connguard_api::ports::{DestinationPorts, PortsReport, SourcePool};
 use guard_common::addr::endpoint;
-use serde::{Deserialize, Serialize};
 
-use super::attribution::EaddrnotavailCount;
 use crate::host::{
     ports::{PortSettings, available, census},
     sockdiag::TcpSocket,
@@ -15,80 +14,9 @@ use crate::host::{
 /// A destination is flagged once it holds this fraction of the ephemeral range.
 pub const WARN_RATIO: f64 = 0.8;
 
-/// `connguard ports --json`.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct PortsReport {
-    /// The network namespace looked at ("self" for the caller's own).
-    pub netns: String,
-    /// net.ipv4.ip_local_port_range, inclusive.
-    pub ephemeral_range: [u16; 2],
-    /// Ports in that range that are not reserved (net.ipv4.ip_local_reserved_ports).
-    pub ephemeral_ports: u32,
-    /// net.ipv4.tcp_tw_reuse.
-    pub tcp_tw_reuse: u8,
-    /// Ephemeral ports taken by bind() or listen() (on any address): connect() skips
-    /// them for every destination.
-    pub bound_ports: u32,
-    /// Busiest first.
-    pub destinations: Vec<DestinationPorts>,
-    pub bound_sources: Vec<SourcePool>,
-    /// Whether the kernel's sock_diag lists sockets bound but neither connected nor
-    /// listening (Linux 6.7+); null when that could not be told. Unless true, ports held
-    /// by bind() alone may be missing from `bound_ports` and `bound_sources`, and a
-    /// warning says so.
-    pub bound_inactive_listed: Option<bool>,
-    /// EADDRNOTAVAIL returned by connect(), per scope and process (needs the daemon).
-    pub eaddrnotavail: Vec<EaddrnotavailCount>,
-    /// The diagnosis, one sentence block per problem.
-    pub warnings: Vec<String>,
-}
-
-/// Local ports held toward one destination from one source address.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct DestinationPorts {
-    /// Source address.
-    pub src: String,
-    /// `a.b.c.d:port` or `[v6]:port`.
-    pub dst: String,
-    /// Ports held: active connections plus TIME_WAIT entries (units: ports).
-    pub in_use: u32,
-    pub time_wait: u32,
-    pub active: u32,
-    /// Active connections by state, as `ss` names them.
-    pub states: BTreeMap<String, u32>,
-    /// in_use / ephemeral_ports.
-    pub ratio: f64,
-    /// Ports connect() can still pick toward this destination from this source:
-    /// ephemeral_ports less bound_ports, active connections, and TIME_WAIT entries unless
-    /// tcp_tw_reuse lets connect() take them (1, or 2 between loopback addresses).
-    pub available: u32,
-    /// TIME_WAIT entries created per second by admitted connections, over the last 5 to
-    /// 7.5 s (null without the daemon, or when it saw none).
-    pub time_wait_per_s: Option<f64>,
-    /// At that rate, seconds until `available` reaches 0; null when the rate is unknown,
-    /// or when TIME_WAIT entries expire (after 60 s) faster than they fill the range.
-    pub seconds_to_exhaustion: Option<f64>,
-    /// Scopes whose admitted connections hold these ports (needs the daemon).
-    pub scopes: Vec<String>,
-}
-
-/// The pool that bind(addr, 0) draws from: ports in use on one source address.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct SourcePool {
-    pub src: String,
-    /// Distinct ephemeral ports held on this address by any socket (units: ports).
-    pub in_use: u32,
-    /// Of those, sockets bound but neither connected nor listening (bind() first).
-    pub bound_inactive: u32,
-    /// in_use / ephemeral_ports.
-    pub ratio: f64,
-}
-
-impl SourcePool {
-    /// Whether the pool is at or past WARN_RATIO of the range (then diagnosed).
-    pub fn near_exhaustion(&self) -> bool {
-        self.ratio >= WARN_RATIO
-    }
+/// Whether the pool is at or past WARN_RATIO of the range (then diagnosed).
+pub fn near_exhaustion(p: &SourcePool) -> bool {
+    p.ratio >= WARN_RATIO
 }
 
 /// The report for one namespace from its socket table and settings.
@@ -219,7 +147,7 @@ pub fn diagnose(r: &PortsReport) -> Vec<String> {
     }
     // bind(addr, 0) picks a port no socket on addr holds, whatever the destination: a
     // pool spent that way leaves every destination's own count with ports left.
-    for p in r.bound_sources.iter().filter(|p| p.near_exhaustion()) {
+    for p in r.bound_sources.iter().filter(|p| near_exhaustion(p)) {
         let destinations = r.destinations.iter().filter(|d| d.src == p.src).count();
         let mut w = format!(
             "Source address {} holds {} of {} ephemeral ports ({:.0}%): connections to {destinations} \
@@ -342,13 +270,11 @@ pub fn table(r: &PortsReport) -> String {
 
 #[cfg(test)]
 mod tests {
+    use connguard_api::ports::{DaemonDestination, DaemonPorts};
     use guard_common::linux::{TCP_CLOSE, TCP_ESTABLISHED, TCP_LISTEN, TCP_TIME_WAIT};
 
     use super::*;
-    use crate::{
-        diagnose::attribution::{DaemonDestination, DaemonPorts, merge},
-        host::ports::port_use,
-    };
+    use crate::{diagnose::attribution::merge, host::ports::port_use};
 
     fn sock(state: u32, src: &str, sport: u16, dst: &str, dport: u16) -> TcpSocket {
         TcpSocket {

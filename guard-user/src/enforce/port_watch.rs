@@ -4,11 +4,11 @@
 //! every 0.5 s, so a watermark acts within that period.
 use std::{collections::HashMap, path::PathBuf};
 
+use connguard_api::stats::WatchedPort;
 use guard_common::{
     PortUseKey,
     addr::{endpoint, mapped, unmapped},
 };
-use serde::{Deserialize, Serialize};
 
 use crate::{
     host::{
@@ -19,16 +19,6 @@ use crate::{
     kernel::maps::{Hashed, Mirrored},
     policy::Policy,
 };
-
-/// Ports held toward a destination in a watched network namespace.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct WatchedPort {
-    /// Network namespace cookie (SO_NETNS_COOKIE).
-    pub netns: u64,
-    pub dst: String,
-    /// Ports held / ephemeral ports (the most over source addresses).
-    pub ratio: f64,
-}
 
 pub struct PortWatch {
     port_use: Mirrored<PortUseKey, u32>,

@@ -17,8 +17,8 @@ use aya::{
     programs::ProgramType,
     sys::{BpfHelper, is_helper_supported, is_map_supported},
 };
+use connguard_api::kernel::Features;
 use guard_common::linux::ProgQuery;
-use serde::{Deserialize, Serialize};
 
 use super::{
     batch, btf,
@@ -201,22 +201,24 @@ impl Feature {
     }
 }
 
-/// The probes' results for the running kernel.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
-pub struct Features {
-    /// `uname -r`.
-    pub release: String,
-    /// Feature name -> present. A feature named in CONNGUARD_WITHOUT reads false, and so
-    /// does one whose probe could not tell (logged).
-    pub features: BTreeMap<String, bool>,
-    /// The features the daemon cannot run without.
-    pub required: Vec<String>,
-}
-
-impl Features {
+/// Probing the running kernel into connguard_api's `Features`, and what the daemon
+/// makes of them.
+pub trait KernelFeatures: Sized {
     /// Probes `which` (as root: loading programs needs CAP_BPF). A required feature
     /// whose probe cannot tell fails the call; any other reads absent, with a warning.
-    pub fn probe(which: &[Feature]) -> anyhow::Result<Features> {
+    fn probe(which: &[Feature]) -> anyhow::Result<Self>;
+
+    fn has(&self, f: Feature) -> bool;
+
+    /// Fails naming every missing feature the daemon cannot run without.
+    fn require(&self) -> anyhow::Result<()>;
+
+    /// The start line: what is used, what is degraded and how.
+    fn summary(&self) -> String;
+}
+
+impl KernelFeatures for Features {
+    fn probe(which: &[Feature]) -> anyhow::Result<Features> {
         let without = without_from_env()?;
         raise_memlock_limit();
         let mut features = BTreeMap::new();
@@ -246,12 +248,11 @@ impl Features {
         })
     }
 
-    pub fn has(&self, f: Feature) -> bool {
+    fn has(&self, f: Feature) -> bool {
         self.features.get(f.name()).copied().unwrap_or(false)
     }
 
-    /// Fails naming every missing feature the daemon cannot run without.
-    pub fn require(&self) -> anyhow::Result<()> {
+    fn require(&self) -> anyhow::Result<()> {
         let missing: Vec<&str> = Feature::ALL
             .iter()
             .filter(|f| f.without() == Without::Refuses && !self.has(**f))
@@ -267,8 +268,7 @@ impl Features {
         Ok(())
     }
 
-    /// The start line: what is used, what is degraded and how.
-    pub fn summary(&self) -> String {
+    fn summary(&self) -> String {
         // Only what was probed (the daemon leaves out what it has no use for).
         let probed = || {
             Feature::ALL

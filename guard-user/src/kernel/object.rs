@@ -9,11 +9,11 @@ use aya::{
         tc::{NlOptions, SchedClassifierLink, TcAttachOptions},
     },
 };
+use connguard_api::{kernel::Features, stats::ProgramCost};
 use guard_common::names::{map, program};
-use serde::{Deserialize, Serialize};
 
 use super::{
-    features::{Feature, Features},
+    features::{Feature, KernelFeatures},
     state::{Pin, State},
 };
 
@@ -193,16 +193,6 @@ pub fn program<'a>(
 ) -> anyhow::Result<&'a mut aya::programs::Program> {
     ebpf.program_mut(name)
         .with_context(|| format!("program {name} missing from the eBPF object"))
-}
-
-/// One program's cost from the kernel's bpf_stats (zero unless stats are enabled).
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct ProgramCost {
-    pub name: String,
-    pub run_count: u64,
-    pub run_time_ns: u64,
-    /// run_time_ns / run_count, in ns; null before the first run.
-    pub avg_ns: Option<f64>,
 }
 
 pub fn program_costs(ebpf: &Ebpf) -> Vec<ProgramCost> {

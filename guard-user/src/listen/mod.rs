@@ -14,8 +14,8 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use anyhow::Context;
 use aya::Ebpf;
+use connguard_api::stats::{ListenerStats, QueueReading};
 use guard_common::{LISTENER_TTL_NS, ListenerEntry, ListenerKey, monotonic_ns};
-use serde::{Deserialize, Serialize};
 
 pub use reading::{Reader, Reading};
 
@@ -23,42 +23,6 @@ use crate::{
     kernel::maps::{Hashed, ListenerMaps, Mirrored},
     policy::{ListenerPolicy, mode_name},
 };
-
-/// One guarded listener socket's queues at the last reading (units: connections).
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct QueueReading {
-    #[serde(skip)]
-    pub listener_id: u32,
-    pub addr: String,
-    pub accept_queue: u32,
-    pub backlog: u32,
-    /// Half-open connections (SYN_RECV) to the listener's address and port; shared by
-    /// the members of a SO_REUSEPORT group, whose own counts sock_diag does not give.
-    /// Read every second, unless the polled program sheds on it (`max_syn_recv`):
-    /// then at every reading.
-    pub syn_recv: u32,
-}
-
-/// Live state of one `[[listener]]` policy, for `stats`.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct ListenerStats {
-    pub name: String,
-    /// The policy's netns file, or "self".
-    pub netns: String,
-    /// The policy's ports, as inclusive [first, last] ranges.
-    pub ports: Vec<[u16; 2]>,
-    pub mode: String,
-    /// True while, at the last reading, a matching listener socket was past a limit
-    /// (`max_syn_recv` judged on `syn_recv`, as old as it is).
-    pub shedding: bool,
-    /// SYNs answered with RST (enforce mode).
-    pub rst_shed: u64,
-    /// SYNs observe mode would have answered with RST.
-    pub would_rst: u64,
-    /// The matching listener sockets at the last reading (every 50 ms; `syn_recv`
-    /// every second).
-    pub queues: Vec<QueueReading>,
-}
 
 /// The daemon's side of listener guards.
 pub struct ListenerGuard {

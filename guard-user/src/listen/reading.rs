@@ -9,13 +9,14 @@ use std::{
     time::{Duration, Instant},
 };
 
+use connguard_api::stats::QueueReading;
 use guard_common::{
     ListenerEntry, ListenerKey,
     addr::{endpoint, mapped},
     linux::TCP_SYN_RECV,
 };
 
-use super::{QueueReading, netns_name};
+use super::netns_name;
 use crate::{
     host::{
         netns,

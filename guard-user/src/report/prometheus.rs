@@ -6,6 +6,7 @@ use std::{
     sync::atomic::AtomicU64,
 };
 
+use connguard_api::stats::{Counts, ScopeStats, Snapshot};
 use guard_common::CounterKey;
 
 use prometheus_client::{
@@ -13,8 +14,6 @@ use prometheus_client::{
     metrics::{counter::Counter as PromCounter, family::Family, gauge::Gauge},
     registry::Registry,
 };
-
-use super::snapshot::{Counts, ScopeStats, Snapshot};
 
 /// Destinations per scope that get their own Prometheus series; the rest are counted
 /// under dst="other" to bound cardinality.
@@ -436,8 +435,9 @@ fn text_format(open_metrics: &str) -> String {
 
 #[cfg(test)]
 mod tests {
+    use connguard_api::stats::{DestStats, PolicyStatus};
+
     use super::*;
-    use crate::report::snapshot::{DestStats, PolicyStatus};
 
     fn counts(active: u64, admitted: u64) -> Counts {
         Counts {

@@ -1,7 +1,7 @@
 //! The readable form of `connguard stats`.
 use std::fmt::Write;
 
-use super::snapshot::Snapshot;
+use connguard_api::stats::Snapshot;
 
 /// The readable form of `connguard stats`.
 pub fn stats(snap: &Snapshot) -> String {

@@ -4,6 +4,7 @@
 //! does not flicker.
 use std::time::{Duration, Instant};
 
+use connguard_api::{listeners::Listener, ports::PortsReport, stats::Snapshot};
 use ratatui::{
     Frame,
     crossterm::event::{self, Event, KeyCode, KeyModifiers},
@@ -13,8 +14,7 @@ use ratatui::{
     widgets::{Block, Paragraph, Row, Table, Wrap},
 };
 
-use super::snapshot::Snapshot;
-use crate::diagnose::{listeners::Listener, ports::PortsReport};
+use crate::diagnose::ports::near_exhaustion;
 
 const REFRESH: Duration = Duration::from_secs(1);
 const BAR_WIDTH: usize = 20;
@@ -141,7 +141,7 @@ fn draw(f: &mut Frame, netns: &str, v: &View, at: &str) {
             let pools = r
                 .bound_sources
                 .iter()
-                .filter(|p| p.near_exhaustion())
+                .filter(|p| near_exhaustion(p))
                 .map(|p| {
                     Row::new(vec![
                         p.src.clone(),

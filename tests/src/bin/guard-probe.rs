@@ -10,82 +10,60 @@ use std::{
 };
 
 use anyhow::Context;
-use connguard_tests::{Outcome, monotonic_ms};
+use clap::Parser;
+use connguard_tests::{Outcome, Probe, monotonic_ms};
 use socket2::{Domain, Protocol, SockAddr, Socket, Type};
 
-const USAGE: &str = "usage: guard-probe connect ADDR COUNT CONCURRENCY
-       guard-probe hold ADDR COUNT CONCURRENCY
-       guard-probe storm ADDR THREADS SECONDS
-       guard-probe udp ADDR CYCLES
-       guard-probe migrate ADDR CGROUP_DIR
-       guard-probe tfo NETNS_PATH ADDR
-       guard-probe mptcp ADDR COUNT
-       guard-probe fail-hold NETNS_PATH ADDR
-       guard-probe serve NETNS_PATH [greet:]PORT...
-       guard-probe churn NETNS_PATH ADDR COUNT PER_SECOND [reset]
-       guard-probe bind NETNS_PATH ADDR COUNT [DST,...]
-       guard-probe listen NETNS_PATH ADDR BACKLOG [ACCEPT_AFTER_MS | on-usr1]
-       guard-probe open NETNS_PATH ADDR COUNT [INTERVAL_MS TIMEOUT_MS]
-       guard-probe burst NETNS_PATH ADDR COUNT TIMEOUT_MS RETRIES [PAUSE_MS]
-       guard-probe reuseport NETNS_PATH ADDR BACKLOG MEMBERS
-       guard-probe echo1 NETNS_PATH ADDR BACKLOG
-       guard-probe spray NETNS_PATH COUNT PORT
-       guard-probe shedlat NETNS_PATH ADDR COUNT [TIMEOUT_MS]
-       guard-probe talk NETNS_PATH ADDR ROUNDS INTERVAL_MS
-       guard-probe mixed NETNS_PATH COUNT
-       guard-probe paced ADDR COUNT SPREAD_MS
-       guard-probe handshakes NETNS_PATH ADDR COUNT TIMEOUT_MS";
-
 fn main() -> anyhow::Result<()> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let arg = |i: usize| args.get(i).with_context(|| USAGE.to_string());
-    let num = |i: usize| -> anyhow::Result<u64> { Ok(arg(i)?.parse()?) };
-    let out = match arg(0)?.as_str() {
-        "connect" => connect(arg(1)?.parse()?, num(2)?, num(3)?).0,
-        "hold" => {
-            let (out, held) = connect(arg(1)?.parse()?, num(2)?, num(3)?);
+    let out = match Probe::parse() {
+        Probe::Connect {
+            addr,
+            count,
+            concurrency,
+        } => connect(addr, count, concurrency).0,
+        Probe::Hold {
+            addr,
+            count,
+            concurrency,
+        } => {
+            let (out, held) = connect(addr, count, concurrency);
             hold(&out, held)
         }
-        "storm" => storm(arg(1)?.parse()?, num(2)?, num(3)?),
-        "udp" => udp(arg(1)?.parse()?, num(2)?)?,
-        "migrate" => migrate(arg(1)?.parse()?, arg(2)?)?,
-        "tfo" => tfo(arg(1)?, arg(2)?.parse()?)?,
-        "mptcp" => mptcp(arg(1)?.parse()?, num(2)?)?,
-        // One connect inside NETNS_PATH, whose socket is then held until killed: to an
-        // address with no route, it fails before leaving TCP_CLOSE (ENETUNREACH).
-        "fail-hold" => {
-            enter_netns(arg(1)?)?;
-            let addr: SocketAddr = arg(2)?.parse()?;
+        Probe::Storm {
+            addr,
+            threads,
+            seconds,
+        } => storm(addr, threads, seconds),
+        Probe::Udp { addr, cycles } => udp(addr, cycles)?,
+        Probe::Migrate { addr, cgroup_dir } => migrate(addr, &cgroup_dir)?,
+        Probe::Tfo { netns, addr } => tfo(&netns, addr)?,
+        Probe::Mptcp { addr, count } => mptcp(addr, count)?,
+        Probe::FailHold { netns, addr } => {
+            enter_netns(&netns)?;
             let out = Mutex::new(Outcome::default());
             let s = tcp_socket(&addr);
             let started = Instant::now();
             record(&out, &s.connect(&addr.into()), started);
             hold(&out.into_inner().unwrap(), vec![s])
         }
-        "serve" => {
-            enter_netns(arg(1)?)?;
-            for port in &args[2..] {
-                match port.strip_prefix("greet:") {
-                    Some(p) => serve(p.parse()?, true)?,
-                    None => serve(port.parse()?, false)?,
-                }
+        Probe::Serve { netns, ports } => {
+            enter_netns(&netns)?;
+            for p in ports {
+                serve(p.port, p.greet)?;
             }
             hold(&Outcome::default(), Vec::new())
         }
-        "churn" => churn(
-            arg(1)?,
-            arg(2)?.parse()?,
-            num(3)?,
-            num(4)?,
-            args.get(5).map(String::as_str) == Some("reset"),
-        )?,
-        // COUNT connects to distinct loopback addresses (127.x.y.z) on a closed PORT: each
-        // is refused by the kernel, and each is a new destination for connguard.
-        "spray" => {
-            enter_netns(arg(1)?)?;
-            let port = num(3)? as u16;
+        Probe::Churn {
+            netns,
+            addr,
+            count,
+            per_second,
+            reset,
+        } => churn(&netns, addr, count, per_second, reset)?,
+        Probe::Spray { netns, count, port } => {
+            enter_netns(&netns)?;
             let out = Mutex::new(Outcome::default());
-            for i in 0..num(2)? {
+            for i in 0..count {
                 let ip = Ipv4Addr::new(
                     127,
                     1 + (i / 65025) as u8,
@@ -99,19 +77,20 @@ fn main() -> anyhow::Result<()> {
             }
             out.into_inner().unwrap()
         }
-        // COUNT connects to ADDR, one at a time, each given up after TIMEOUT_MS (none by
-        // default); `categories` has p50_ns and p99_ns of the time connect() took to fail
-        // (a timeout counts as failing at TIMEOUT_MS).
-        "shedlat" => {
-            enter_netns(arg(1)?)?;
-            let addr: SocketAddr = arg(2)?.parse()?;
+        // A timeout counts as failing at TIMEOUT_MS.
+        Probe::Shedlat {
+            netns,
+            addr,
+            count,
+            timeout_ms,
+        } => {
+            enter_netns(&netns)?;
             let out = Mutex::new(Outcome::default());
-            let timeout = args.get(4).map(|a| a.parse()).transpose()?;
             let mut us = Vec::new();
-            for _ in 0..num(3)? {
+            for _ in 0..count {
                 let s = tcp_socket(&addr);
                 let started = Instant::now();
-                let r = match timeout {
+                let r = match timeout_ms {
                     Some(ms) => s.connect_timeout(&addr.into(), Duration::from_millis(ms)),
                     None => s.connect(&addr.into()),
                 };
@@ -131,16 +110,17 @@ fn main() -> anyhow::Result<()> {
             out.categories.insert("p99_ns".into(), pct(99));
             out
         }
-        // A listener that accepts nothing, or everything after ACCEPT_AFTER_MS, or, given
-        // "on-usr1" instead, once the process gets SIGUSR1 (a test's cue where a timer
-        // would race a slow guest).
-        "listen" => {
-            let usr1 = (args.get(4).map(String::as_str) == Some("on-usr1")).then(blocked_usr1);
-            let after = match (&usr1, args.get(4)) {
-                (None, Some(ms)) => Some(Duration::from_millis(ms.parse()?)),
-                _ => None,
-            };
-            let (s, l) = listener(arg(1)?, arg(2)?, num(3)?)?;
+        // --on-usr1 is a test's cue where a timer would race a slow guest.
+        Probe::Listen {
+            netns,
+            addr,
+            backlog,
+            accept_after_ms,
+            on_usr1,
+        } => {
+            let usr1 = on_usr1.then(blocked_usr1);
+            let after = accept_after_ms.map(Duration::from_millis);
+            let (s, l) = listener(&netns, addr, backlog)?;
             if usr1.is_some() || after.is_some() {
                 thread::spawn(move || {
                     if let Some(set) = usr1 {
@@ -156,16 +136,21 @@ fn main() -> anyhow::Result<()> {
             }
             hold(&Outcome::default(), vec![s])
         }
-        // COUNT connects, one every INTERVAL_MS (default 0), each given TIMEOUT_MS
-        // (default 500); prints the outcome, then holds them all.
-        "open" => {
-            enter_netns(arg(1)?)?;
-            let addr: SocketAddr = arg(2)?.parse()?;
-            let interval = Duration::from_millis(args.get(4).map_or(Ok(0), |a| a.parse())?);
-            let timeout = Duration::from_millis(args.get(5).map_or(Ok(500), |a| a.parse())?);
+        Probe::Open {
+            netns,
+            addr,
+            count,
+            interval_ms,
+            timeout_ms,
+        } => {
+            enter_netns(&netns)?;
+            let (interval, timeout) = (
+                Duration::from_millis(interval_ms),
+                Duration::from_millis(timeout_ms),
+            );
             let out = Mutex::new(Outcome::default());
             let mut held = Vec::new();
-            for _ in 0..num(3)? {
+            for _ in 0..count {
                 let s = tcp_socket(&addr);
                 let started = Instant::now();
                 record(&out, &s.connect_timeout(&addr.into(), timeout), started);
@@ -174,34 +159,46 @@ fn main() -> anyhow::Result<()> {
             }
             hold(&out.into_inner().unwrap(), held)
         }
-        "burst" => {
-            enter_netns(arg(1)?)?;
-            let pause = Duration::from_millis(args.get(6).map_or(Ok(0), |a| a.parse())?);
-            let (out, held) = burst(arg(2)?.parse()?, num(3)?, num(4)?, num(5)?, pause);
+        Probe::Burst {
+            netns,
+            addr,
+            count,
+            timeout_ms,
+            retries,
+            pause_ms,
+        } => {
+            enter_netns(&netns)?;
+            let pause = Duration::from_millis(pause_ms);
+            let (out, held) = burst(addr, count, timeout_ms, retries, pause);
             hold(&out, held)
         }
-        // MEMBERS listeners on ADDR in one SO_REUSEPORT group: the first (bound first),
-        // with BACKLOG, never accepts; the others, with 1024, accept everything.
-        "reuseport" => {
-            enter_netns(arg(1)?)?;
-            let addr: SocketAddr = arg(2)?.parse()?;
-            let mut members = Vec::new();
-            for i in 0..num(4)? {
+        Probe::Reuseport {
+            netns,
+            addr,
+            backlog,
+            members,
+        } => {
+            enter_netns(&netns)?;
+            let mut held = Vec::new();
+            for i in 0..members {
                 let s = tcp_socket(&addr);
                 s.set_reuse_port(true)?;
                 s.bind(&addr.into())?;
-                s.listen(if i == 0 { num(3)? as i32 } else { 1024 })?;
+                s.listen(if i == 0 { backlog as i32 } else { 1024 })?;
                 if i > 0 {
                     let l: TcpListener = s.try_clone()?.into();
                     thread::spawn(move || l.incoming().flatten().for_each(std::mem::forget));
                 }
-                members.push(s);
+                held.push(s);
             }
-            hold(&Outcome::default(), members)
+            hold(&Outcome::default(), held)
         }
-        // A listener that accepts one connection, echoes on it, and accepts no other.
-        "echo1" => {
-            let (s, l) = listener(arg(1)?, arg(2)?, num(3)?)?;
+        Probe::Echo1 {
+            netns,
+            addr,
+            backlog,
+        } => {
+            let (s, l) = listener(&netns, addr, backlog)?;
             thread::spawn(move || {
                 if let Ok((mut c, _)) = l.accept() {
                     let mut buf = [0u8; 64];
@@ -214,14 +211,17 @@ fn main() -> anyhow::Result<()> {
             });
             hold(&Outcome::default(), vec![s])
         }
-        // One connection, ROUNDS request/response exchanges, one every INTERVAL_MS.
-        "talk" => {
-            enter_netns(arg(1)?)?;
-            let addr: SocketAddr = arg(2)?.parse()?;
+        Probe::Talk {
+            netns,
+            addr,
+            rounds,
+            interval_ms,
+        } => {
+            enter_netns(&netns)?;
             let mut out = Outcome::default();
             let mut c = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
             c.set_read_timeout(Some(Duration::from_secs(1)))?;
-            for _ in 0..num(3)? {
+            for _ in 0..rounds {
                 out.attempts += 1;
                 let mut buf = [0u8; 1];
                 match c.write_all(b"x").and_then(|()| c.read_exact(&mut buf)) {
@@ -229,23 +229,21 @@ fn main() -> anyhow::Result<()> {
                     Ok(()) => *out.errors.entry("wrong echo".into()).or_default() += 1,
                     Err(e) => *out.errors.entry(errno_name(&e)).or_default() += 1,
                 }
-                thread::sleep(Duration::from_millis(num(4)?));
+                thread::sleep(Duration::from_millis(interval_ms));
             }
             out
         }
-        // COUNT sockets bound to ADDR, each then connected to the next of DST,... if given
-        // (a proxy that binds its source address first, as Envoy binds 127.0.0.6); a
-        // failed bind() or connect() is counted by its errno. Holds what succeeded.
-        "bind" => {
-            enter_netns(arg(1)?)?;
-            let addr: SocketAddr = arg(2)?.parse()?;
-            let destinations: Vec<SocketAddr> = match args.get(4) {
-                Some(list) => list.split(',').map(str::parse).collect::<Result<_, _>>()?,
-                None => Vec::new(),
-            };
+        // A proxy that binds its source address first, as Envoy binds 127.0.0.6.
+        Probe::Bind {
+            netns,
+            addr,
+            count,
+            destinations,
+        } => {
+            enter_netns(&netns)?;
             let out = Mutex::new(Outcome::default());
             let mut held = Vec::new();
-            for i in 0..num(3)? as usize {
+            for i in 0..count as usize {
                 let s = tcp_socket(&addr);
                 let started = Instant::now();
                 let mut r = s.bind(&addr.into());
@@ -259,13 +257,21 @@ fn main() -> anyhow::Result<()> {
             }
             hold(&out.into_inner().unwrap(), held)
         }
-        "mixed" => mixed(arg(1)?, num(2)?)?,
-        "paced" => paced(arg(1)?.parse()?, num(2)?, num(3)?),
-        "handshakes" => {
-            enter_netns(arg(1)?)?;
-            handshakes(arg(2)?.parse()?, num(3)?, num(4)?)
+        Probe::Mixed { netns, count } => mixed(&netns, count)?,
+        Probe::Paced {
+            addr,
+            count,
+            spread_ms,
+        } => paced(addr, count, spread_ms),
+        Probe::Handshakes {
+            netns,
+            addr,
+            count,
+            timeout_ms,
+        } => {
+            enter_netns(&netns)?;
+            handshakes(addr, count, timeout_ms)
         }
-        _ => anyhow::bail!(USAGE),
     };
     println!("{}", serde_json::to_string(&out)?);
     Ok(())
@@ -638,9 +644,8 @@ fn churn(
 
 /// Inside NETNS_PATH, a socket listening on ADDR with BACKLOG, and the same socket as a
 /// std listener for accepting.
-fn listener(netns: &str, addr: &str, backlog: u64) -> anyhow::Result<(Socket, TcpListener)> {
+fn listener(netns: &str, addr: SocketAddr, backlog: u64) -> anyhow::Result<(Socket, TcpListener)> {
     enter_netns(netns)?;
-    let addr: SocketAddr = addr.parse()?;
     let s = tcp_socket(&addr);
     s.set_reuse_address(true)?;
     s.bind(&addr.into())?;

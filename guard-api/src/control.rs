@@ -10,10 +10,7 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-use crate::{
-    diagnose::attribution::DaemonPorts,
-    report::{events::EventRecord, snapshot::Snapshot},
-};
+use crate::{events::EventRecord, ports::DaemonPorts, stats::Snapshot};
 
 /// Longest request line, in bytes, newline excluded.
 pub const MAX_REQUEST: usize = 4096;

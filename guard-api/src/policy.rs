@@ -1,0 +1,437 @@
+//! Policy files as data: a builder that writes the TOML `connguard run --policy` and
+//! `connguard check` read, with the keys the daemon's parser accepts under their names.
+//! A key left unset (`None`, an empty list) is left out of the file, and the parser's
+//! default applies. Values are written as the policy file takes them: rates as
+//! `"200/s"`, durations as `"10s"`, fractions in (0, 1]; the parser checks them, with a
+//! file:line:column error for a bad one.
+//!
+//! ```
+//! use connguard_api::policy::{Limited, Mode, Policy, Rule, Scope};
+//!
+//! let policy = Policy::new().scope(
+//!     Scope::new("orders", "system.slice/orders.service")
+//!         .mode(Mode::Observe)
+//!         .rule(Rule::new("db").dst(["10.0.0.5"]).ports([5432]).max_connections(20)),
+//! );
+//! assert!(policy.to_toml().contains("[[scope.rule]]"));
+//! ```
+use std::{fmt, ops::RangeInclusive};
+
+use serde::{Deserialize, Serialize};
+
+/// A policy file: its `[[scope]]` and `[[listener]]` tables.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Policy {
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub scope: Vec<Scope>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub listener: Vec<Listener>,
+}
+
+impl Policy {
+    pub fn new() -> Policy {
+        Policy::default()
+    }
+
+    /// Adds a `[[scope]]`.
+    pub fn scope(mut self, scope: Scope) -> Policy {
+        self.scope.push(scope);
+        self
+    }
+
+    /// Adds a `[[listener]]`.
+    pub fn listener(mut self, listener: Listener) -> Policy {
+        self.listener.push(listener);
+        self
+    }
+
+    /// The policy file's text.
+    pub fn to_toml(&self) -> String {
+        toml::to_string(self).expect("every policy value has a TOML form")
+    }
+}
+
+impl fmt::Display for Policy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.to_toml())
+    }
+}
+
+/// `mode`: shed what is over a limit, or only count it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    Enforce,
+    Observe,
+}
+
+/// A rule's `per`: a budget for each destination endpoint, or one for the whole rule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Per {
+    Endpoint,
+    Rule,
+}
+
+/// One entry of `ports`: a port, or an inclusive range written `"first-last"`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Port {
+    Number(u16),
+    Text(String),
+}
+
+impl From<u16> for Port {
+    fn from(port: u16) -> Port {
+        Port::Number(port)
+    }
+}
+
+impl From<&str> for Port {
+    fn from(text: &str) -> Port {
+        Port::Text(text.to_string())
+    }
+}
+
+impl From<RangeInclusive<u16>> for Port {
+    fn from(range: RangeInclusive<u16>) -> Port {
+        Port::Text(format!("{}-{}", range.start(), range.end()))
+    }
+}
+
+/// The keys a scope and a rule share: budgets (connections, connections in the
+/// handshake, new connections per second or minute with the bucket's burst), the circuit
+/// breaker, and the port watermark (a fraction of the ephemeral range).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Limits {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_connections: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_connecting: Option<u32>,
+    /// `"N/s"` or `"N/min"`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rate: Option<String>,
+    /// Attempts the rate's bucket holds when full.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub burst: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub port_watermark: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub breaker: Option<Breaker>,
+}
+
+/// Setters of the keys of [`Limits`], for a scope and a rule alike.
+pub trait Limited: Sized {
+    fn limits_mut(&mut self) -> &mut Limits;
+
+    fn max_connections(mut self, n: u64) -> Self {
+        self.limits_mut().max_connections = Some(n);
+        self
+    }
+
+    fn max_connecting(mut self, n: u32) -> Self {
+        self.limits_mut().max_connecting = Some(n);
+        self
+    }
+
+    /// `"N/s"` or `"N/min"`.
+    fn rate(mut self, rate: &str) -> Self {
+        self.limits_mut().rate = Some(rate.to_string());
+        self
+    }
+
+    fn burst(mut self, attempts: u32) -> Self {
+        self.limits_mut().burst = Some(attempts);
+        self
+    }
+
+    /// A fraction of the ephemeral range, in (0, 1].
+    fn port_watermark(mut self, fraction: f64) -> Self {
+        self.limits_mut().port_watermark = Some(fraction);
+        self
+    }
+
+    fn breaker(mut self, breaker: Breaker) -> Self {
+        self.limits_mut().breaker = Some(breaker);
+        self
+    }
+}
+
+/// A `[[scope]]`: the cgroups it governs (a path or glob below the cgroup2 mount), how,
+/// and its rules.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Scope {
+    pub name: String,
+    pub cgroup: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mode: Option<Mode>,
+    /// What a shed connect() fails with: an errno name such as `"ECONNREFUSED"`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub errno: Option<String>,
+    #[serde(flatten)]
+    pub limits: Limits,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub rule: Vec<Rule>,
+}
+
+impl Scope {
+    pub fn new(name: &str, cgroup: &str) -> Scope {
+        Scope {
+            name: name.to_string(),
+            cgroup: cgroup.to_string(),
+            mode: None,
+            errno: None,
+            limits: Limits::default(),
+            rule: Vec::new(),
+        }
+    }
+
+    pub fn mode(mut self, mode: Mode) -> Scope {
+        self.mode = Some(mode);
+        self
+    }
+
+    pub fn errno(mut self, name: &str) -> Scope {
+        self.errno = Some(name.to_string());
+        self
+    }
+
+    /// Adds a `[[scope.rule]]`.
+    pub fn rule(mut self, rule: Rule) -> Scope {
+        self.rule.push(rule);
+        self
+    }
+}
+
+impl Limited for Scope {
+    fn limits_mut(&mut self) -> &mut Limits {
+        &mut self.limits
+    }
+}
+
+/// A `[[scope.rule]]`: destinations (addresses or CIDRs; any when unset) and ports (any
+/// when unset), and their limits.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Rule {
+    /// `ruleN` (its place in the scope, from 1) when unset.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dst: Option<Vec<String>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ports: Option<Vec<Port>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub per: Option<Per>,
+    #[serde(flatten)]
+    pub limits: Limits,
+}
+
+impl Rule {
+    pub fn new(name: &str) -> Rule {
+        Rule {
+            name: Some(name.to_string()),
+            ..Rule::default()
+        }
+    }
+
+    pub fn dst<S: Into<String>>(mut self, dst: impl IntoIterator<Item = S>) -> Rule {
+        self.dst = Some(dst.into_iter().map(Into::into).collect());
+        self
+    }
+
+    pub fn ports<P: Into<Port>>(mut self, ports: impl IntoIterator<Item = P>) -> Rule {
+        self.ports = Some(ports.into_iter().map(Into::into).collect());
+        self
+    }
+
+    pub fn per(mut self, per: Per) -> Rule {
+        self.per = Some(per);
+        self
+    }
+}
+
+impl Limited for Rule {
+    fn limits_mut(&mut self) -> &mut Limits {
+        &mut self.limits
+    }
+}
+
+/// A `breaker` table: a circuit breaker per destination endpoint. Durations are written
+/// `"500ms"`, `"10s"`, `"1min"`; ratios are fractions of the window's outcomes.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Breaker {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub window: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub min_samples: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub failure_ratio: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub slow_ratio: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub slow_connect_ms: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub open_for: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_open_for: Option<String>,
+    /// Percents let through at each half-open step, rising to 100.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ramp: Option<Vec<u32>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub step_successes: Option<u32>,
+    /// What a connect() the breaker sheds fails with: an errno name.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub errno: Option<String>,
+}
+
+impl Breaker {
+    pub fn new() -> Breaker {
+        Breaker::default()
+    }
+
+    pub fn window(mut self, duration: &str) -> Breaker {
+        self.window = Some(duration.to_string());
+        self
+    }
+
+    pub fn min_samples(mut self, n: u32) -> Breaker {
+        self.min_samples = Some(n);
+        self
+    }
+
+    pub fn failure_ratio(mut self, fraction: f64) -> Breaker {
+        self.failure_ratio = Some(fraction);
+        self
+    }
+
+    pub fn slow_ratio(mut self, fraction: f64) -> Breaker {
+        self.slow_ratio = Some(fraction);
+        self
+    }
+
+    pub fn slow_connect_ms(mut self, ms: u64) -> Breaker {
+        self.slow_connect_ms = Some(ms);
+        self
+    }
+
+    pub fn open_for(mut self, duration: &str) -> Breaker {
+        self.open_for = Some(duration.to_string());
+        self
+    }
+
+    pub fn max_open_for(mut self, duration: &str) -> Breaker {
+        self.max_open_for = Some(duration.to_string());
+        self
+    }
+
+    pub fn ramp(mut self, percents: impl IntoIterator<Item = u32>) -> Breaker {
+        self.ramp = Some(percents.into_iter().collect());
+        self
+    }
+
+    pub fn step_successes(mut self, n: u32) -> Breaker {
+        self.step_successes = Some(n);
+        self
+    }
+
+    pub fn errno(mut self, name: &str) -> Breaker {
+        self.errno = Some(name.to_string());
+        self
+    }
+}
+
+/// A `[[listener]]` guard: listening sockets on `ports` (of `addr`, in the network
+/// namespace of the file `netns`, or the daemon's own), shed with RST past a fraction
+/// of the accept queue's backlog or a count of SYN_RECV.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Listener {
+    pub name: String,
+    pub ports: Vec<Port>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub addr: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub netns: Option<String>,
+    /// The interfaces to attach to (every one of the namespace when empty).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub interfaces: Vec<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub accept_queue_watermark: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_syn_recv: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mode: Option<Mode>,
+}
+
+impl Listener {
+    pub fn new<P: Into<Port>>(name: &str, ports: impl IntoIterator<Item = P>) -> Listener {
+        Listener {
+            name: name.to_string(),
+            ports: ports.into_iter().map(Into::into).collect(),
+            addr: None,
+            netns: None,
+            interfaces: Vec::new(),
+            accept_queue_watermark: None,
+            max_syn_recv: None,
+            mode: None,
+        }
+    }
+
+    pub fn addr(mut self, addr: &str) -> Listener {
+        self.addr = Some(addr.to_string());
+        self
+    }
+
+    /// A network namespace file (`/run/netns/NAME`, `/proc/PID/ns/net`).
+    pub fn netns(mut self, path: &str) -> Listener {
+        self.netns = Some(path.to_string());
+        self
+    }
+
+    pub fn interfaces<S: Into<String>>(mut self, names: impl IntoIterator<Item = S>) -> Listener {
+        self.interfaces = names.into_iter().map(Into::into).collect();
+        self
+    }
+
+    /// A fraction of the backlog, in (0, 1].
+    pub fn accept_queue_watermark(mut self, fraction: f64) -> Listener {
+        self.accept_queue_watermark = Some(fraction);
+        self
+    }
+
+    pub fn max_syn_recv(mut self, n: u32) -> Listener {
+        self.max_syn_recv = Some(n);
+        self
+    }
+
+    pub fn mode(mut self, mode: Mode) -> Listener {
+        self.mode = Some(mode);
+        self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_are_written_under_their_names_and_unset_ones_left_out() {
+        let policy = Policy::new()
+            .scope(
+                Scope::new("a", "x")
+                    .max_connections(5)
+                    .breaker(Breaker::new().window("2s"))
+                    .rule(Rule::new("r").ports([Port::from(80), Port::from(9000..=9100)]))
+                    .rule(Rule::default().max_connecting(2)),
+            )
+            .listener(Listener::new("l", [8080]).max_syn_recv(3));
+        assert_eq!(
+            policy.to_toml(),
+            "[[scope]]\nname = \"a\"\ncgroup = \"x\"\nmax_connections = 5\n\n\
+             [scope.breaker]\nwindow = \"2s\"\n\n\
+             [[scope.rule]]\nname = \"r\"\nports = [80, \"9000-9100\"]\n\n\
+             [[scope.rule]]\nmax_connecting = 2\n\n\
+             [[listener]]\nname = \"l\"\nports = [8080]\nmax_syn_recv = 3\n"
+        );
+        assert_eq!(toml::from_str::<Policy>(&policy.to_toml()), Ok(policy));
+    }
+}
