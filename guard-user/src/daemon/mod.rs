@@ -141,14 +141,15 @@ fn read_policy(path: Option<&Path>) -> Result<Policy, policy::PolicyError> {
 /// `connguard run`, phase by phase; each phase hands the next what it made.
 pub fn run(opts: Options) -> anyhow::Result<()> {
     start::set_up_process();
+    // What is left of `probed.endpoints` lives to the end of `run`: the control
+    // socket's file is removed, and bpf_stats turned off, when the daemon stops and when
+    // it fails to start.
     let probed = start::probe(&opts)?;
     let (loaded, events) = start::load(&opts, &probed.host)?;
     let (daemon, first) = start::adopt(&opts, probed.host, loaded)?;
     let ready = start::apply(&daemon, first)?;
     let detach = serve::serve(&daemon, probed.endpoints.listeners, events, ready, &opts);
     serve::shut_down(daemon, detach, &opts)
-    // The control socket's file is removed, and bpf_stats turned off, as the rest of
-    // `probed.endpoints` drops: when the daemon stops, and when it fails to start.
 }
 
 /// `connguard stop`: asks the daemon at `socket` to detach, unpin and exit, and waits
