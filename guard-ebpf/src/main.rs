@@ -1,10 +1,10 @@
 //! connguard's kernel side: one module per hook, the maps and the accounting they share.
 //!
-//! A socket's admission is taken in the cgroup connect4/connect6 hooks (`connect`) and
-//! released exactly once when the socket reaches TCP_CLOSE (`release`), whichever path
-//! gets there first: the sock_ops state callback, or the socket's release while still
-//! closed. Every internal problem lets the connection through and
-//! is counted (fail-open).
+//! A socket's admission is taken in the cgroup connect4/connect6 hooks (`connect`, which
+//! `charge`s it) and released exactly once when the socket reaches TCP_CLOSE
+//! (`release`), whichever path gets there first: the sock_ops state callback, or the
+//! socket's release while still closed. Every internal problem lets the connection
+//! through and is counted (fail-open).
 #![no_std]
 #![no_main]
 #![feature(core_intrinsics)]
@@ -13,6 +13,7 @@
 mod accounting;
 mod adjust;
 mod breaker;
+mod charge;
 mod clock;
 mod connect;
 mod events;
@@ -23,6 +24,7 @@ mod release;
 mod scope;
 mod seed;
 mod set_state;
+mod shedding;
 mod sock_create;
 
 #[panic_handler]

@@ -9,7 +9,7 @@ use guard_common::{
 
 use crate::{
     accounting::count_stat,
-    connect::{Charge, charge},
+    charge::{Charge, charge},
     maps::{ACTIVE_GEN, SEED_KEY, storage},
 };
 

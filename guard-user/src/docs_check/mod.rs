@@ -27,13 +27,12 @@ use std::{
 use clap::CommandFactory;
 use regex::Regex;
 
-use crate::{
-    cli::Cli,
-    diagnose::{listeners::ListenersReport, ports::PortsReport},
-    kernel::features::Features,
-    policy,
-    report::{events::EventRecord, prometheus, snapshot::Snapshot},
+use connguard_api::{
+    events::EventRecord, kernel::Features, listeners::ListenersReport, ports::PortsReport,
+    stats::Snapshot,
 };
+
+use crate::{cli::Cli, policy, report::prometheus};
 use markdown::{Doc, docs, page};
 
 /// Fails listing `problems`, one a line, if there are any.

@@ -123,178 +123,293 @@ impl Exported {
 /// `exported` what the scrapes before exported (updated).
 pub fn render(snap: &Snapshot, exported: &mut Exported) -> String {
     let mut reg = Registry::with_prefix("connguard");
-    type Labels = Vec<(&'static str, String)>;
-    let gauge = |reg: &mut Registry, name: &str, help: &str| {
-        let f = Family::<Labels, Gauge>::default();
-        reg.register(name, help, f.clone());
-        f
-    };
-    let counter = |reg: &mut Registry, name: &str, help: &str| {
-        let f = Family::<Labels, PromCounter>::default();
-        reg.register(name, help, f.clone());
-        f
-    };
-    let s_active = gauge(
-        &mut reg,
-        "scope_active_connections",
-        "Active connections of the scope (admitted, not yet in TCP_CLOSE)",
-    );
-    let s_peak = gauge(
-        &mut reg,
-        "scope_peak_connections",
-        "Highest active connections seen for the scope",
-    );
-    // One family per TOTALS entry, for scopes and for destinations.
-    let families = |reg: &mut Registry,
-                    level: &str,
-                    of: &str|
-     -> Vec<Family<Labels, PromCounter>> {
-        TOTALS
-            .iter()
-            .map(|(name, help)| counter(reg, &format!("{level}_{name}"), &format!("{help}, {of}")))
-            .collect()
-    };
-    let s_totals = families(&mut reg, "scope", "per scope");
-    let s_connecting = gauge(
-        &mut reg,
-        "scope_connecting_connections",
-        "Connections of the scope in the handshake (admitted, SYN_SENT), counted when the scope sets max_connecting",
-    );
-    let d_active = gauge(
-        &mut reg,
-        "destination_active_connections",
-        "Active connections per destination (top destinations; the rest summed as dst=\"other\")",
-    );
-    let d_totals = families(&mut reg, "destination", "per destination");
-    let d_connecting = gauge(
-        &mut reg,
-        "destination_connecting_connections",
-        "Connections in the handshake (admitted, SYN_SENT) per destination, counted when its rule sets max_connecting per endpoint (the rest summed as dst=\"other\")",
-    );
-    let breaker_state = gauge(
-        &mut reg,
-        "breaker_state",
-        "The circuit breaker of a listed destination: 0 closed, 1 open, 2 half-open",
-    );
-    let internal = PromCounter::<u64>::default();
-    reg.register(
-        "internal_errors",
-        "Fail-open events: connections let through uncounted because of an internal problem",
-        internal.clone(),
-    );
-    let lost = PromCounter::<u64>::default();
-    reg.register(
-        "lost_events",
-        "Diagnostic events (TIME_WAIT births, EADDRNOTAVAIL failures, listener RSTs) not counted because their map was full",
-        lost.clone(),
-    );
-    let lease_expired = PromCounter::<u64>::default();
-    reg.register(
-        "lease_expired",
-        "Connections let through over a budget because no daemon held the lease",
-        lease_expired.clone(),
-    );
-    let audit_corrections = PromCounter::<u64>::default();
-    reg.register(
-        "audit_corrections",
-        "Counters the audit found different from the live sockets and corrected (0 but for a bug)",
-        audit_corrections.clone(),
-    );
-    let generation = Gauge::<i64>::default();
-    reg.register(
-        "policy_generation",
-        "Generation of the policy in force (1 = first)",
-        generation.clone(),
-    );
-    let policy_error = Gauge::<i64>::default();
-    reg.register(
-        "policy_last_reload_failed",
-        "1 when the last reload was rejected and the previous policy stays in force",
-        policy_error.clone(),
-    );
-    let feature = gauge(
-        &mut reg,
-        "kernel_feature",
-        "1 when the kernel has the feature (probed at start; names as in `connguard kernel`), 0 when the daemon runs without it",
-    );
-    let runs = counter(
-        &mut reg,
-        "program_runs",
-        "eBPF program runs (kernel bpf_stats)",
-    );
-    let run_time = Family::<Labels, PromCounter<f64, AtomicU64>>::default();
-    reg.register(
-        "program_run_time_seconds",
-        "eBPF program run time (kernel bpf_stats)",
-        run_time.clone(),
-    );
+    // Families are written in the order they are registered.
+    let scopes = ScopeFamilies::register(&mut reg);
+    let daemon = DaemonFamilies::register(&mut reg);
+    scopes.fill(&snap.scopes, exported);
+    ports(&mut reg, snap);
+    listeners(&mut reg, snap);
+    jobs(&mut reg, snap);
+    daemon.fill(snap);
+    let mut out = String::new();
+    encode(&mut out, &reg).expect("writing to a String cannot fail");
+    text_format(&out)
+}
 
-    let mut listed_now = HashMap::new();
-    for s in &snap.scopes {
-        let l = || vec![("scope", s.name.clone())];
-        s_active.get_or_create(&l()).set(s.counts.active as i64);
-        s_peak.get_or_create(&l()).set(s.counts.peak as i64);
-        for (f, v) in s_totals.iter().zip(totals(&s.counts)) {
-            f.get_or_create(&l()).inc_by(v);
-        }
-        s_connecting
-            .get_or_create(&l())
-            .set(s.counts.connecting as i64);
-        // The snapshot lists the busiest destinations (METRIC_TOP_DESTINATIONS) and
-        // `other` counts the rest: label cardinality stays bounded.
-        // What the listed destinations leave of a scope's gauge.
-        let unlisted = |f: fn(&Counts) -> u64| -> u64 {
-            let sum: u64 = s.destinations.iter().map(|d| f(&d.counts)).sum();
-            f(&s.counts).saturating_sub(sum)
-        };
-        let other = (
-            [unlisted(|c| c.active), s.unlisted_connecting],
-            exported.other(s, &mut listed_now),
+/// A series' labels.
+type Labels = Vec<(&'static str, String)>;
+
+fn gauge(reg: &mut Registry, name: &str, help: &str) -> Family<Labels, Gauge> {
+    let f = Family::<Labels, Gauge>::default();
+    reg.register(name, help, f.clone());
+    f
+}
+
+fn counter(reg: &mut Registry, name: &str, help: &str) -> Family<Labels, PromCounter> {
+    let f = Family::<Labels, PromCounter>::default();
+    reg.register(name, help, f.clone());
+    f
+}
+
+/// One counter family per TOTALS entry, `connguard_{level}_NAME_total`, helped as of
+/// `of`.
+fn totals_families(reg: &mut Registry, level: &str, of: &str) -> Vec<Family<Labels, PromCounter>> {
+    TOTALS
+        .iter()
+        .map(|(name, help)| counter(reg, &format!("{level}_{name}"), &format!("{help}, {of}")))
+        .collect()
+}
+
+/// The series of scopes and of their destinations: connections, totals, breakers.
+struct ScopeFamilies {
+    active: Family<Labels, Gauge>,
+    peak: Family<Labels, Gauge>,
+    totals: Vec<Family<Labels, PromCounter>>,
+    connecting: Family<Labels, Gauge>,
+    d_active: Family<Labels, Gauge>,
+    d_totals: Vec<Family<Labels, PromCounter>>,
+    d_connecting: Family<Labels, Gauge>,
+    breaker_state: Family<Labels, Gauge>,
+}
+
+/// A destination's series: its `active` and `connecting` gauges, its totals, and its
+/// breaker's state (`breaker_state`), if it has a breaker.
+type DestinationRow = ([u64; 2], Totals, Option<i64>);
+
+impl ScopeFamilies {
+    fn register(reg: &mut Registry) -> Self {
+        let active = gauge(
+            reg,
+            "scope_active_connections",
+            "Active connections of the scope (admitted, not yet in TCP_CLOSE)",
         );
-        let rows = s
-            .destinations
-            .iter()
-            .map(|d| {
-                (
-                    d.rule.as_deref().unwrap_or_default(),
-                    d.dst.as_str(),
-                    (
-                        [d.counts.active, d.counts.connecting],
-                        totals(&d.counts),
-                        d.breaker.as_ref(),
-                    ),
-                )
-            })
-            .chain([("", "other", (other.0, other.1, None))]);
-        for (rule, dst, ([active, connecting], counts, breaker)) in rows {
-            let l = vec![
-                ("scope", s.name.clone()),
-                ("rule", rule.to_string()),
-                ("dst", dst.to_string()),
-            ];
-            d_active.get_or_create(&l).set(active as i64);
-            d_connecting.get_or_create(&l).set(connecting as i64);
-            for (f, v) in d_totals.iter().zip(counts) {
-                f.get_or_create(&l).inc_by(v);
-            }
-            if let Some(b) = breaker {
-                let state = match b.state.as_str() {
-                    "open" => 1,
-                    "half_open" => 2,
-                    _ => 0,
-                };
-                breaker_state.get_or_create(&l).set(state);
-            }
+        let peak = gauge(
+            reg,
+            "scope_peak_connections",
+            "Highest active connections seen for the scope",
+        );
+        let totals = totals_families(reg, "scope", "per scope");
+        let connecting = gauge(
+            reg,
+            "scope_connecting_connections",
+            "Connections of the scope in the handshake (admitted, SYN_SENT), counted when the scope sets max_connecting",
+        );
+        let d_active = gauge(
+            reg,
+            "destination_active_connections",
+            "Active connections per destination (top destinations; the rest summed as dst=\"other\")",
+        );
+        let d_totals = totals_families(reg, "destination", "per destination");
+        let d_connecting = gauge(
+            reg,
+            "destination_connecting_connections",
+            "Connections in the handshake (admitted, SYN_SENT) per destination, counted when its rule sets max_connecting per endpoint (the rest summed as dst=\"other\")",
+        );
+        let breaker_state = gauge(
+            reg,
+            "breaker_state",
+            "The circuit breaker of a listed destination: 0 closed, 1 open, 2 half-open",
+        );
+        ScopeFamilies {
+            active,
+            peak,
+            totals,
+            connecting,
+            d_active,
+            d_totals,
+            d_connecting,
+            breaker_state,
         }
     }
-    exported.listed = listed_now;
+
+    /// Every scope's series and its destinations', with `exported` (updated) what the
+    /// scrapes before exported.
+    fn fill(&self, scopes: &[ScopeStats], exported: &mut Exported) {
+        let mut listed_now = HashMap::new();
+        for s in scopes {
+            self.scope(s);
+            // The snapshot lists the busiest destinations (METRIC_TOP_DESTINATIONS) and
+            // `other` counts the rest: label cardinality stays bounded.
+            let other = exported.other(s, &mut listed_now);
+            for (rule, dst, row) in destination_rows(s, other) {
+                self.destination(&s.name, rule, dst, row);
+            }
+        }
+        exported.listed = listed_now;
+    }
+
+    fn scope(&self, s: &ScopeStats) {
+        let l = vec![("scope", s.name.clone())];
+        self.active.get_or_create(&l).set(s.counts.active as i64);
+        self.peak.get_or_create(&l).set(s.counts.peak as i64);
+        for (f, v) in self.totals.iter().zip(totals(&s.counts)) {
+            f.get_or_create(&l).inc_by(v);
+        }
+        self.connecting
+            .get_or_create(&l)
+            .set(s.counts.connecting as i64);
+    }
+
+    fn destination(&self, scope: &str, rule: &str, dst: &str, row: DestinationRow) {
+        let ([active, connecting], counts, breaker) = row;
+        let l = vec![
+            ("scope", scope.to_string()),
+            ("rule", rule.to_string()),
+            ("dst", dst.to_string()),
+        ];
+        self.d_active.get_or_create(&l).set(active as i64);
+        self.d_connecting.get_or_create(&l).set(connecting as i64);
+        for (f, v) in self.d_totals.iter().zip(counts) {
+            f.get_or_create(&l).inc_by(v);
+        }
+        if let Some(state) = breaker {
+            self.breaker_state.get_or_create(&l).set(state);
+        }
+    }
+}
+
+/// The rows of scope `s`'s destinations (rule, dst, series): each listed one, then
+/// dst="other" with `other` its totals.
+fn destination_rows(
+    s: &ScopeStats,
+    other: Totals,
+) -> impl Iterator<Item = (&str, &str, DestinationRow)> {
+    // What the listed destinations leave of a scope's gauge.
+    let unlisted = |f: fn(&Counts) -> u64| -> u64 {
+        let sum: u64 = s.destinations.iter().map(|d| f(&d.counts)).sum();
+        f(&s.counts).saturating_sub(sum)
+    };
+    let other_gauges = [unlisted(|c| c.active), s.unlisted_connecting];
+    s.destinations
+        .iter()
+        .map(|d| {
+            (
+                d.rule.as_deref().unwrap_or_default(),
+                d.dst.as_str(),
+                (
+                    [d.counts.active, d.counts.connecting],
+                    totals(&d.counts),
+                    d.breaker.as_ref().map(|b| match b.state.as_str() {
+                        "open" => 1,
+                        "half_open" => 2,
+                        _ => 0,
+                    }),
+                ),
+            )
+        })
+        .chain([("", "other", (other_gauges, other, None))])
+}
+
+/// The daemon's own series: fail-open and lost counts, the policy, the kernel, the
+/// programs' costs.
+struct DaemonFamilies {
+    internal: PromCounter,
+    lost: PromCounter,
+    lease_expired: PromCounter,
+    audit_corrections: PromCounter,
+    generation: Gauge,
+    policy_error: Gauge,
+    feature: Family<Labels, Gauge>,
+    runs: Family<Labels, PromCounter>,
+    run_time: Family<Labels, PromCounter<f64, AtomicU64>>,
+}
+
+impl DaemonFamilies {
+    fn register(reg: &mut Registry) -> Self {
+        let internal = PromCounter::<u64>::default();
+        reg.register(
+            "internal_errors",
+            "Fail-open events: connections let through uncounted because of an internal problem",
+            internal.clone(),
+        );
+        let lost = PromCounter::<u64>::default();
+        reg.register(
+            "lost_events",
+            "Diagnostic events (TIME_WAIT births, EADDRNOTAVAIL failures, listener RSTs) not counted because their map was full",
+            lost.clone(),
+        );
+        let lease_expired = PromCounter::<u64>::default();
+        reg.register(
+            "lease_expired",
+            "Connections let through over a budget because no daemon held the lease",
+            lease_expired.clone(),
+        );
+        let audit_corrections = PromCounter::<u64>::default();
+        reg.register(
+            "audit_corrections",
+            "Counters the audit found different from the live sockets and corrected (0 but for a bug)",
+            audit_corrections.clone(),
+        );
+        let generation = Gauge::<i64>::default();
+        reg.register(
+            "policy_generation",
+            "Generation of the policy in force (1 = first)",
+            generation.clone(),
+        );
+        let policy_error = Gauge::<i64>::default();
+        reg.register(
+            "policy_last_reload_failed",
+            "1 when the last reload was rejected and the previous policy stays in force",
+            policy_error.clone(),
+        );
+        let feature = gauge(
+            reg,
+            "kernel_feature",
+            "1 when the kernel has the feature (probed at start; names as in `connguard kernel`), 0 when the daemon runs without it",
+        );
+        let runs = counter(reg, "program_runs", "eBPF program runs (kernel bpf_stats)");
+        let run_time = Family::<Labels, PromCounter<f64, AtomicU64>>::default();
+        reg.register(
+            "program_run_time_seconds",
+            "eBPF program run time (kernel bpf_stats)",
+            run_time.clone(),
+        );
+        DaemonFamilies {
+            internal,
+            lost,
+            lease_expired,
+            audit_corrections,
+            generation,
+            policy_error,
+            feature,
+            runs,
+            run_time,
+        }
+    }
+
+    fn fill(&self, snap: &Snapshot) {
+        self.internal.inc_by(snap.internal_errors);
+        self.lost.inc_by(snap.lost_events);
+        self.lease_expired.inc_by(snap.lease_expired);
+        self.audit_corrections.inc_by(snap.audit_corrections);
+        for (name, present) in snap.kernel.iter().flat_map(|k| &k.features) {
+            self.feature
+                .get_or_create(&vec![("feature", name.clone())])
+                .set(i64::from(*present));
+        }
+        self.generation.set(snap.policy.generation as i64);
+        self.policy_error
+            .set(snap.policy.last_error.is_some() as i64);
+        for p in &snap.programs {
+            let l = vec![("program", p.name.clone())];
+            self.runs.get_or_create(&l).inc_by(p.run_count);
+            self.run_time
+                .get_or_create(&l)
+                .inc_by(p.run_time_ns as f64 / 1e9);
+        }
+    }
+}
+
+/// What the port diagnosis counts: TIME_WAIT births per scope, EADDRNOTAVAIL failures
+/// per scope and process, and the use of the watched destinations' ports.
+fn ports(reg: &mut Registry, snap: &Snapshot) {
     let tw = counter(
-        &mut reg,
+        reg,
         "scope_time_wait_created",
         "TIME_WAIT entries born on the scope's connections",
     );
     let eaddr = counter(
-        &mut reg,
+        reg,
         "eaddrnotavail",
         "connect() failures with EADDRNOTAVAIL (no local port), per scope and process name",
     );
@@ -321,33 +436,37 @@ pub fn render(snap: &Snapshot, exported: &mut Exported) -> String {
             ])
             .set(w.ratio);
     }
+}
+
+/// The listener guards: RSTs, shedding, and each guarded socket's queues.
+fn listeners(reg: &mut Registry, snap: &Snapshot) {
     let rst = counter(
-        &mut reg,
+        reg,
         "listener_rst_shed",
         "SYNs answered with RST by a listener guard",
     );
     let would_rst = counter(
-        &mut reg,
+        reg,
         "listener_would_rst",
         "SYNs a listener guard in observe mode would have answered with RST",
     );
     let shedding = gauge(
-        &mut reg,
+        reg,
         "listener_shedding",
         "1 while the listener's accept queue is past its watermark",
     );
     let queue = gauge(
-        &mut reg,
+        reg,
         "listener_accept_queue",
         "Connections waiting to be accepted (guarded listeners)",
     );
     let backlog = gauge(
-        &mut reg,
+        reg,
         "listener_backlog",
         "Effective backlog, min(listen() backlog, somaxconn) (guarded listeners)",
     );
     let syn_recv = gauge(
-        &mut reg,
+        reg,
         "listener_syn_recv",
         "Half-open connections (guarded listeners)",
     );
@@ -363,13 +482,17 @@ pub fn render(snap: &Snapshot, exported: &mut Exported) -> String {
         would_rst.get_or_create(&labels).inc_by(l.would_rst);
         shedding.get_or_create(&labels).set(l.shedding as i64);
     }
-    let job_runs = counter(&mut reg, "job_runs", "Runs of the daemon's periodic jobs");
+}
+
+/// The daemon's periodic jobs: runs, failures, and whether the last run failed.
+fn jobs(reg: &mut Registry, snap: &Snapshot) {
+    let job_runs = counter(reg, "job_runs", "Runs of the daemon's periodic jobs");
     let job_failures = counter(
-        &mut reg,
+        reg,
         "job_failures",
         "Runs of the daemon's periodic jobs that failed (logged, run again at the next period)",
     );
-    let job_failing = gauge(&mut reg, "job_failing", "1 while the job's last run failed");
+    let job_failing = gauge(reg, "job_failing", "1 while the job's last run failed");
     for j in &snap.jobs {
         // Not `job`: Prometheus gives every target a `job` label, and would rename this
         // one `exported_job`.
@@ -380,27 +503,6 @@ pub fn render(snap: &Snapshot, exported: &mut Exported) -> String {
             .get_or_create(&l)
             .set(j.last_error.is_some() as i64);
     }
-    internal.inc_by(snap.internal_errors);
-    lost.inc_by(snap.lost_events);
-    lease_expired.inc_by(snap.lease_expired);
-    audit_corrections.inc_by(snap.audit_corrections);
-    for (name, present) in snap.kernel.iter().flat_map(|k| &k.features) {
-        feature
-            .get_or_create(&vec![("feature", name.clone())])
-            .set(i64::from(*present));
-    }
-    generation.set(snap.policy.generation as i64);
-    policy_error.set(snap.policy.last_error.is_some() as i64);
-    for p in &snap.programs {
-        let l = vec![("program", p.name.clone())];
-        runs.get_or_create(&l).inc_by(p.run_count);
-        run_time
-            .get_or_create(&l)
-            .inc_by(p.run_time_ns as f64 / 1e9);
-    }
-    let mut out = String::new();
-    encode(&mut out, &reg).expect("writing to a String cannot fail");
-    text_format(&out)
 }
 
 /// OpenMetrics text, which prometheus_client writes, as Prometheus text format 0.0.4,

@@ -1,0 +1,183 @@
+//! `connguard run`: adopt or create the pinned state, attach, apply the policy, then
+//! serve stats and reloads until SIGTERM/SIGINT (exit keeping the state) or `stop`
+//! (exit detaching everything). This module wires the layers and owns the daemon's life
+//! cycle, in phases (`run`): probe the host, load the object, adopt the pinned state,
+//! apply the first policy (`start`), serve, shut down (`serve`).
+//!
+//! # State and locks
+//!
+//! What is set at start is read without a lock. Each lock guards one group of state:
+//!
+//! - `reloads`: a reload's turn, so that reloads (SIGHUP, `connguard reload`) take
+//!   turns. Only `reload` takes it, before any other, and holds it to the end.
+//! - `programs` (`Programs`): the policy in force with the cgroups it governs
+//!   (`Generations`), then the loaded object (`Ebpf`), then the listener guard. The
+//!   object is reached only through the generations' guard, and the listener guard
+//!   through the object's guard, to attach; `Programs` also holds the listener guard
+//!   alone, in methods that take no other lock, for the listener watchers, which so
+//!   wait for no cgroup walk or attach and no snapshot (only for the listener
+//!   program's own attach).
+//! - `scrapes` (`Scrapes`): what /metrics exported, held across a scrape's snapshot (so
+//!   that no destination it lists is forgotten meanwhile), before every lock the
+//!   snapshot takes. Only `Scrapes`' two methods take it, first.
+//! - `status` (the policy's generation and last error), `counts` (the counters, and the
+//!   TIME_WAIT rates sampled from them), `port_watch`, `events`, `lease`: each taken
+//!   alone, with no other lock taken while it is held.
+//!
+//! A snapshot takes each lock in turn, copies what it needs and lets it go before the
+//! next; it is built and sent with none held (but `scrapes`). The walks of the cgroup
+//! tree, seconds on hosts with tens of thousands of cgroups, are made holding none of
+//! the locks `stats` needs.
+mod govern;
+mod jobs;
+mod programs;
+mod report;
+mod scrape;
+mod serve;
+mod start;
+mod tasks;
+
+use std::{
+    path::{Path, PathBuf},
+    sync::{Mutex, MutexGuard, PoisonError},
+    time::{Duration, Instant},
+};
+
+use self::{jobs::Jobs, programs::Programs, scrape::Scrapes};
+use connguard_api::{
+    control::{Request, StopReply},
+    kernel::Features,
+    stats::PolicyStatus,
+};
+
+use crate::{
+    control::{self},
+    diagnose::attribution::TimeWaitRates,
+    enforce::{audit::Audit, counters::Counters, lease::Lease, port_watch::PortWatch},
+    host::cgroup_watch::CgroupWatch,
+    kernel::state::{self, Pin, State},
+    policy::{self, Policy},
+    report::events::EventLog,
+};
+
+/// How often cgroups created or removed since the last look are picked up, TIME_WAIT
+/// births sampled, and port watermarks read.
+const RESCAN: Duration = Duration::from_millis(500);
+/// How often listener queues are read: shedding starts and stops within this (plus the
+/// read).
+const LISTENER_POLL: Duration = Duration::from_millis(50);
+/// How often the per-SYN listener program is told the daemon lives: it sheds nothing
+/// 500 ms (LISTENER_TTL_NS) after the last time.
+const LISTENER_HEARTBEAT: Duration = Duration::from_millis(100);
+/// How often guarded namespaces are checked for new interfaces and for a namespace
+/// file bound to a new namespace.
+const LISTENER_RESCAN: Duration = Duration::from_secs(1);
+
+pub struct Options {
+    pub policy: Option<PathBuf>,
+    pub metrics: Option<String>,
+    pub socket: PathBuf,
+    pub bpf_stats: bool,
+    /// Destination entries idle this long (to twice as long) are forgotten.
+    pub forget_idle: Duration,
+    /// How long the programs keep shedding after the last renewal of the lease.
+    pub lease: Duration,
+    /// Exit detaching and unpinning everything, as `stop` does.
+    pub detach_on_exit: bool,
+    /// The pinned state's layout version (guard_common::STATE_LAYOUT but in tests).
+    pub state_layout: u32,
+    /// How often the counters are audited against the live sockets.
+    pub audit: Duration,
+}
+
+/// The daemon's state: first what is set at start, then the locks (see the module's
+/// doc for what each guards).
+struct Daemon {
+    /// What the kernel offers, probed at start.
+    features: Features,
+    /// The controls (guard_common::CONTROL_* bits) the connect programs were loaded with.
+    controls: u32,
+    policy_path: Option<PathBuf>,
+    /// The pinned state, and the tracepoint's link in it.
+    state: State,
+    tracepoint: Pin,
+    audit: Audit,
+    /// Creations of cgroups where a new one may be selected.
+    cgroup_watch: CgroupWatch,
+    jobs: Jobs,
+    /// Notified by a `stop` request.
+    stop: tokio::sync::Notify,
+
+    reloads: Mutex<()>,
+    status: Mutex<PolicyStatus>,
+    programs: Programs,
+    counts: Mutex<Counts>,
+    port_watch: Mutex<PortWatch>,
+    /// What the kernel reported through EVENTS, named.
+    events: Mutex<EventLog>,
+    lease: Mutex<Lease>,
+    scrapes: Scrapes,
+}
+
+/// The counters, and the TIME_WAIT rates sampled from their TIME_WAIT births.
+struct Counts {
+    counters: Counters,
+    time_wait_rates: TimeWaitRates,
+}
+
+/// With a panic hook that aborts, a lock is never left poisoned; this only spares the
+/// callers an unwrap.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn read_policy(path: Option<&Path>) -> Result<Policy, policy::PolicyError> {
+    match path {
+        Some(p) => policy::load_file(p),
+        None => policy::parse(policy::DEFAULT_POLICY, policy::DEFAULT_SOURCE),
+    }
+}
+
+/// `connguard run`, phase by phase; each phase hands the next what it made.
+pub fn run(opts: Options) -> anyhow::Result<()> {
+    start::set_up_process();
+    // What is left of `probed.endpoints` lives to the end of `run`: the control
+    // socket's file is removed, and bpf_stats turned off, when the daemon stops and when
+    // it fails to start.
+    let probed = start::probe(&opts)?;
+    let (loaded, events) = start::load(&opts, &probed.host)?;
+    let (daemon, first) = start::adopt(&opts, probed.host, loaded)?;
+    let ready = start::apply(&daemon, first)?;
+    let detach = serve::serve(&daemon, probed.endpoints.listeners, events, ready, &opts);
+    serve::shut_down(daemon, detach, &opts)
+}
+
+/// `connguard stop`: asks the daemon at `socket` to detach, unpin and exit, and waits
+/// for it; with no daemon there, removes the pins one left.
+pub fn stop(socket: &Path) -> anyhow::Result<()> {
+    if socket.exists()
+        && let Ok(StopReply { stopping: true }) = control::client::ask(socket, Request::Stop)
+    {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while socket.exists() {
+            if Instant::now() > deadline {
+                anyhow::bail!(
+                    "the daemon at {} did not exit within 30 s",
+                    socket.display()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        println!("stopped: the daemon detached its programs, unpinned its state and exited");
+        return Ok(());
+    }
+    match state::remove_left()? {
+        0 => println!("no daemon at {} and nothing pinned", socket.display()),
+        n => println!(
+            "no daemon at {}: removed the {n} pin(s) one left in {} (its programs are detached)",
+            socket.display(),
+            state::ROOT
+        ),
+    }
+    Ok(())
+}

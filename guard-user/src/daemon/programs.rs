@@ -1,0 +1,152 @@
+//! The loaded programs and where they are attached, under three locks taken in one
+//! order: the policy in force with the cgroups it governs (`Generations`), then the
+//! loaded object (`Ebpf`), then the listener guard. The object is reached only through
+//! the generations' guard (`GenerationsGuard::ebpf`), and the listener guard through
+//! the object's (`EbpfGuard::listeners`), to attach; the listener guard is also held
+//! alone, by the methods here that take no other lock, for the listener watchers, which
+//! so wait for no cgroup walk or attach and no snapshot (only for the listener program's
+//! own attach).
+use std::{
+    ops::{Deref, DerefMut},
+    sync::{Mutex, MutexGuard},
+};
+
+use aya::Ebpf;
+
+use super::lock;
+use connguard_api::stats::ListenerStats;
+
+use crate::{
+    enforce::generations::Generations,
+    listen::{ListenerGuard, Reading},
+    policy::ListenerPolicy,
+};
+
+pub struct Programs {
+    generations: Mutex<Generations>,
+    ebpf: Mutex<Ebpf>,
+    listeners: Mutex<ListenerGuard>,
+}
+
+/// The generations' lock, held; hands out the object's.
+pub struct GenerationsGuard<'a> {
+    generations: MutexGuard<'a, Generations>,
+    ebpf: &'a Mutex<Ebpf>,
+    listeners: &'a Mutex<ListenerGuard>,
+}
+
+/// The object's lock, held after the generations'; hands out the listener guard's.
+pub struct EbpfGuard<'a> {
+    ebpf: MutexGuard<'a, Ebpf>,
+    listeners: &'a Mutex<ListenerGuard>,
+}
+
+impl Programs {
+    pub fn new(generations: Generations, ebpf: Ebpf, listeners: ListenerGuard) -> Self {
+        Programs {
+            generations: Mutex::new(generations),
+            ebpf: Mutex::new(ebpf),
+            listeners: Mutex::new(listeners),
+        }
+    }
+
+    /// Takes the generations' lock, the first.
+    pub fn generations(&self) -> GenerationsGuard<'_> {
+        GenerationsGuard {
+            generations: lock(&self.generations),
+            ebpf: &self.ebpf,
+            listeners: &self.listeners,
+        }
+    }
+
+    /// Gives the listener guard the listener policies of the policy in force, and
+    /// attaches its program where they need it.
+    pub fn set_listener_policies(&self, policies: Vec<ListenerPolicy>) {
+        let mut g = self.generations();
+        let (_, mut ebpf) = g.ebpf();
+        let (ebpf, mut listeners) = ebpf.listeners();
+        listeners.set_policies(ebpf, policies);
+    }
+
+    /// Attaches the listener program to the guarded namespaces' new interfaces.
+    pub fn rescan_listeners(&self) {
+        let mut g = self.generations();
+        let (_, mut ebpf) = g.ebpf();
+        let (ebpf, mut listeners) = ebpf.listeners();
+        listeners.rescan(ebpf);
+    }
+
+    /// The listener policies to read, with their counter ids, and whether the program
+    /// decides per SYN (ListenerGuard::to_read).
+    pub fn listeners_to_read(&self) -> (Vec<(ListenerPolicy, u32)>, bool) {
+        lock(&self.listeners).to_read()
+    }
+
+    /// Makes LISTENERS hold what `reading` found (ListenerGuard::apply).
+    pub fn apply_listener_reading(&self, reading: Reading) -> anyhow::Result<()> {
+        lock(&self.listeners).apply(reading)
+    }
+
+    /// Tells the per-SYN listener program the daemon lives (ListenerGuard::heartbeat).
+    pub fn listener_heartbeat(&self) -> anyhow::Result<()> {
+        lock(&self.listeners).heartbeat()
+    }
+
+    pub fn listener_stats(&self) -> Vec<ListenerStats> {
+        lock(&self.listeners).stats()
+    }
+
+    /// Empties LISTENERS for good and detaches the listener program
+    /// (ListenerGuard::stop). A reload still under way holds the guard's lock until it
+    /// is done; one after this attaches nothing.
+    pub fn stop_listeners(&self) -> anyhow::Result<()> {
+        lock(&self.listeners).stop()
+    }
+}
+
+impl GenerationsGuard<'_> {
+    /// Takes the object's lock, after the generations' (still held).
+    pub fn ebpf(&mut self) -> (&mut Generations, EbpfGuard<'_>) {
+        let ebpf = EbpfGuard {
+            ebpf: lock(self.ebpf),
+            listeners: self.listeners,
+        };
+        (&mut self.generations, ebpf)
+    }
+}
+
+impl Deref for GenerationsGuard<'_> {
+    type Target = Generations;
+
+    fn deref(&self) -> &Generations {
+        &self.generations
+    }
+}
+
+impl DerefMut for GenerationsGuard<'_> {
+    fn deref_mut(&mut self) -> &mut Generations {
+        &mut self.generations
+    }
+}
+
+impl EbpfGuard<'_> {
+    /// Takes the listener guard's lock, after the object's (still held).
+    fn listeners(&mut self) -> (&mut Ebpf, MutexGuard<'_, ListenerGuard>) {
+        let listeners = lock(self.listeners);
+        (&mut self.ebpf, listeners)
+    }
+}
+
+impl Deref for EbpfGuard<'_> {
+    type Target = Ebpf;
+
+    fn deref(&self) -> &Ebpf {
+        &self.ebpf
+    }
+}
+
+impl DerefMut for EbpfGuard<'_> {
+    fn deref_mut(&mut self) -> &mut Ebpf {
+        &mut self.ebpf
+    }
+}

@@ -1,0 +1,194 @@
+//! What the daemon does while it serves, beside answering requests: its periodic jobs
+//! (`jobs::Jobs`), the thread that reads cgroup creations, and the reader of the
+//! kernel's events.
+use std::{
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use aya::maps::{MapData, RingBuf};
+
+use super::{Daemon, LISTENER_HEARTBEAT, LISTENER_POLL, LISTENER_RESCAN, RESCAN, lock};
+use crate::{
+    diagnose::attribution::SAMPLE_EVERY,
+    enforce::{
+        audit::{Correction, Count, Key},
+        lease, port_watch,
+    },
+    kernel::features::{Feature, KernelFeatures},
+    listen,
+    report::events,
+};
+
+impl Daemon {
+    /// Starts the periodic jobs and the cgroup event thread.
+    pub(super) fn spawn_jobs(self: &Arc<Self>, forget_idle: Duration, audit: Duration) {
+        let d = self.clone();
+        self.jobs.spawn("audit", audit, Arc::new(move || d.audit()));
+        let d = self.clone();
+        self.jobs.spawn(
+            "lease",
+            lease::RENEW,
+            Arc::new(move || lock(&d.lease).renew()),
+        );
+        let d = self.clone();
+        self.jobs
+            .spawn("cgroup_rescan", RESCAN, Arc::new(move || d.rescan()));
+        self.spawn_cgroup_events();
+        let d = self.clone();
+        self.jobs.spawn(
+            "time_wait_rates",
+            SAMPLE_EVERY,
+            Arc::new(move || {
+                let mut c = lock(&d.counts);
+                let counts = c.counters.time_waits();
+                c.time_wait_rates.sample(Instant::now(), counts);
+                Ok(())
+            }),
+        );
+        // PORT_USE is keyed by the namespace cookie the programs see; without
+        // SO_NETNS_COOKIE the daemon cannot name it, and watermarks stay unenforced.
+        let d = self.clone();
+        if self.features.has(Feature::SoNetnsCookie) {
+            self.jobs.spawn(
+                "port_watch",
+                RESCAN,
+                Arc::new(move || {
+                    let (policy, dirs) = {
+                        let g = d.programs.generations();
+                        (g.policy(), g.port_watched_dirs())
+                    };
+                    let entries = policy
+                        .map(|p| port_watch::read(&p, &dirs))
+                        .unwrap_or_default();
+                    lock(&d.port_watch).sync(entries)
+                }),
+            );
+        }
+        let d = self.clone();
+        let reader = Mutex::new(listen::Reader::default());
+        self.jobs.spawn(
+            "listener_watch",
+            LISTENER_POLL,
+            Arc::new(move || {
+                let (policies, per_syn) = d.programs.listeners_to_read();
+                let reading = lock(&reader).read(&policies, per_syn);
+                d.programs.apply_listener_reading(reading)
+            }),
+        );
+        let d = self.clone();
+        self.jobs.spawn(
+            "listener_heartbeat",
+            LISTENER_HEARTBEAT,
+            Arc::new(move || d.programs.listener_heartbeat()),
+        );
+        let d = self.clone();
+        self.jobs.spawn(
+            "listener_attach",
+            LISTENER_RESCAN,
+            Arc::new(move || {
+                d.programs.rescan_listeners();
+                Ok(())
+            }),
+        );
+        let d = self.clone();
+        self.jobs.spawn(
+            "forget_idle",
+            forget_idle,
+            Arc::new(move || {
+                let n = d.scrapes.forget_idle(&d.counts);
+                if n > 0 {
+                    log::info!("forgot {n} idle destination(s)");
+                }
+                Ok(())
+            }),
+        );
+    }
+
+    /// Starts the thread that governs cgroups created in watched ones as they are made.
+    fn spawn_cgroup_events(self: &Arc<Self>) {
+        let d = self.clone();
+        let events = std::thread::Builder::new()
+            .name("cgroup_events".into())
+            .spawn(move || {
+                let result = d.cgroup_watch.run(|dir| {
+                    if let Err(e) = d.cgroup_created(&dir) {
+                        log::warn!("new cgroup {}: {e:#}", dir.display());
+                    }
+                });
+                if let Err(e) = result {
+                    log::error!(
+                        "reading cgroup creations: {e}; new cgroups are governed from the next walk"
+                    );
+                }
+            });
+        if let Err(e) = events {
+            log::error!("starting the cgroup event thread: {e}");
+        }
+    }
+
+    /// Recounts the active and connecting counts from the live sockets, and corrects a
+    /// count that differs for two audits in a row (see `enforce::audit`).
+    fn audit(&self) -> anyhow::Result<()> {
+        let ids = self.programs.generations().ids();
+        let before = lock(&self.counts).counters.dump(ids.counts());
+        let live = self.audit.recount(&before)?;
+        let after = lock(&self.counts).counters.dump(ids.counts());
+        let made = self.audit.compare(&before, &live, &after);
+        let rules = ids.rule_names();
+        let scope = |id| ids.scope_name(id).unwrap_or("?").to_string();
+        let rule = |id| rules.get(&id).copied().unwrap_or("(no rule)").to_string();
+        for Correction {
+            key,
+            count,
+            counted,
+            live,
+        } in made
+        {
+            let what = match key {
+                Key::Scope(id) => format!("scope {}", scope(id)),
+                Key::Rule(id) => format!("rule {}", rule(id)),
+                Key::Destination(k) => format!(
+                    "scope {} rule {} destination {}",
+                    scope(k.scope_id),
+                    rule(k.rule_id),
+                    guard_common::addr::endpoint(guard_common::addr::unmapped(k.addr), k.port)
+                ),
+            };
+            let counts = match count {
+                Count::Active => "active connection(s)",
+                Count::Connecting => "connection(s) in the handshake",
+            };
+            log::warn!(
+                "audit: {what} counted {} {counts}, the sockets hold {live}: corrected (a bug: please report it)",
+                counted as i64
+            );
+        }
+        Ok(())
+    }
+
+    /// Keeps, named, every event the kernel writes to `ring`.
+    pub(super) async fn read_events(&self, ring: RingBuf<MapData>) -> anyhow::Result<()> {
+        // SAFETY: the ring buffer owns its map's fd, open for as long as it lives.
+        let mut ring = unsafe {
+            tokio::io::unix::AsyncFd::register_with_interest(ring, tokio::io::Interest::READABLE)
+        }
+        .map_err(|e| anyhow::anyhow!("watching EVENTS: {e}"))?;
+        let at_boot = events::unix_ms_at_boot();
+        loop {
+            let mut ready = ring.readable_mut().await?;
+            let ids = self.programs.generations().ids();
+            let mut log = lock(&self.events);
+            while let Some(item) = ready.get_inner_mut().next() {
+                if item.len() >= std::mem::size_of::<guard_common::Event>() {
+                    // SAFETY: the kernel wrote an Event there; read unaligned.
+                    let ev = unsafe {
+                        std::ptr::read_unaligned(item.as_ptr().cast::<guard_common::Event>())
+                    };
+                    log.push(&ev, &ids, at_boot);
+                }
+            }
+            ready.clear_ready();
+        }
+    }
+}
