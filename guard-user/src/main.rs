@@ -174,6 +174,12 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             }
         }
         Command::Stop { socket } => daemon::stop(&socket)?,
+        Command::Completions { shell } => cli::manual::print_completions(shell),
+        Command::Man { dir } => {
+            for page in cli::manual::write_pages(&dir)? {
+                println!("{}", page.display());
+            }
+        }
     }
     Ok(ExitCode::SUCCESS)
 }

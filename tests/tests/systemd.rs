@@ -12,7 +12,7 @@ use connguard_tests::{Cgroup, Daemon, Probe, Server, budget_policy, connguard_bi
 const UNIT: &str = include_str!("../../packaging/connguard.service");
 
 /// The unit as shipped, with the binary it runs pointed at this build (verify checks
-/// that the program exists).
+/// that the program exists, and that the man pages its Documentation= names do).
 #[test]
 fn the_unit_passes_systemd_analyze_verify() {
     let dir = std::env::temp_dir().join(unique("connguard-unit"));
@@ -24,9 +24,17 @@ fn the_unit_passes_systemd_analyze_verify() {
         UNIT.replace("/usr/bin/connguard", bin.to_str().unwrap()),
     )
     .unwrap();
+    // The pages as the package installs them, in a man8/ of MANPATH.
+    let man = Command::new(&bin)
+        .args(["man", "--dir"])
+        .arg(dir.join("man8"))
+        .output()
+        .unwrap();
+    assert!(man.status.success(), "connguard man: {man:?}");
     let out = Command::new("systemd-analyze")
         .arg("verify")
         .arg(&unit)
+        .env("MANPATH", &dir)
         .output()
         .expect("systemd-analyze is missing: install systemd (cargo xtask setup does)");
     let _ = std::fs::remove_dir_all(&dir);

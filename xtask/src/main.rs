@@ -60,11 +60,12 @@ enum Task {
     /// A short before/after story: wrk with 300 connections against nginx, without and
     /// with a connguard budget of 50.
     Demo,
+    /// Build, then make a Debian package of the release build in target/package: the
+    /// binary, the systemd unit (not enabled on install), /etc/connguard/policy.toml,
+    /// the man pages, shell completions and the manual.
+    Package,
     /// Measure connguard's cost side by side with no guard and with nftables, in
     /// interleaved rounds; prints a markdown table, writes target/bench.json.
-    /// Build, then make a Debian package of the release build in target/package: the
-    /// binary, the systemd unit (not enabled on install), /etc/connguard/policy.toml.
-    Package,
     Bench {
         /// 4 rounds and smaller tables instead of 20 rounds (about 3 minutes instead of 10).
         #[arg(long)]

@@ -1,8 +1,10 @@
 //! `cargo xtask package`: a Debian package of the release build, staged under
 //! target/package and built with dpkg-deb: the binary, the systemd unit (not enabled
 //! nor started on install), the embedded default policy as the conffile
-//! /etc/connguard/policy.toml, the README, and the Prometheus alert rules and Grafana
-//! dashboard as examples.
+//! /etc/connguard/policy.toml, the man pages and shell completions (which the binary
+//! writes from its command-line definition, anew for each package), the README and the
+//! manual (docs/), and
+//! the Prometheus alert rules and Grafana dashboard as examples.
 use std::{
     path::{Path, PathBuf},
     process::Command,
@@ -17,6 +19,15 @@ const POLICY: &str = "etc/connguard/policy.toml";
 const DOC: &str = "usr/share/doc/connguard";
 /// Files of packaging/ installed as examples in DOC/examples.
 const EXAMPLES: &[&str] = &["prometheus/alerts.yml", "grafana/connguard.json"];
+/// connguard(8) and connguard-COMMAND(8), gzipped.
+const MAN: &str = "usr/share/man/man8";
+/// The completion scripts `connguard completions SHELL` prints, where each shell's
+/// Debian package looks for them.
+const COMPLETIONS: &[(&str, &str)] = &[
+    ("bash", "usr/share/bash-completion/completions/connguard"),
+    ("zsh", "usr/share/zsh/vendor-completions/_connguard"),
+    ("fish", "usr/share/fish/vendor_completions.d/connguard.fish"),
+];
 
 /// After install or upgrade: systemd learns of the unit; nothing is enabled or started
 /// (a host's operator chooses its policy first).
@@ -81,6 +92,27 @@ pub fn build(root: &Path, out: &Path) -> anyhow::Result<PathBuf> {
     if !status.success() {
         bail!("strip failed");
     }
+    let manual = out.join("man");
+    if manual.exists() {
+        std::fs::remove_dir_all(&manual)?;
+    }
+    connguard(&tree.join(BIN), &["man", "--dir"], Some(&manual))?;
+    for page in std::fs::read_dir(&manual)? {
+        let page = page?.path();
+        let name = page.file_name().context("a page with no name")?;
+        put(
+            &format!("{MAN}/{}.gz", name.to_string_lossy()),
+            &gzip(&std::fs::read(&page)?)?,
+            0o644,
+        )?;
+    }
+    for (shell, path) in COMPLETIONS {
+        put(
+            path,
+            &connguard(&tree.join(BIN), &["completions", shell], None)?,
+            0o644,
+        )?;
+    }
     put(
         UNIT,
         &std::fs::read(root.join("packaging/connguard.service"))?,
@@ -96,6 +128,18 @@ pub fn build(root: &Path, out: &Path) -> anyhow::Result<PathBuf> {
         &std::fs::read(root.join("README.md"))?,
         0o644,
     )?;
+    // The manual, beside the README whose links point into it.
+    let mut pages: Vec<_> = std::fs::read_dir(root.join("docs"))?
+        .map(|e| e.map(|e| e.path()))
+        .collect::<Result<_, _>>()?;
+    pages.sort();
+    for page in pages
+        .iter()
+        .filter(|p| p.extension().is_some_and(|x| x == "md"))
+    {
+        let name = page.file_name().unwrap_or_default().to_string_lossy();
+        put(&format!("{DOC}/docs/{name}"), &std::fs::read(page)?, 0o644)?;
+    }
     for example in EXAMPLES {
         put(
             &format!("{DOC}/examples/{example}"),
@@ -106,10 +150,10 @@ pub fn build(root: &Path, out: &Path) -> anyhow::Result<PathBuf> {
     put(&format!("{DOC}/copyright"), copyright().as_bytes(), 0o644)?;
     put(
         &format!("{DOC}/changelog.gz"),
-        &gzip(&changelog(&version))?,
+        &gzip(changelog(&version).as_bytes())?,
         0o644,
     )?;
-    let size_kib = std::fs::metadata(tree.join(BIN))?.len() / 1024 + 64;
+    let size_kib = installed_kib(&tree)?;
     put(
         "DEBIAN/control",
         control(&version, size_kib).as_bytes(),
@@ -132,8 +176,45 @@ pub fn build(root: &Path, out: &Path) -> anyhow::Result<PathBuf> {
     Ok(deb)
 }
 
+/// Runs the staged binary with `args` (and `dir`); what it printed.
+fn connguard(binary: &Path, args: &[&str], dir: Option<&Path>) -> anyhow::Result<Vec<u8>> {
+    let out = Command::new(binary)
+        .args(args)
+        .args(dir)
+        .output()
+        .with_context(|| format!("running {}", binary.display()))?;
+    if !out.status.success() {
+        bail!(
+            "connguard {} failed: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(out.stdout)
+}
+
+/// The size of the files below `tree` but for DEBIAN/ (Installed-Size), in KiB, each
+/// file rounded up to a whole KiB.
+fn installed_kib(tree: &Path) -> anyhow::Result<u64> {
+    let mut kib = 0;
+    let mut dirs = vec![tree.to_path_buf()];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir)? {
+            let entry = entry?;
+            if entry.file_type()?.is_dir() {
+                if entry.path() != tree.join("DEBIAN") {
+                    dirs.push(entry.path());
+                }
+            } else {
+                kib += entry.metadata()?.len().div_ceil(1024);
+            }
+        }
+    }
+    Ok(kib)
+}
+
 /// `text`, compressed as Debian wants it: gzip -9, no name or time stamp (-n).
-fn gzip(text: &str) -> anyhow::Result<Vec<u8>> {
+fn gzip(text: &[u8]) -> anyhow::Result<Vec<u8>> {
     use std::io::Write;
     let mut child = Command::new("gzip")
         .args(["-9n"])
@@ -141,11 +222,7 @@ fn gzip(text: &str) -> anyhow::Result<Vec<u8>> {
         .stdout(std::process::Stdio::piped())
         .spawn()
         .context("gzip is missing")?;
-    child
-        .stdin
-        .take()
-        .context("gzip stdin")?
-        .write_all(text.as_bytes())?;
+    child.stdin.take().context("gzip stdin")?.write_all(text)?;
     let out = child.wait_with_output()?;
     if !out.status.success() {
         bail!("gzip failed");
@@ -213,27 +290,38 @@ mod tests {
 
     use super::*;
 
+    /// A package built into a directory of its own (tests run side by side); the
+    /// directory and the .deb.
+    fn package(name: &str) -> (PathBuf, PathBuf) {
+        let out = std::env::temp_dir().join(format!("connguard-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&out).unwrap();
+        let deb = build(&crate::root(), &out).unwrap();
+        (out, deb)
+    }
+
+    /// Runs `cmd` with `args`; whether it succeeded, and its stdout and stderr.
+    fn run(cmd: &str, args: &[&str]) -> (bool, String, String) {
+        let o = Command::new(cmd)
+            .args(args)
+            .env("MANWIDTH", "100")
+            .output()
+            .unwrap_or_else(|e| panic!("{cmd}: {e} (cargo xtask setup installs it)"));
+        (
+            o.status.success(),
+            String::from_utf8_lossy(&o.stdout).into_owned(),
+            String::from_utf8_lossy(&o.stderr).into_owned(),
+        )
+    }
+
     /// The package holds what it should, with the policy as a conffile, maintainer
     /// scripts that only reload systemd (nothing enabled or started on install), and
-    /// no lintian error.
+    /// no lintian error nor any lintian tag about its manual or completions.
     #[test]
     fn the_package_holds_the_binary_unit_and_policy_and_passes_lintian() {
         let root = crate::root();
-        let out = std::env::temp_dir().join(format!("connguard-package-{}", std::process::id()));
-        std::fs::create_dir_all(&out).unwrap();
-        let deb = build(&root, &out).unwrap();
-        let run = |cmd: &str, args: &[&str]| {
-            let o = Command::new(cmd)
-                .args(args)
-                .arg(&deb)
-                .output()
-                .unwrap_or_else(|e| panic!("{cmd}: {e} (cargo xtask setup installs it)"));
-            (
-                o.status.success(),
-                String::from_utf8_lossy(&o.stdout).into_owned(),
-            )
-        };
-        let (ok, listing) = run("dpkg-deb", &["--contents"]);
+        let (out, deb) = package("package");
+        let deb = deb.to_str().unwrap();
+        let (ok, listing, _) = run("dpkg-deb", &["--contents", deb]);
         assert!(ok, "dpkg-deb --contents failed");
         let examples = EXAMPLES.iter().map(|e| format!("{DOC}/examples/{e}"));
         let paths = [BIN, UNIT, POLICY, "usr/share/doc/connguard/copyright"].map(String::from);
@@ -243,7 +331,7 @@ mod tests {
                 "{path} missing:\n{listing}"
             );
         }
-        let (_, conffiles) = run("dpkg-deb", &["--info"]);
+        let (_, conffiles, _) = run("dpkg-deb", &["--info", deb]);
         let postinst = std::fs::read_to_string(out.join(format!(
             "connguard_{}_amd64/DEBIAN/postinst",
             version(&root).unwrap()
@@ -256,13 +344,131 @@ mod tests {
             "{postinst}"
         );
         assert!(conffiles.contains("conffiles"), "{conffiles}");
-        let lintian = Command::new("lintian")
-            .arg(&deb)
-            .output()
-            .expect("lintian is missing: cargo xtask setup installs it");
-        let report = String::from_utf8_lossy(&lintian.stdout);
-        let errors: Vec<&str> = report.lines().filter(|l| l.starts_with("E:")).collect();
+        let (_, report, _) = run("lintian", &["--display-info", deb]);
         let _ = std::fs::remove_dir_all(&out);
+        let errors: Vec<&str> = report.lines().filter(|l| l.starts_with("E:")).collect();
         assert!(errors.is_empty(), "lintian errors:\n{report}");
+        // no-manual-page, and whatever lintian finds wrong in a page or a script.
+        let manual: Vec<&str> = report
+            .lines()
+            .filter(|l| {
+                ["manual", "manpage", "whatis", "groff", "completion"]
+                    .iter()
+                    .any(|w| l.contains(w))
+            })
+            .collect();
+        assert!(manual.is_empty(), "lintian on the manual:\n{report}");
+    }
+
+    /// The package holds connguard(8), which names every command, and a page for each
+    /// command, each rendered by man without a warning; and completion scripts that
+    /// their shells read and that complete commands.
+    #[test]
+    fn the_package_holds_man_pages_for_every_command_and_completions() {
+        let (out, deb) = package("manual");
+        let files = out.join("files");
+        let (ok, _, err) = run(
+            "dpkg-deb",
+            &["--extract", deb.to_str().unwrap(), files.to_str().unwrap()],
+        );
+        assert!(ok, "dpkg-deb --extract: {err}");
+        let (ok, help, err) = run(files.join(BIN).to_str().unwrap(), &["--help"]);
+        assert!(ok, "connguard --help: {err}");
+        // The commands as --help lists them (clap's help, not the pages' generator).
+        let commands: Vec<&str> = help
+            .lines()
+            .skip_while(|l| *l != "Commands:")
+            .skip(1)
+            .take_while(|l| !l.is_empty())
+            .filter_map(|l| l.split_whitespace().next())
+            .filter(|c| *c != "help")
+            .collect();
+        assert!(commands.len() >= 11, "{help}");
+        let mut pages: Vec<String> = std::fs::read_dir(files.join(MAN))
+            .unwrap_or_else(|e| panic!("no {MAN} in the package: {e}"))
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        pages.sort();
+        let mut expected: Vec<String> = commands
+            .iter()
+            .map(|c| format!("connguard-{c}.8.gz"))
+            .chain(["connguard.8.gz".to_string()])
+            .collect();
+        expected.sort();
+        assert_eq!(pages, expected);
+        let render = |page: &str| {
+            let path = files.join(MAN).join(page);
+            let (ok, text, warnings) = run("man", &["--warnings", "-l", path.to_str().unwrap()]);
+            assert!(ok && warnings.is_empty(), "man -l {page}: {warnings}");
+            // The NAME line as apropos and whatis read it.
+            let (ok, whatis, err) = run("lexgrog", &[path.to_str().unwrap()]);
+            assert!(ok, "lexgrog {page}: {whatis}{err}");
+            (text, whatis)
+        };
+        let (main, _) = render("connguard.8.gz");
+        for command in &commands {
+            assert!(main.contains(&format!("connguard-{command}(8)")), "{main}");
+            let (text, whatis) = render(&format!("connguard-{command}.8.gz"));
+            for heading in ["NAME", "SYNOPSIS", "DESCRIPTION", "EXIT STATUS", "SEE ALSO"] {
+                assert!(
+                    text.lines().any(|l| l == heading),
+                    "connguard-{command}(8) has no {heading}:\n{text}"
+                );
+            }
+            assert!(
+                whatis.contains(&format!("\"connguard-{command} - ")),
+                "{whatis}"
+            );
+        }
+        let (daemon, _) = render("connguard-run.8.gz");
+        for what in [
+            "SIGNALS",
+            "SIGHUP",
+            "SIGTERM",
+            "FILES",
+            "/run/connguard/connguard.sock",
+            "/sys/fs/bpf/connguard",
+            "ENVIRONMENT",
+            "CONNGUARD_WITHOUT",
+        ] {
+            assert!(
+                daemon.contains(what),
+                "connguard-run(8) lacks {what}:\n{daemon}"
+            );
+        }
+
+        // Each script parses, and completes "connguard st" to exactly its two commands.
+        let script = |shell: &str| {
+            let (_, path) = COMPLETIONS.iter().find(|(s, _)| *s == shell).unwrap();
+            files.join(path).to_str().unwrap().to_string()
+        };
+        let bash = script("bash");
+        let (ok, _, err) = run("bash", &["-n", &bash]);
+        assert!(ok, "bash -n: {err}");
+        let (ok, words, err) = run(
+            "bash",
+            &[
+                "-c",
+                &format!(
+                    "source {bash}; COMP_WORDS=(connguard st); COMP_CWORD=1; \
+                     _connguard connguard st connguard; printf '%s\\n' \"${{COMPREPLY[@]}}\""
+                ),
+            ],
+        );
+        assert!(ok, "bash completion: {err}");
+        assert_eq!(words, "stats\nstop\n");
+        let (ok, _, err) = run("zsh", &["-n", &script("zsh")]);
+        assert!(ok, "zsh -n: {err}");
+        let fish = script("fish");
+        let (ok, _, err) = run("fish", &["--no-execute", &fish]);
+        assert!(ok, "fish --no-execute: {err}");
+        let (ok, words, err) = run(
+            "fish",
+            &["-c", &format!("source {fish}; complete -C 'connguard st'")],
+        );
+        assert!(ok, "fish completion: {err}");
+        let words: Vec<&str> = words.lines().filter_map(|l| l.split('\t').next()).collect();
+        assert_eq!(words, ["stats", "stop"]);
+        let _ = std::fs::remove_dir_all(&out);
     }
 }

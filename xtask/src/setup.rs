@@ -24,6 +24,10 @@ const PACKAGES: &[&str] = &[
     "systemd",
     "binutils",
     "lintian",
+    // man and lexgrog, and the shells whose completion scripts the package test runs.
+    "man-db",
+    "zsh",
+    "fish",
     // promtool, which checks packaging/prometheus/alerts.yml and a scrape of /metrics
     // (Debian has it only in the server's package, whose service starts on :9090).
     "prometheus",
