@@ -274,8 +274,8 @@ mod layering {
     /// the first FOUNDATION (policy, host) use only themselves.
     const FOUNDATION: usize = 2;
     const LAYERS: &[&str] = &[
-        "policy", "host", "kernel", "enforce", "listen", "diagnose", "report", "control", "cli",
-        "daemon", "main",
+        "policy", "host", "kernel", "enforce", "fleet", "listen", "diagnose", "report", "control",
+        "cli", "daemon", "main",
     ];
 
     /// The top-level modules a source text names after `crate::`, braces included.

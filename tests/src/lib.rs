@@ -4,6 +4,8 @@
 //!
 //! Everything here needs root and cgroup v2; a missing prerequisite panics with the
 //! reason (a test never skips silently).
+pub mod etcd;
+
 use std::{
     collections::BTreeMap,
     io::{BufRead, BufReader, Read},
