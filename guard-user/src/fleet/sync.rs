@@ -258,9 +258,14 @@ pub async fn run(shared: Arc<Shared>) {
     loop {
         let started = Instant::now();
         let Err(e) = Session::run(&shared).await;
-        if matches!(e, FleetError::LeaseLost { .. }) {
-            shared.fall("the lease is lost");
-            *shared.lease.lock().unwrap() = None;
+        match e {
+            FleetError::LeaseLost { .. } => {
+                shared.fall("the lease is lost");
+                *shared.lease.lock().unwrap() = None;
+            }
+            // No record of this host stands behind its shares.
+            FleetError::IdentityTaken { .. } => shared.fall("the identity is taken"),
+            _ => {}
         }
         shared.failed(&e);
         // A session that synced for a while retries soon; one that failed at once waits
