@@ -4,6 +4,8 @@
 //!
 //! Everything here needs root and cgroup v2; a missing prerequisite panics with the
 //! reason (a test never skips silently).
+pub mod etcd;
+
 use std::{
     io::{BufRead, BufReader, Read},
     net::{SocketAddr, TcpListener},

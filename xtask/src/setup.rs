@@ -31,6 +31,12 @@ const PACKAGES: &[&str] = &[
     // promtool, which checks packaging/prometheus/alerts.yml and a scrape of /metrics
     // (Debian has it only in the server's package, whose service starts on :9090).
     "prometheus",
+    // protoc and the well-known .proto files, which the etcd-client crate compiles.
+    "protobuf-compiler",
+    "libprotobuf-dev",
+    // A real etcd for the fleet tests and the fleet simulation.
+    "etcd-server",
+    "etcd-client",
 ];
 const BPF_LINKER_VERSION: &str = "0.13.0";
 
