@@ -14,6 +14,9 @@ mod kernel;
 mod listen;
 mod policy;
 mod report;
+// Workload resolution (issue 24), built and tested ahead of the scopes that will name it.
+#[allow(dead_code)]
+mod workload;
 
 use std::{path::Path, process::ExitCode};
 
@@ -274,8 +277,8 @@ mod layering {
     /// the first FOUNDATION (policy, host) use only themselves.
     const FOUNDATION: usize = 2;
     const LAYERS: &[&str] = &[
-        "policy", "host", "kernel", "enforce", "listen", "diagnose", "report", "control", "cli",
-        "daemon", "main",
+        "policy", "host", "workload", "kernel", "enforce", "listen", "diagnose", "report",
+        "control", "cli", "daemon", "main",
     ];
 
     /// The top-level modules a source text names after `crate::`, braces included.

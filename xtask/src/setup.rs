@@ -27,6 +27,14 @@ const PACKAGES: &[&str] = &[
     // promtool, which checks packaging/prometheus/alerts.yml and a scrape of /metrics
     // (Debian has it only in the server's package, whose service starts on :9090).
     "prometheus",
+    // protoc, for the build scripts of the CRI and containerd API clients.
+    "protobuf-compiler",
+    // The runtimes the workload tests start (nothing starts them here: PID 1 is not
+    // systemd), and the static busybox their test image holds.
+    "containerd",
+    "runc",
+    "podman",
+    "busybox-static",
 ];
 const BPF_LINKER_VERSION: &str = "0.13.0";
 
