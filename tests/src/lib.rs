@@ -4,6 +4,12 @@
 //!
 //! Everything here needs root and cgroup v2; a missing prerequisite panics with the
 //! reason (a test never skips silently).
+#[cfg(feature = "runtimes")]
+pub mod containerd;
+#[cfg(feature = "runtimes")]
+pub mod podman;
+#[cfg(feature = "runtimes")]
+pub mod runtimes;
 use std::{
     collections::BTreeMap,
     io::{BufRead, BufReader, Read},
