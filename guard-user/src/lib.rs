@@ -2,7 +2,7 @@
 //! binary (src/main.rs) runs and that tests and examples drive.
 //!
 //! The modules are layers, each using only those listed before it: `policy` and `host`
-//! (on guard-common and crates alone), then `kernel`, `enforce`, `fleet`, `listen`,
+//! (on guard-common and crates alone), then `workload`, `kernel`, `enforce`, `fleet`, `listen`,
 //! `diagnose`, `report`, `control`, `cli`. `daemon` wires them into the daemon; the
 //! binary wires them into the other commands. The data of connguard's JSON and control
 //! protocol are the `connguard-api` crate's.
@@ -19,6 +19,7 @@ pub mod kernel;
 pub mod listen;
 pub mod policy;
 pub mod report;
+pub mod workload;
 
 #[cfg(test)]
 mod layering {
@@ -30,6 +31,7 @@ mod layering {
     const LAYERS: &[&str] = &[
         "policy",
         "host",
+        "workload",
         "kernel",
         "enforce",
         "fleet",

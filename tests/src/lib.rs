@@ -4,7 +4,13 @@
 //!
 //! Everything here needs root and cgroup v2; a missing prerequisite panics with the
 //! reason (a test never skips silently).
+#[cfg(feature = "runtimes")]
+pub mod containerd;
 pub mod etcd;
+#[cfg(feature = "runtimes")]
+pub mod podman;
+#[cfg(feature = "runtimes")]
+pub mod runtimes;
 
 use std::{
     io::{BufRead, BufReader, Read},

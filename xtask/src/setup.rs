@@ -31,12 +31,19 @@ const PACKAGES: &[&str] = &[
     // promtool, which checks packaging/prometheus/alerts.yml and a scrape of /metrics
     // (Debian has it only in the server's package, whose service starts on :9090).
     "prometheus",
-    // protoc and the well-known .proto files, which the etcd-client crate compiles.
+    // protoc and the well-known .proto files, which the build scripts of the etcd, CRI and
+    // containerd API clients compile.
     "protobuf-compiler",
     "libprotobuf-dev",
     // A real etcd for the fleet tests and the fleet simulation.
     "etcd-server",
     "etcd-client",
+    // The runtimes the workload tests start (nothing starts them here: PID 1 is not
+    // systemd), and the static busybox their test image holds.
+    "containerd",
+    "runc",
+    "podman",
+    "busybox-static",
 ];
 const BPF_LINKER_VERSION: &str = "0.13.0";
 
