@@ -277,7 +277,7 @@ impl Guest {
         let _ = std::fs::remove_file(&out);
         eprintln!("vm: booting {release} (TCG) for {binaries} test binaries");
         let started = std::time::Instant::now();
-        let status = boot(&vmlinux, &initrd, &script, &out, &work)?;
+        let status = boot(vmlinux, initrd, &script, &out, work)?;
         let output = std::fs::read_to_string(&out).unwrap_or_default();
         print!("{output}");
         let seconds = started.elapsed().as_secs();

@@ -26,6 +26,12 @@ struct State {
     full: bool,
 }
 
+impl Default for CgroupWatch {
+    fn default() -> CgroupWatch {
+        CgroupWatch::new()
+    }
+}
+
 impl CgroupWatch {
     /// Without inotify (fs.inotify.max_user_instances reached, say), a watch that sees
     /// nothing, with a warning: the caller's periodic walk still finds every cgroup.
