@@ -16,6 +16,11 @@ pub struct EventRecord {
     /// shedding_stopped.
     pub kind: String,
     pub scope: String,
+    /// The workload the scope governs, when it governs one alone: an annotated pod's
+    /// scope (`pod shop/orders-7d9f`), or a scope whose selectors select one workload
+    /// (absent from the answers of older daemons).
+    #[serde(default)]
+    pub workload: Option<String>,
     /// The rule of the destination, or of a rule-level key; null for none.
     pub rule: Option<String>,
     /// The endpoint (`a.b.c.d:port`, `[v6]:port`); null for a rule or scope key.
@@ -43,6 +48,9 @@ impl EventRecord {
         let (h, m, sec) = (secs / 3600 % 24, secs / 60 % 60, secs % 60);
         let mut s = format!("{h:02}:{m:02}:{sec:02}.{ms:03} {}", self.kind);
         let _ = write!(s, " scope {}", self.scope);
+        if let Some(w) = &self.workload {
+            let _ = write!(s, " ({w})");
+        }
         if let Some(r) = &self.rule {
             let _ = write!(s, " rule {r}");
         }

@@ -20,7 +20,14 @@ pub const EVENT_LOG: usize = 4096;
 
 /// The kernel's event `ev` named by `ids`; `seq` and the clocks' difference
 /// (`unix_ms_at_boot`: the wall clock less CLOCK_MONOTONIC, ms) make the rest.
-pub fn record(ev: &Event, ids: &Ids, seq: u64, unix_ms_at_boot: u64) -> EventRecord {
+/// `workload` names the workload of a scope that governs one alone.
+pub fn record(
+    ev: &Event,
+    ids: &Ids,
+    seq: u64,
+    unix_ms_at_boot: u64,
+    workload: impl Fn(&str) -> Option<String>,
+) -> EventRecord {
     let kind = match ev.kind {
         EVENT_BREAKER_OPENED => "breaker_opened",
         EVENT_BREAKER_HALF_OPEN => "breaker_half_open",
@@ -44,11 +51,13 @@ pub fn record(ev: &Event, ids: &Ids, seq: u64, unix_ms_at_boot: u64) -> EventRec
     .collect();
     let breaker = kind.starts_with("breaker");
     let opened = ev.kind == EVENT_BREAKER_OPENED;
+    let scope = ids.scope_name(k.scope_id).unwrap_or("?").to_string();
     EventRecord {
         seq,
         unix_ms: unix_ms_at_boot + ev.time_ns / 1_000_000,
         kind: kind.into(),
-        scope: ids.scope_name(k.scope_id).unwrap_or("?").to_string(),
+        workload: workload(&scope),
+        scope,
         rule,
         dst: (ev.level == 0).then(|| endpoint(unmapped(k.addr), k.port)),
         reasons,
@@ -79,14 +88,20 @@ pub struct EventLog {
 }
 
 impl EventLog {
-    /// Adds the kernel's `ev`, named by `ids`.
-    pub fn push(&mut self, ev: &Event, ids: &Ids, unix_ms_at_boot: u64) {
+    /// Adds the kernel's `ev`, named by `ids` and `workload` (see `record`).
+    pub fn push(
+        &mut self,
+        ev: &Event,
+        ids: &Ids,
+        unix_ms_at_boot: u64,
+        workload: impl Fn(&str) -> Option<String>,
+    ) {
         self.last_seq += 1;
         if self.events.len() == EVENT_LOG {
             self.events.pop_front();
         }
         self.events
-            .push_back(record(ev, ids, self.last_seq, unix_ms_at_boot));
+            .push_back(record(ev, ids, self.last_seq, unix_ms_at_boot, workload));
     }
 
     /// The events after `since`, and the sequence number to ask after next.

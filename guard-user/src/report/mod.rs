@@ -2,6 +2,7 @@
 //! events.
 pub mod events;
 pub mod prometheus;
+pub mod rollup;
 pub mod snapshot;
 pub mod table;
 pub mod top;
