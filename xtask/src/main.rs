@@ -5,7 +5,10 @@ mod package;
 mod setup;
 mod vm;
 
-use std::{path::PathBuf, process::Command};
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+};
 
 use anyhow::{Context, bail};
 use clap::{Parser, Subcommand};
@@ -94,15 +97,20 @@ fn main() -> anyhow::Result<()> {
             no_vm,
             args,
         } => {
-            build()?;
-            cargo(
-                &["test", "--release", "--workspace", "--", "--test-threads=1"],
-                &args,
-            )?;
+            timed("setup and build", build)?;
+            timed("host tests", || {
+                cargo(
+                    &["test", "--release", "--workspace", "--", "--test-threads=1"],
+                    &args,
+                )
+            })?;
             if no_vm {
                 return Ok(());
             }
-            vm::run(&root(), &vm::series_names(), &integration_tests()?, &args)?;
+            let tests = integration_tests()?;
+            timed("guests", || {
+                vm::run(&root(), &vm::series_names(), &tests, &args)
+            })?;
             println!("{}", vm::kernel_table(&root())?);
             Ok(())
         }
@@ -172,19 +180,23 @@ fn cargo(args: &[&str], extra: &[String]) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The integration test binaries (tests/tests/*.rs), built.
+/// Runs `phase`, then prints how long it took (CI's budget is spent by phase).
+fn timed<T>(name: &str, phase: impl FnOnce() -> anyhow::Result<T>) -> anyhow::Result<T> {
+    let started = std::time::Instant::now();
+    let result = phase();
+    eprintln!("xtask: {name}: {} s", started.elapsed().as_secs());
+    result
+}
+
+/// The integration test binaries (tests/tests/*.rs), built as the workspace's tests are:
+/// with its features unified (guard-user's tests turn on the tests crate's `runtimes`),
+/// so that the host run's binaries are reused, not built again without them.
 fn integration_tests() -> anyhow::Result<Vec<String>> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let tests_dir = root().join("tests/tests").canonicalize()?;
     let out = Command::new(cargo)
         .current_dir(root())
-        .args([
-            "test",
-            "--release",
-            "-p",
-            "connguard-tests",
-            "--tests",
-            "--no-run",
-        ])
+        .args(["test", "--release", "--workspace", "--tests", "--no-run"])
         .args(["--message-format=json"])
         .stderr(std::process::Stdio::inherit())
         .output()
@@ -200,7 +212,10 @@ fn integration_tests() -> anyhow::Result<Vec<String>> {
         let is_test = msg["target"]["kind"]
             .as_array()
             .is_some_and(|k| k.iter().any(|k| k == "test"));
-        if let (true, Some(exe)) = (is_test, msg["executable"].as_str()) {
+        let in_tests = msg["target"]["src_path"]
+            .as_str()
+            .is_some_and(|p| Path::new(p).starts_with(&tests_dir));
+        if let (true, true, Some(exe)) = (is_test, in_tests, msg["executable"].as_str()) {
             tests.push(exe.to_string());
         }
     }
