@@ -68,11 +68,19 @@ enum Task {
     /// the man pages, shell completions and the manual.
     Package,
     /// Measure connguard's cost side by side with no guard and with nftables, in
-    /// interleaved rounds; prints a markdown table, writes target/bench.json.
+    /// interleaved rounds; writes what it measured to target/bench.json, prints the
+    /// report with the targets, and puts it into docs/performance.md.
     Bench {
-        /// 4 rounds and smaller tables instead of 20 rounds (about 3 minutes instead of 10).
+        /// 5 rounds and smaller tables instead of 25 rounds (a few minutes instead of
+        /// 15); its report goes into docs/performance.md only with --write.
         #[arg(long)]
         quick: bool,
+        /// Put a --quick run's report into docs/performance.md too.
+        #[arg(long)]
+        write: bool,
+        /// Render the last run's target/bench.json instead of measuring.
+        #[arg(long)]
+        render: bool,
     },
 }
 
@@ -132,9 +140,19 @@ fn main() -> anyhow::Result<()> {
             }
             Ok(())
         }
-        Task::Bench { quick } => {
-            build()?;
-            bench::run(quick)
+        Task::Bench {
+            quick,
+            write,
+            render,
+        } => {
+            if !render {
+                build()?;
+            }
+            bench::run(&bench::Options {
+                quick,
+                write,
+                render,
+            })
         }
         Task::Demo => {
             build()?;
@@ -143,21 +161,28 @@ fn main() -> anyhow::Result<()> {
     }
 }
 
-/// The page that holds the kernel table, between its markers.
-const KERNEL_TABLE_PAGE: &str = "docs/kernels.md";
-
 /// Replaces the text between docs/kernels.md's kernel-table markers with `table`.
 fn write_kernel_table(table: &str) -> anyhow::Result<()> {
-    const BEGIN: &str = "<!-- kernel-table: written by `cargo xtask kernel-table --write` -->\n";
-    const END: &str = "<!-- kernel-table end -->";
-    let path = root().join(KERNEL_TABLE_PAGE);
-    let text =
+    write_between_markers(
+        "docs/kernels.md",
+        "<!-- kernel-table: written by `cargo xtask kernel-table --write` -->\n",
+        "<!-- kernel-table end -->",
+        table,
+    )
+}
+
+/// Replaces the text between the markers `begin` and `end` of the page `page` (a path
+/// from the workspace root) with `text`.
+fn write_between_markers(page: &str, begin: &str, end: &str, text: &str) -> anyhow::Result<()> {
+    let path = root().join(page);
+    let page_text =
         std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
-    let (Some(b), Some(e)) = (text.find(BEGIN), text.find(END)) else {
-        bail!("{KERNEL_TABLE_PAGE} has no kernel-table markers");
+    let (Some(b), Some(e)) = (page_text.find(begin), page_text.find(end)) else {
+        bail!("{page} has no markers {begin:?} and {end:?}");
     };
-    let text = format!("{}{table}{}", &text[..b + BEGIN.len()], &text[e..]);
-    std::fs::write(&path, text)?;
+    anyhow::ensure!(b < e, "{page}: {end:?} comes before {begin:?}");
+    let page_text = format!("{}{text}{}", &page_text[..b + begin.len()], &page_text[e..]);
+    std::fs::write(&path, page_text)?;
     Ok(())
 }
 
