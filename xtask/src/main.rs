@@ -58,7 +58,8 @@ enum Task {
         write: bool,
     },
     /// A short before/after story: wrk with 300 connections against nginx, without and
-    /// with a connguard budget of 50.
+    /// with a connguard budget of 50; then a retry storm against a failing dependency,
+    /// without and with a circuit breaker.
     Demo,
     /// Build, then make a Debian package of the release build in target/package: the
     /// binary, the systemd unit (not enabled on install), /etc/connguard/policy.toml,
@@ -67,7 +68,8 @@ enum Task {
     /// Measure connguard's cost side by side with no guard and with nftables, in
     /// interleaved rounds; prints a markdown table, writes target/bench.json.
     Bench {
-        /// 4 rounds and smaller tables instead of 20 rounds (about 3 minutes instead of 10).
+        /// One round per mode and smaller tables instead of five rounds per mode: a quick
+        /// look, not a report for docs/performance.md.
         #[arg(long)]
         quick: bool,
     },
