@@ -1,6 +1,6 @@
 //! Circuit breakers per destination endpoint, on real connect outcomes inside test
 //! network namespaces: refusals (a closed port), timeouts (a black hole), slow
-//! handshakes (netem delay on a veth), a retry storm from curl; and the events that
+//! handshakes (SYNs dropped by nftables), a retry storm from curl; and the events that
 //! report each transition.
 use std::{
     process::Stdio,
@@ -171,7 +171,7 @@ fn a_breaker_opens_on_refusals_sheds_without_a_syn_and_recovers_through_its_ramp
     // 50 % (6), then closed.
     let _server = serve(&ns, port);
     thread::sleep(Duration::from_millis(2100));
-    // A deadline for a TCG guest, where an attempt and a stats call take 0.4 s.
+    // A deadline with room for a TCG guest, where each attempt and stats call is slow.
     let until = Instant::now() + Duration::from_secs(60);
     // Only attempts made once it half-opens count: the open time is measured on the
     // kernel's tick clock, which a TCG guest's may trail.

@@ -61,7 +61,8 @@ enum Task {
         write: bool,
     },
     /// A short before/after story: wrk with 300 connections against nginx, without and
-    /// with a connguard budget of 50.
+    /// with a connguard budget of 50; then a retry storm against a failing dependency,
+    /// without and with a circuit breaker.
     Demo,
     /// Build, then make a Debian package of the release build in target/package: the
     /// binary, the systemd unit (not enabled on install), /etc/connguard/policy.toml,
@@ -71,8 +72,8 @@ enum Task {
     /// interleaved rounds; writes what it measured to target/bench.json, prints the
     /// report with the targets, and puts it into docs/performance.md.
     Bench {
-        /// 5 rounds and smaller tables instead of 25 rounds (a few minutes instead of
-        /// 15); its report goes into docs/performance.md only with --write.
+        /// One round per mode and smaller tables instead of five rounds per mode; its
+        /// report goes into docs/performance.md only with --write.
         #[arg(long)]
         quick: bool,
         /// Put a --quick run's report into docs/performance.md too.
