@@ -8,9 +8,9 @@ use crate::{kernel::maps::Hashed, policy::Policy};
 
 /// Stable numeric ids for scope and rule names, for the life of the pinned state: a
 /// scope or rule removed by a reload and added again by a later one, or by the next
-/// daemon, gets its id, and so its counts, back. Ids index the kernel's SCOPE_COUNTERS and RULE_COUNTERS arrays, so there are
-/// at most MAX_SCOPE_IDS scope ids and MAX_RULE_IDS rule ids (unique across scopes);
-/// a policy that needs more is refused.
+/// daemon, gets its id, and so its counts, back. Ids index the kernel's SCOPE_COUNTERS
+/// and RULE_COUNTERS arrays, so there are at most MAX_SCOPE_IDS scope ids and
+/// MAX_RULE_IDS rule ids (unique across scopes); a policy that needs more is refused.
 ///
 /// The scopes of annotated pods come and go with their pods, under names that do not
 /// come back: their ids are `retire`d with them and given again once their counters
