@@ -14,7 +14,11 @@ pub const DEFAULT_SOCKET: &str = "/run/connguard/connguard.sock";
 pub struct RuntimeSockets {
     /// containerd's socket: followed (CRI and containerd's events) when a scope selects
     /// pods (`pod = {...}`).
-    #[arg(long, value_name = "PATH", default_value = "/run/containerd/containerd.sock")]
+    #[arg(
+        long,
+        value_name = "PATH",
+        default_value = "/run/containerd/containerd.sock"
+    )]
     pub containerd_socket: PathBuf,
     /// The Docker Engine API's socket (Docker's, or Podman's `podman system service`):
     /// followed when a scope selects containers (`container = {...}`).

@@ -15,13 +15,14 @@ use std::{
 };
 
 use connguard_api::{
-    policy::{Containers, Labelled, Limited, Mode, Policy, Pods, Scope},
+    policy::{Containers, Labelled, Limited, Pods, Policy, Scope},
     stats::ScopeStats,
 };
 use connguard_tests::{
     BPF_CGROUP_INET4_CONNECT, Cgroup, Daemon, Outcome, Probe, Server, attached_programs,
-    cgroup2_mount, connguard_bin, hold_in,
+    cgroup2_mount, connguard_bin,
     containerd::{Containerd, PodSpec, Sandbox},
+    hold_in,
     podman::Podman,
     probe_bin, unique,
 };
@@ -130,12 +131,16 @@ impl Node {
             ],
         );
         let mut outcome = None;
-        wait_until(Duration::from_secs(20), &format!("{name}'s outcome"), || {
-            outcome = std::fs::read_to_string(&file)
-                .ok()
-                .and_then(|t| serde_json::from_str::<Outcome>(&t).ok());
-            outcome.is_some()
-        });
+        wait_until(
+            Duration::from_secs(20),
+            &format!("{name}'s outcome"),
+            || {
+                outcome = std::fs::read_to_string(&file)
+                    .ok()
+                    .and_then(|t| serde_json::from_str::<Outcome>(&t).ok());
+                outcome.is_some()
+            },
+        );
         outcome.unwrap()
     }
 }
@@ -153,7 +158,10 @@ fn admitted(o: &Outcome) -> (u64, u64, u64) {
 }
 
 fn workloads(s: &ScopeStats) -> Vec<String> {
-    s.members.iter().filter_map(|m| m.workload.clone()).collect()
+    s.members
+        .iter()
+        .filter_map(|m| m.workload.clone())
+        .collect()
 }
 
 /// The series `name{labels}` of a scrape, if there is one.
@@ -177,7 +185,10 @@ fn a_pod_selected_by_labels_is_governed_from_its_first_connection() {
     );
     assert_eq!((s.cgroup.as_deref(), s.member_count), (None, 0));
     assert!(
-        d.log.lock().unwrap().contains("scope orders: pod namespace=shop"),
+        d.log
+            .lock()
+            .unwrap()
+            .contains("scope orders: pod namespace=shop"),
         "the warning is logged"
     );
 
@@ -186,7 +197,10 @@ fn a_pod_selected_by_labels_is_governed_from_its_first_connection() {
     let app = node.app(&first, "orders-1-app");
     assert_eq!(admitted(&app), (BUDGET, ATTEMPTS - BUDGET, 0), "{app:?}");
     let s = d.scope("orders");
-    assert_eq!((s.counts.active, s.counts.shed), (BUDGET, ATTEMPTS - BUDGET));
+    assert_eq!(
+        (s.counts.active, s.counts.shed),
+        (BUDGET, ATTEMPTS - BUDGET)
+    );
     assert_eq!(workloads(&s), ["pod shop/orders-1"]);
     assert_eq!(s.members[0].cgroup, first.cgroup);
     assert!(s.warnings.is_empty(), "{:?}", s.warnings);
@@ -196,7 +210,13 @@ fn a_pod_selected_by_labels_is_governed_from_its_first_connection() {
     let cart = node.containerd.run_pod(&spec("cart-1", "cart", &[]));
     let app = node.app(&cart, "cart-1-app");
     assert_eq!(admitted(&app), (ATTEMPTS, 0, 0), "{app:?}");
-    assert_eq!(attached_programs(&cgroup2_mount().join(&cart.cgroup), BPF_CGROUP_INET4_CONNECT), Some(0));
+    assert_eq!(
+        attached_programs(
+            &cgroup2_mount().join(&cart.cgroup),
+            BPF_CGROUP_INET4_CONNECT
+        ),
+        Some(0)
+    );
 
     // Identity where a person looks: events, metrics, the table.
     let events = d.events();
@@ -209,7 +229,10 @@ fn a_pod_selected_by_labels_is_governed_from_its_first_connection() {
         ("orders", Some("pod shop/orders-1"))
     );
     let text = d.metrics();
-    assert_eq!(metric(&text, "connguard_scope_members", "scope=\"orders\""), Some(1.0));
+    assert_eq!(
+        metric(&text, "connguard_scope_members", "scope=\"orders\""),
+        Some(1.0)
+    );
     assert_eq!(
         metric(
             &text,
@@ -248,8 +271,8 @@ fn annotation_budgets_hold_and_are_capped_by_the_scope() {
         .containerd
         .run_pod(&spec("orders-50", "orders", &[(budget, "50")]));
     let plain = node.containerd.run_pod(&spec("orders-0", "orders", &[]));
-    let bad = node
-        .containerd
+    // A malformed budget: a warning, and the pod stays in its scope.
+    node.containerd
         .run_pod(&spec("orders-bad", "orders", &[(budget, "many")]));
     // Each annotated pod its own budget, the scope's other pods the scope's.
     let outcomes = [
@@ -274,24 +297,43 @@ fn annotation_budgets_hold_and_are_capped_by_the_scope() {
     };
     assert_eq!(
         pod_scope("orders-3"),
-        (Some("orders"), Some(3), 3, vec!["pod shop/orders-3".to_string()])
+        (
+            Some("orders"),
+            Some(3),
+            3,
+            vec!["pod shop/orders-3".to_string()]
+        )
     );
     assert_eq!(
         pod_scope("orders-50"),
-        (Some("orders"), Some(BUDGET), BUDGET, vec!["pod shop/orders-50".to_string()])
+        (
+            Some("orders"),
+            Some(BUDGET),
+            BUDGET,
+            vec!["pod shop/orders-50".to_string()]
+        )
     );
     let s = stats.scope("orders").unwrap();
     assert_eq!(workloads(s), ["pod shop/orders-0", "pod shop/orders-bad"]);
     assert_eq!(s.counts.active, BUDGET, "the annotated pods count apart");
     assert_eq!(
         s.warnings,
-        ["pod shop/orders-bad: annotation connguard.io/max-connections: \"many\": not a whole number of connections (invalid digit found in string); the scope's budget applies"]
+        [
+            "pod shop/orders-bad: annotation connguard.io/max-connections: \"many\": not a whole number of connections (invalid digit found in string); the scope's budget applies"
+        ]
     );
     // In metrics, the annotated pods count in their scope's series.
     let text = d.metrics();
-    let active = metric(&text, "connguard_scope_active_connections", "scope=\"orders\"");
+    let active = metric(
+        &text,
+        "connguard_scope_active_connections",
+        "scope=\"orders\"",
+    );
     assert_eq!(active, Some((3 + BUDGET + BUDGET) as f64), "{text}");
-    assert_eq!(metric(&text, "connguard_scope_members", "scope=\"orders\""), Some(4.0));
+    assert_eq!(
+        metric(&text, "connguard_scope_members", "scope=\"orders\""),
+        Some(4.0)
+    );
     assert!(!text.contains("scope=\"orders/"), "{text}");
 
     // The pod goes, and its scope with it.
@@ -300,7 +342,12 @@ fn annotation_budgets_hold_and_are_capped_by_the_scope() {
         d.stats().scope("orders/shop/orders-3").is_none()
     });
     let admitted_total = |t: &str| {
-        metric(t, "connguard_scope_admitted_connections_total", "scope=\"orders\"").unwrap()
+        metric(
+            t,
+            "connguard_scope_admitted_connections_total",
+            "scope=\"orders\"",
+        )
+        .unwrap()
     };
     assert!(admitted_total(&d.metrics()) >= admitted_total(&text));
     // Created again with the same name: its own budget again.
@@ -440,7 +487,10 @@ fn a_unit_in_a_systemd_shaped_tree_is_governed() {
     d.wait_scope("orders", Duration::from_secs(5), |s| s.member_count == 0);
     let again = system.child("orders.service");
     connguard_tests::wait_attached(&again, BPF_CGROUP_INET4_CONNECT);
-    assert_eq!(admitted(&again.hold(probe).outcome), (BUDGET, ATTEMPTS - BUDGET, 0));
+    assert_eq!(
+        admitted(&again.hold(probe).outcome),
+        (BUDGET, ATTEMPTS - BUDGET, 0)
+    );
     let s = d.wait_scope("orders", Duration::from_secs(5), |s| s.member_count == 1);
     assert_eq!(workloads(&s), ["unit orders.service"]);
 }
@@ -471,9 +521,8 @@ fn bad_input_is_named() {
     );
 
     // Runtimes that cannot be reached: named at start and in stats, retried.
-    let policy = orders(false).scope(
-        Scope::named("web").container(Containers::new().label("app", "web")),
-    );
+    let policy =
+        orders(false).scope(Scope::named("web").container(Containers::new().label("app", "web")));
     let d = Daemon::builder(&policy)
         .metrics()
         .args(&[
@@ -487,7 +536,9 @@ fn bad_input_is_named() {
     for source in ["containerd", "docker"] {
         let ready = log.lines().find(|l| l.contains(" ready: ")).unwrap();
         assert!(
-            ready.contains(&format!("{source} at /nonexistent/{source}.sock (unreachable:")),
+            ready.contains(&format!(
+                "{source} at /nonexistent/{source}.sock (unreachable:"
+            )),
             "{ready}"
         );
     }
@@ -511,6 +562,9 @@ fn bad_input_is_named() {
     let text = d.metrics();
     for source in ["containerd", "docker"] {
         let labels = format!("source=\"{source}\"");
-        assert_eq!(metric(&text, "connguard_runtime_connected", &labels), Some(0.0));
+        assert_eq!(
+            metric(&text, "connguard_runtime_connected", &labels),
+            Some(0.0)
+        );
     }
 }

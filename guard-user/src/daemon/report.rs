@@ -39,9 +39,8 @@ impl Daemon {
         let audit_corrections = self.audit.corrections();
         Snapshot {
             policy: status,
-            scopes: policy.map_or_else(Vec::new, |p| {
-                snapshot::scopes(&p, &ids, dump, top, members)
-            }),
+            scopes: policy
+                .map_or_else(Vec::new, |p| snapshot::scopes(&p, &ids, dump, top, members)),
             internal_errors,
             lost_events,
             lease_expired,

@@ -93,7 +93,10 @@ impl Workloads {
         let (pods, containers) = sources(policy);
         let mut followed = lock(&self.followed);
         let mut started = Vec::new();
-        for (needed, source, kind) in [(pods, "containerd", "pod"), (containers, "docker", "container")] {
+        for (needed, source, kind) in [
+            (pods, "containerd", "pod"),
+            (containers, "docker", "container"),
+        ] {
             if !needed || !followed.insert(source) {
                 continue;
             }
@@ -113,7 +116,9 @@ impl Workloads {
                 "containerd" => self
                     .runtime
                     .spawn(workload::containerd::follow(registry, socket)),
-                _ => self.runtime.spawn(workload::docker::follow(registry, socket)),
+                _ => self
+                    .runtime
+                    .spawn(workload::docker::follow(registry, socket)),
             };
             started.push(source);
         }
@@ -143,7 +148,11 @@ impl Workloads {
         let now: BTreeSet<String> = policy
             .scopes
             .iter()
-            .flat_map(|s| s.warnings.iter().map(move |w| format!("scope {}: {w}", s.name)))
+            .flat_map(|s| {
+                s.warnings
+                    .iter()
+                    .map(move |w| format!("scope {}: {w}", s.name))
+            })
             .collect();
         let mut logged = lock(&self.logged);
         for w in now.difference(&logged) {
@@ -218,11 +227,11 @@ impl Workloads {
         let unit_like = dir
             .file_name()
             .is_some_and(|n| systemd::is_cgroup_unit(&n.to_string_lossy()));
-        let names_units = self
-            .base()
-            .scopes
-            .iter()
-            .any(|s| s.workloads.iter().any(|w| matches!(w, WorkloadSelector::Unit(_))));
+        let names_units = self.base().scopes.iter().any(|s| {
+            s.workloads
+                .iter()
+                .any(|w| matches!(w, WorkloadSelector::Unit(_)))
+        });
         if unit_like && names_units {
             self.again.notify_one();
         }
@@ -248,8 +257,14 @@ impl Daemon {
             return Ok(());
         };
         if !same_scopes(&old, &policy) {
-            let came: Vec<&str> = scope_names(&policy).difference(&scope_names(&old)).copied().collect();
-            let went: Vec<&str> = scope_names(&old).difference(&scope_names(&policy)).copied().collect();
+            let came: Vec<&str> = scope_names(&policy)
+                .difference(&scope_names(&old))
+                .copied()
+                .collect();
+            let went: Vec<&str> = scope_names(&old)
+                .difference(&scope_names(&policy))
+                .copied()
+                .collect();
             log::info!(
                 "the workloads' scopes changed (new: {}; gone: {}): applying the policy again, counts kept",
                 list(&came),

@@ -225,7 +225,9 @@ impl Generations {
     fn retire_gone(&mut self, ids: &mut Ids, policy: &Policy) {
         let gone: Vec<String> = ids
             .scope_names()
-            .filter(|n| n.contains(DERIVED_SEPARATOR) && !policy.scopes.iter().any(|s| s.name == *n))
+            .filter(|n| {
+                n.contains(DERIVED_SEPARATOR) && !policy.scopes.iter().any(|s| s.name == *n)
+            })
             .map(str::to_string)
             .collect();
         for key in ids.retire(gone.iter().map(String::as_str)) {

@@ -47,7 +47,8 @@ impl Ids {
             .flat_map(|s| s.rules.iter().map(|r| (s.name.as_str(), r.name.as_str())))
             .filter(|(s, r)| !self.rules.contains_key(&(s.to_string(), r.to_string())))
             .collect();
-        let spare_scopes = MAX_SCOPE_IDS as usize - self.next_scope as usize + self.free_scopes.len();
+        let spare_scopes =
+            MAX_SCOPE_IDS as usize - self.next_scope as usize + self.free_scopes.len();
         let spare_rules = MAX_RULE_IDS as usize - self.next_rule as usize + self.free_rules.len();
         if new_scopes.len() > spare_scopes {
             bail!(

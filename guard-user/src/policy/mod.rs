@@ -160,7 +160,10 @@ impl Pattern {
 impl Selector {
     /// `pattern`: below the cgroup2 mount, without leading or trailing '/' (None: no
     /// pattern); `units`: the units it names.
-    pub fn new(pattern: Option<&str>, units: Vec<UnitSelector>) -> Result<Selector, globset::Error> {
+    pub fn new(
+        pattern: Option<&str>,
+        units: Vec<UnitSelector>,
+    ) -> Result<Selector, globset::Error> {
         Ok(Selector {
             pattern: pattern.map(Pattern::new).transpose()?,
             units,
@@ -204,7 +207,9 @@ impl Selector {
     /// be, so that a creation there need not be watched for.
     pub fn may_select_below(&self, rel: &str) -> bool {
         let prefix = format!("{rel}/");
-        self.pattern.as_ref().is_some_and(|p| p.may_select_below(rel))
+        self.pattern
+            .as_ref()
+            .is_some_and(|p| p.may_select_below(rel))
             || self.units.iter().any(|u| u.may_select_below(rel))
             || if rel.is_empty() {
                 !self.resolved.is_empty()

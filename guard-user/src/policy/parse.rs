@@ -359,7 +359,11 @@ fn label_selector(
         let requirement = Requirement {
             key,
             operator,
-            values: r.values.as_ref().map(|v| v.get_ref().clone()).unwrap_or_default(),
+            values: r
+                .values
+                .as_ref()
+                .map(|v| v.get_ref().clone())
+                .unwrap_or_default(),
         };
         let span = r.values.as_ref().map_or(r.operator.span(), |v| v.span());
         alone(BTreeMap::new(), vec![requirement.clone()]).map_err(|why| at(span, why))?;
@@ -1431,7 +1435,10 @@ per = "rule"
             fields::<RawRequirement>()
         );
         assert_eq!(
-            s.workloads.iter().map(ToString::to_string).collect::<Vec<_>>(),
+            s.workloads
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>(),
             [
                 "pod namespace=shop* app=orders,tier in (web)",
                 "container name=orders-* app=orders,!canary",

@@ -52,8 +52,7 @@ pub fn resolve(base: &Policy, registry: &Registry) -> Policy {
         let mut derived = Vec::new();
         if scope.annotations {
             for pod in selected_pods(scope, &pods) {
-                let Some(cgroup) = pod.cgroup.as_ref().filter(|c| resolved.contains_key(*c))
-                else {
+                let Some(cgroup) = pod.cgroup.as_ref().filter(|c| resolved.contains_key(*c)) else {
                     continue;
                 };
                 let (mut budgets, errors) = annotations::budgets(&pod.annotations);
@@ -119,8 +118,10 @@ fn pod_scope(scope: &Scope, pod: &Pod, cgroup: &str, who: Identity, budgets: &Bu
     out.limits.max_connections =
         Budgets::capped(budgets.max_connections, scope.limits.max_connections);
     for r in &mut out.rules {
-        r.limits.max_connections =
-            Budgets::capped(budgets.rules.get(&r.name).copied(), r.limits.max_connections);
+        r.limits.max_connections = Budgets::capped(
+            budgets.rules.get(&r.name).copied(),
+            r.limits.max_connections,
+        );
     }
     out
 }
@@ -135,9 +136,9 @@ pub fn derived_name(scope: &str, namespace: &str, pod: &str) -> String {
         return name;
     }
     // FNV-1a: a hash that stays the same across builds, as the name must.
-    let hash = name
-        .bytes()
-        .fold(0x811c_9dc5_u32, |h, b| (h ^ b as u32).wrapping_mul(0x0100_0193));
+    let hash = name.bytes().fold(0x811c_9dc5_u32, |h, b| {
+        (h ^ b as u32).wrapping_mul(0x0100_0193)
+    });
     let mut cut = max - 9;
     while !name.is_char_boundary(cut) {
         cut -= 1;
@@ -231,15 +232,28 @@ max_connections = 7
                     ("connguard.io/max-connections.db", "50"),
                 ],
             ),
-            pod("orders-3", "orders", &[("connguard.io/max-connections", "50")]),
-            pod("orders-4", "orders", &[("connguard.io/max-connections.nope", "2")]),
+            pod(
+                "orders-3",
+                "orders",
+                &[("connguard.io/max-connections", "50")],
+            ),
+            pod(
+                "orders-4",
+                "orders",
+                &[("connguard.io/max-connections.nope", "2")],
+            ),
             // Annotations of a scope without `annotations = true` ask nothing.
             pod("cart-1", "cart", &[("connguard.io/max-connections", "1")]),
         ]);
         let names: Vec<&str> = p.scopes.iter().map(|s| s.name.as_str()).collect();
         assert_eq!(
             names,
-            ["orders/shop/orders-2", "orders/shop/orders-3", "orders", "cart"]
+            [
+                "orders/shop/orders-2",
+                "orders/shop/orders-3",
+                "orders",
+                "cart"
+            ]
         );
         let budget = |i: usize| {
             let s = &p.scopes[i];
@@ -260,10 +274,15 @@ max_connections = 7
         assert_eq!(members, ["kubepods/pod-orders-1", "kubepods/pod-orders-4"]);
         assert_eq!(
             orders.warnings,
-            ["pod shop/orders-4: annotation connguard.io/max-connections.nope: scope orders has no rule nope"]
+            [
+                "pod shop/orders-4: annotation connguard.io/max-connections.nope: scope orders has no rule nope"
+            ]
         );
         assert_eq!(p.scopes[3].selector.resolved().len(), 1);
-        assert_eq!(p.scopes[3].workload().map(ToString::to_string).as_deref(), Some("pod shop/cart-1"));
+        assert_eq!(
+            p.scopes[3].workload().map(ToString::to_string).as_deref(),
+            Some("pod shop/cart-1")
+        );
     }
 
     #[test]
@@ -274,7 +293,10 @@ max_connections = 7
             p.scopes[0].warnings,
             ["pod namespace=shop app=orders matches no pod on this node"]
         );
-        assert!(same_scopes(&p, &resolved(vec![pod("orders-1", "orders", &[])])));
+        assert!(same_scopes(
+            &p,
+            &resolved(vec![pod("orders-1", "orders", &[])])
+        ));
         let annotated = resolved(vec![pod(
             "orders-1",
             "orders",

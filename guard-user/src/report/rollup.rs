@@ -26,7 +26,10 @@ impl Rolled {
         let mut seen = HashMap::new();
         for s in scopes {
             if let Some(p) = s.parent.as_ref().filter(|p| is_parent(p)) {
-                seen.insert(s.name.clone(), (p.clone(), s.counts.clone(), s.time_wait_created));
+                seen.insert(
+                    s.name.clone(),
+                    (p.clone(), s.counts.clone(), s.time_wait_created),
+                );
             }
         }
         for (name, (parent, counts, tw)) in self.seen.drain() {
@@ -127,18 +130,36 @@ mod tests {
         ]);
         let shown: Vec<(&str, u64, u64, u64, u64)> = first
             .iter()
-            .map(|s| (s.name.as_str(), s.counts.active, s.counts.admitted, s.counts.peak, s.member_count))
+            .map(|s| {
+                (
+                    s.name.as_str(),
+                    s.counts.active,
+                    s.counts.admitted,
+                    s.counts.peak,
+                    s.member_count,
+                )
+            })
             .collect();
-        assert_eq!(shown, [("orders", 3, 15, 1, 2), ("lost/shop/b", 1, 1, 1, 1)]);
+        assert_eq!(
+            shown,
+            [("orders", 3, 15, 1, 2), ("lost/shop/b", 1, 1, 1, 1)]
+        );
         assert_eq!(first[0].time_wait_created, 15);
         assert_eq!(first[0].members.len(), 2);
         // The pod goes: what it admitted stays in its scope's totals.
         let second = r.roll(&[scope("orders", None, 0, 6)]);
         assert_eq!(
-            (second[0].counts.active, second[0].counts.admitted, second[0].time_wait_created),
+            (
+                second[0].counts.active,
+                second[0].counts.admitted,
+                second[0].time_wait_created
+            ),
             (0, 16, 16)
         );
-        let third = r.roll(&[scope("orders", None, 0, 7), scope("orders/shop/c", Some("orders"), 1, 1)]);
+        let third = r.roll(&[
+            scope("orders", None, 0, 7),
+            scope("orders/shop/c", Some("orders"), 1, 1),
+        ]);
         assert_eq!((third[0].counts.admitted, third[0].member_count), (18, 2));
     }
 }

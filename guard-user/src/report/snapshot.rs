@@ -215,13 +215,10 @@ pub fn scopes(
         let unlisted_connecting = all_connecting - connecting(&destinations);
         out.push(ScopeStats {
             name: s.name.clone(),
-            cgroup: s.cgroup.as_ref().map(|c| {
-                if c.is_empty() {
-                    "/".into()
-                } else {
-                    c.clone()
-                }
-            }),
+            cgroup: s
+                .cgroup
+                .as_ref()
+                .map(|c| if c.is_empty() { "/".into() } else { c.clone() }),
             selectors: s.workloads.iter().map(ToString::to_string).collect(),
             annotations: s.annotations,
             parent: s.parent.clone(),

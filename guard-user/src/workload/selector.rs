@@ -351,7 +351,8 @@ mod tests {
         let labels = LabelSelector::new(map(&[("app", "orders")]), Vec::new()).unwrap();
         let pod = WorkloadSelector::Pod(PodSelector::new(Some("shop"), labels.clone()).unwrap());
         let any = WorkloadSelector::Pod(PodSelector::new(None, LabelSelector::default()).unwrap());
-        let c = WorkloadSelector::Container(ContainerSelector::new(Some("orders-*"), labels).unwrap());
+        let c =
+            WorkloadSelector::Container(ContainerSelector::new(Some("orders-*"), labels).unwrap());
         let u = WorkloadSelector::Unit(UnitSelector::new("orders.service").unwrap());
         let text = [&pod, &any, &c, &u].map(ToString::to_string);
         assert_eq!(

@@ -230,7 +230,9 @@ mod tests {
         assert!(!is_unit_place("system.slice/cron.service/orders.service"));
         assert!(!is_unit_place(""));
         assert!(holds_units_below(""));
-        assert!(holds_units_below("user.slice/user-1000.slice/user@1000.service"));
+        assert!(holds_units_below(
+            "user.slice/user-1000.slice/user@1000.service"
+        ));
         assert!(!holds_units_below("system.slice/cron.service"));
     }
 }
