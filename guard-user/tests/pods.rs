@@ -175,7 +175,7 @@ fn metric(text: &str, name: &str, labels: &str) -> Option<f64> {
 #[test]
 fn a_pod_selected_by_labels_is_governed_from_its_first_connection() {
     let _one = one_daemon();
-    let node = Node::start();
+    let mut node = Node::start();
     let d = node.daemon(&orders(false));
     // Nothing matches yet: a warning, not an error.
     let s = d.scope("orders");
@@ -244,6 +244,28 @@ fn a_pod_selected_by_labels_is_governed_from_its_first_connection() {
     let table = d.cli(&["stats"]);
     let table = String::from_utf8_lossy(&table.stdout);
     assert!(table.contains("members 1: pod shop/orders-1"), "{table}");
+
+    // containerd restarts: while it is down, the runtime is named unreachable and the
+    // pod it last listed stays selected; then it is followed again.
+    let connected = || d.stats().runtime("containerd").map(|r| r.connected);
+    node.containerd.stop();
+    wait_until(
+        Duration::from_secs(5),
+        "containerd seen unreachable",
+        || connected() == Some(false),
+    );
+    let s = d.scope("orders");
+    assert_eq!(
+        workloads(&s),
+        ["pod shop/orders-1"],
+        "the last mapping kept"
+    );
+    assert_eq!(s.counts.active, BUDGET);
+    node.containerd.resume();
+    wait_until(Duration::from_secs(10), "containerd followed again", || {
+        connected() == Some(true)
+    });
+    assert_eq!(workloads(&d.scope("orders")), ["pod shop/orders-1"]);
 
     // Deleted, then created again (a new uid, so a new cgroup): governed again.
     node.containerd.remove_pod(&first.id);

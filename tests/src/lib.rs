@@ -408,11 +408,13 @@ impl<'a> DaemonBuilder<'a> {
         let log2 = log.clone();
         thread::spawn(move || {
             for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                // The daemon's line, not any word that ends in "ready" ("already").
-                if line.contains(" ready: ") {
+                // The daemon's line, not any word that ends in "ready" ("already"); in
+                // the log before `start` returns.
+                let ready = line.contains(" ready: ");
+                log2.lock().unwrap().push_str(&(line + "\n"));
+                if ready {
                     let _ = tx.send(());
                 }
-                log2.lock().unwrap().push_str(&(line + "\n"));
             }
         });
         let mut d = Daemon {

@@ -56,8 +56,10 @@ struct RawListener {
 struct RawScope {
     name: Spanned<String>,
     cgroup: Option<Spanned<String>>,
-    pod: Option<Spanned<RawPod>>,
-    container: Option<Spanned<RawContainer>>,
+    // Not Spanned: toml cannot give the span of a table only implied by a header below
+    // it (`[scope.pod.labels]` alone), and an error names the key inside it anyway.
+    pod: Option<RawPod>,
+    container: Option<RawContainer>,
     unit: Option<Spanned<String>>,
     annotations: Option<Spanned<bool>>,
     mode: Option<Spanned<String>>,
@@ -302,7 +304,6 @@ fn parse_workloads(
     let mut out = Vec::new();
     let mut units = Vec::new();
     if let Some(p) = &s.pod {
-        let p = p.get_ref();
         let labels = label_selector(&p.labels, &p.match_expressions, at)?;
         // Only a namespace or name given can be a bad glob.
         let namespace = p.namespace.as_ref();
@@ -311,7 +312,6 @@ fn parse_workloads(
         out.push(WorkloadSelector::Pod(selector));
     }
     if let Some(c) = &s.container {
-        let c = c.get_ref();
         let labels = label_selector(&c.labels, &c.match_expressions, at)?;
         let name = c.name.as_ref();
         let selector = ContainerSelector::new(name.map(|n| n.get_ref().trim()), labels)
@@ -1028,6 +1028,23 @@ per = "rule"
         assert!(web.selector.selects("system.slice/web.service"));
         assert!(!web.selector.selects("system.slice/db.service"));
         assert_eq!(web.workloads.len(), 2);
+        // A selector table implied by the header of its labels, or by dotted keys, as
+        // connguard-api's builder writes a selector without a namespace or name.
+        for text in [
+            "[[scope]]\nname = \"a\"\n[scope.pod.labels]\napp = \"orders\"\n",
+            "[[scope]]\nname = \"a\"\ncontainer.labels.app = \"orders\"\n",
+        ] {
+            let p = parse(text, "p.toml").unwrap_or_else(|e| panic!("{text}: {e}"));
+            assert!(
+                p.scopes[0].workloads[0]
+                    .to_string()
+                    .ends_with(" app=orders")
+            );
+        }
+        assert_eq!(
+            err("[[scope]]\nname = \"a\"\n[scope.pod.labels]\n\"-app\" = \"orders\"\n"),
+            "p.toml:4:1: label key \"-app\": the name must be 1 to 63 characters, alphanumeric at both ends, with '-', '_' and '.' inside"
+        );
         // Each error at the token named, on line 3.
         let head = "[[scope]]\nname = \"a\"\n";
         for (text, at, why) in [
