@@ -113,9 +113,14 @@ impl Node {
     /// the pod goes. Its outcome.
     fn app(&self, pod: &Sandbox, name: &str) -> Outcome {
         let file = self.out.join(format!("{name}.json"));
+        let probe = Probe::Hold {
+            addr: self.server.addr,
+            count: ATTEMPTS,
+            concurrency: ATTEMPTS,
+        };
         let script = format!(
-            "exec /probe/guard-probe hold {} {ATTEMPTS} {ATTEMPTS} > /out/{name}.json",
-            self.server.addr
+            "exec /probe/guard-probe {} > /out/{name}.json",
+            probe.args().join(" ")
         );
         let probe_dir = probe_bin().parent().unwrap().to_path_buf();
         let (probe_dir, out) = (probe_dir.to_str().unwrap(), self.out.to_str().unwrap());
