@@ -339,7 +339,7 @@ See also:
   connguard-run(8), bpftool-feature(8)
 ")]
     Kernel {
-        /// Print JSON: {"release": "...", "features": {"NAME": true|false, ...}}.
+        /// Print JSON: {"release": "...", "features": {"NAME": true|false, ...}, "required": ["NAME", ...]}.
         #[arg(long)]
         json: bool,
     },
