@@ -1,6 +1,9 @@
 //! `cargo xtask`: set-up, build, run, test and demo for connguard.
 mod bench;
 mod demo;
+mod image;
+#[cfg(test)]
+mod kubernetes;
 mod package;
 mod setup;
 mod vm;
@@ -64,6 +67,10 @@ enum Task {
     /// binary, the systemd unit (not enabled on install), /etc/connguard/policy.toml,
     /// the man pages, shell completions and the manual.
     Package,
+    /// Build, then make the OCI image of the DaemonSet (packaging/kubernetes/) offline
+    /// with buildah: FROM scratch, the stripped binary and its shared libraries, tagged
+    /// localhost/connguard:VERSION, written to target/image/connguard_VERSION.oci.tar.
+    Image,
     /// Measure connguard's cost side by side with no guard and with nftables, in
     /// interleaved rounds; prints a markdown table, writes target/bench.json.
     Bench {
@@ -80,6 +87,10 @@ fn main() -> anyhow::Result<()> {
         Task::Package => {
             build()?;
             package::run(&root()).map(|_| ())
+        }
+        Task::Image => {
+            build()?;
+            image::run(&root()).map(|_| ())
         }
         Task::Run { args } => {
             build()?;

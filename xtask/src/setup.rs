@@ -1,7 +1,7 @@
 //! Installs the toolchain for Rust eBPF (Debian's BPF-capable rustc and its `core`, LLVM 22
 //! for bpf-linker) and the test tools, skipping what is
 //! already there.
-use std::process::Command;
+use std::{path::PathBuf, process::Command};
 
 use anyhow::{Context, bail};
 
@@ -44,8 +44,14 @@ const PACKAGES: &[&str] = &[
     "runc",
     "podman",
     "busybox-static",
+    // `cargo xtask image` builds the DaemonSet's image with it, offline.
+    "buildah",
+    // The virtual environment kubernetes-validate is installed in.
+    "python3-venv",
 ];
 const BPF_LINKER_VERSION: &str = "0.13.0";
+/// Validates packaging/kubernetes/ against Kubernetes' schemas, offline (PyPI).
+const KUBERNETES_VALIDATE_VERSION: &str = "1.37.0";
 
 pub fn run() -> anyhow::Result<()> {
     install(PACKAGES)?;
@@ -66,7 +72,43 @@ pub fn run() -> anyhow::Result<()> {
             bail!("cargo install bpf-linker failed");
         }
     }
-    Ok(())
+    install_kubernetes_validate()
+}
+
+/// The virtual environment of kubernetes-validate, under target/ (its Python has PyYAML,
+/// which the manifests' tests read YAML with).
+pub fn kubernetes_validate_venv() -> PathBuf {
+    crate::root().join("target/kubernetes-validate/venv")
+}
+
+/// Installs kubernetes-validate KUBERNETES_VALIDATE_VERSION with pip into
+/// kubernetes_validate_venv(), unless that version is there.
+fn install_kubernetes_validate() -> anyhow::Result<()> {
+    let venv = kubernetes_validate_venv();
+    let there = Command::new(venv.join("bin/kubernetes-validate"))
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains(KUBERNETES_VALIDATE_VERSION));
+    if there {
+        return Ok(());
+    }
+    eprintln!(
+        "setup: installing kubernetes-validate {KUBERNETES_VALIDATE_VERSION} into {}",
+        venv.display()
+    );
+    sh(
+        "python3",
+        &["-m", "venv", "--clear", &venv.to_string_lossy()],
+    )?;
+    sh(
+        &venv.join("bin/pip").to_string_lossy(),
+        &[
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            &format!("kubernetes-validate=={KUBERNETES_VALIDATE_VERSION}"),
+        ],
+    )
 }
 
 /// Installs the Debian packages of `packages` that are missing (none: nothing is run).
