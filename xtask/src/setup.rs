@@ -50,8 +50,22 @@ const PACKAGES: &[&str] = &[
     "python3-venv",
 ];
 const BPF_LINKER_VERSION: &str = "0.13.0";
-/// Validates packaging/kubernetes/ against Kubernetes' schemas, offline (PyPI).
-const KUBERNETES_VALIDATE_VERSION: &str = "1.37.0";
+/// kubernetes-validate, which validates packaging/kubernetes/ against Kubernetes'
+/// schemas (it ships them: it reads no network at run time), and what it needs, each
+/// pinned (PyPI): installed with --no-deps, so that the environment holds these and no
+/// other version.
+const KUBERNETES_VALIDATE: &[&str] = &[
+    "kubernetes-validate==1.37.0",
+    "attrs==26.1.0",
+    "importlib_resources==7.1.0",
+    "jsonschema==4.26.0",
+    "jsonschema-specifications==2025.9.1",
+    "packaging==26.4",
+    "PyYAML==6.0.4",
+    "referencing==0.37.0",
+    "rpds-py==2026.9.1",
+    "typing_extensions==4.16.0",
+];
 
 pub fn run() -> anyhow::Result<()> {
     install(PACKAGES)?;
@@ -81,34 +95,35 @@ pub fn kubernetes_validate_venv() -> PathBuf {
     crate::root().join("target/kubernetes-validate/venv")
 }
 
-/// Installs kubernetes-validate KUBERNETES_VALIDATE_VERSION with pip into
-/// kubernetes_validate_venv(), unless that version is there.
+/// Installs KUBERNETES_VALIDATE with pip into kubernetes_validate_venv(), a virtual
+/// environment of Debian's Python, unless it holds them already (its file `pins` lists
+/// what was installed).
 fn install_kubernetes_validate() -> anyhow::Result<()> {
     let venv = kubernetes_validate_venv();
-    let there = Command::new(venv.join("bin/kubernetes-validate"))
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains(KUBERNETES_VALIDATE_VERSION));
-    if there {
+    let pins = KUBERNETES_VALIDATE.join("\n");
+    if std::fs::read_to_string(venv.join("pins")).is_ok_and(|p| p == pins) {
         return Ok(());
     }
     eprintln!(
-        "setup: installing kubernetes-validate {KUBERNETES_VALIDATE_VERSION} into {}",
+        "setup: installing {} into {}",
+        KUBERNETES_VALIDATE[0],
         venv.display()
     );
     sh(
-        "python3",
+        "/usr/bin/python3",
         &["-m", "venv", "--clear", &venv.to_string_lossy()],
     )?;
-    sh(
-        &venv.join("bin/pip").to_string_lossy(),
-        &[
-            "install",
-            "--quiet",
-            "--disable-pip-version-check",
-            &format!("kubernetes-validate=={KUBERNETES_VALIDATE_VERSION}"),
-        ],
-    )
+    let mut args = vec![
+        "install",
+        "--quiet",
+        "--disable-pip-version-check",
+        "--no-deps",
+        "--only-binary=:all:",
+    ];
+    args.extend(KUBERNETES_VALIDATE);
+    sh(&venv.join("bin/pip").to_string_lossy(), &args)?;
+    std::fs::write(venv.join("pins"), pins)?;
+    Ok(())
 }
 
 /// Installs the Debian packages of `packages` that are missing (none: nothing is run).
