@@ -168,7 +168,7 @@ fn every_manifest_passes_kubernetes_schemas() {
         std::process::id()
     ));
     std::fs::write(&bad, text.replace("hostPID: true", "hostPIDs: true")).unwrap();
-    let (ok, out) = kubernetes_validate(None, &[bad.clone()]);
+    let (ok, out) = kubernetes_validate(None, std::slice::from_ref(&bad));
     let _ = std::fs::remove_file(&bad);
     assert!(!ok && out.contains("'hostPIDs' was unexpected"), "{out}");
 }
