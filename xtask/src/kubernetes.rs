@@ -368,8 +368,9 @@ impl Drop for Cleanup {
     }
 }
 
-/// The image, built and loaded into podman, prints its version and runs `connguard
-/// kernel`; then it runs the daemon as the DaemonSet does (its args, host namespaces,
+/// The image, built and loaded into podman, prints its version, and its `connguard
+/// kernel`, run with the DaemonSet's namespaces and capabilities, finds what the host's
+/// finds; then it runs the daemon as the DaemonSet does (its args, host namespaces,
 /// capabilities, read-only root, host paths and an in-memory /run/connguard, the
 /// ConfigMap's volume replaced by a directory with the test's policy), which becomes
 /// ready, answers `connguard stats` inside the container, and enforces a budget of 5 on
@@ -458,6 +459,17 @@ fn the_image_runs_as_the_daemonset_runs_it() {
             );
         }
     }
+    // `connguard kernel` with the DaemonSet's namespaces and capabilities finds what it
+    // finds on the host: no probe is refused for want of a capability or by seccomp.
+    let in_image = output(
+        podman(&dir)
+            .args(["run", "--rm"])
+            .args(&run[4..])
+            .args([&reference, "kernel"]),
+    );
+    let on_host = output(Command::new(root.join("target/release/connguard")).arg("kernel"));
+    assert!(on_host.starts_with("kernel "), "{on_host}");
+    assert_eq!(in_image, on_host);
     // The volumes: host paths bound (HostToContainer is rslave), the ConfigMap's a
     // directory with the test's policy, an emptyDir a tmpfs.
     let server = Server::start("127.0.0.1:0");
