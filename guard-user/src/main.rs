@@ -40,6 +40,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
     match command {
         Command::Run {
             policy,
+            no_watch_policy,
             metrics,
             socket,
             bpf_stats,
@@ -61,6 +62,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 detach_on_exit,
                 state_layout,
                 audit: std::time::Duration::from_secs(audit),
+                watch_policy: !no_watch_policy,
             })?;
         }
         Command::Check { file } => match policy::load_file(&file) {

@@ -278,9 +278,25 @@ pub struct DaemonBuilder<'a> {
     socket: Option<PathBuf>,
     adopt: bool,
     cgroup_namespace: Option<&'a Cgroup>,
+    watch_policy: bool,
+    policy_at: Option<PathBuf>,
 }
 
 impl<'a> DaemonBuilder<'a> {
+    /// Lets the daemon reload by itself when its policy file changes; others run with
+    /// --no-watch-policy, so that a test's rewrite and reload is one reload.
+    pub fn watching_policy(mut self) -> Self {
+        self.watch_policy = true;
+        self
+    }
+
+    /// The policy file at `path`, which the caller has written (the policy given to
+    /// `builder` is then unused): a symlink, a ConfigMap volume's layout.
+    pub fn policy_at(mut self, path: PathBuf) -> Self {
+        self.policy_at = Some(path);
+        self
+    }
+
     /// Serves Prometheus metrics on a free loopback port (`Daemon::metrics`).
     pub fn metrics(mut self) -> Self {
         self.metrics = true;
@@ -358,8 +374,14 @@ impl<'a> DaemonBuilder<'a> {
         };
         let dir = std::env::temp_dir().join(unique("connguard-test"));
         std::fs::create_dir_all(&dir).unwrap();
-        let policy_path = dir.join("policy.toml");
-        std::fs::write(&policy_path, &self.policy).unwrap();
+        let policy_path = match self.policy_at {
+            Some(path) => path,
+            None => {
+                let path = dir.join("policy.toml");
+                std::fs::write(&path, &self.policy).unwrap();
+                path
+            }
+        };
         let socket = self.socket.unwrap_or_else(|| dir.join("connguard.sock"));
         let metrics = self
             .metrics
@@ -373,6 +395,9 @@ impl<'a> DaemonBuilder<'a> {
         }
         if !given("--audit") {
             defaults.extend(["--audit".into(), "1".into()]);
+        }
+        if !self.watch_policy {
+            defaults.push("--no-watch-policy".into());
         }
         let mut child = command
             .arg("run")
@@ -437,22 +462,33 @@ impl Daemon {
             socket: None,
             adopt: false,
             cgroup_namespace: None,
+            watch_policy: false,
+            policy_at: None,
         }
     }
 
     /// The body of GET /metrics.
     pub fn metrics(&self) -> String {
+        let (status, body) = self.get("/metrics");
+        assert_eq!(status, 200, "{body}");
+        body
+    }
+
+    /// GET `path` of the metrics listener: the status code and the body.
+    pub fn get(&self, path: &str) -> (u16, String) {
         use std::io::Write;
         let mut conn =
             std::net::TcpStream::connect(self.metrics.expect("started with metrics")).unwrap();
-        conn.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+        write!(conn, "GET {path} HTTP/1.0\r\n\r\n").unwrap();
         let mut text = String::new();
         conn.read_to_string(&mut text).unwrap();
-        assert!(
-            text.starts_with("HTTP/1.1 200") || text.starts_with("HTTP/1.0 200"),
-            "{text}"
-        );
-        text
+        let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+        let status = head
+            .split_whitespace()
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| panic!("no status line: {text}"));
+        (status, body.to_string())
     }
 
     /// Sends `signal` and waits for the daemon to exit, leaving its pinned state for
