@@ -39,12 +39,8 @@ pub const STAT_COUNT: u32 = 3;
 
 /// Version of the layout of the pinned maps (`names::map::PINNED`): their types, keys,
 /// values and sizes, and the meaning of their fields. A daemon adopts pinned state of its
-/// own layout only; bump this with any change to them. 3: `STATS` grew
-/// (STAT_LOST_EVENTS). 4: `Counter` grew (the handshake count, the token bucket, the
-/// reasons of sheds). 5: `Counter` grew (the breaker's failures and its clear word); the
-/// controls' times are the tick clock's. 6: `Counter`'s fields the connect hook reads put
-/// first; `SockState::connecting` a set of levels. 7: per-caller budgets (`CALLERS`,
-/// `SOURCES`, `CALLER_SOCKS`, `PER_SOURCE_TOTALS`, `LISTENER_IDS`).
+/// own layout only, so a change to any of them takes a new number: the next start
+/// then seeds its counts from the socket table instead of misreading the old maps.
 pub const STATE_LAYOUT: u32 = 7;
 
 /// setsockopt(2) level and option name of a seeding request: the daemon, at a start with
@@ -393,8 +389,8 @@ pub struct CounterKey {
 
 /// Value of `COUNTERS`, `SCOPE_COUNTERS` and `RULE_COUNTERS`; every field is updated
 /// with atomic instructions. The fields a connect reads come first (`epoch` only for
-/// the destination): 72 bytes, where they were spread over 136 and three or four cache
-/// lines (map values are 8-byte aligned, not 64).
+/// the destination), in the first 72 bytes: a connect touches two cache lines of the
+/// value at most (map values are 8-byte aligned, not 64).
 /// Units: connections.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -628,7 +624,8 @@ pub struct SockOffsets {
 /// `jiffies_64 * tick_ns - offset_ns` (wrapping). The kernel advances jiffies from
 /// CLOCK_MONOTONIC (tick_do_update_jiffies64, kernel/time/tick-sched.c), so the offset
 /// holds; the verifier inlines bpf_jiffies64 into a load, where bpf_ktime_get_ns is a
-/// helper call that cost about 200 ns per connect on this project's VMs.
+/// helper call: a cost on every connect that reads the clock (docs/performance.md has
+/// it).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct TickClock {

@@ -389,7 +389,8 @@ pub fn outcome(state: *mut SockState, failed: bool) {
     let now = clock::now_ns();
     let slow = b.is_some_and(|b| {
         let slow_ns = unsafe { (*b).slow_ns };
-        // Saturating: a restart measures the clock's offset anew, a few µs apart.
+        // Saturating: a restart measures the clock's offset anew, which can put `now`
+        // a little behind a connect time that the previous daemon's clock gave.
         !failed && slow_ns != 0 && now.saturating_sub(unsafe { (*state).connect_ns }) >= slow_ns
     });
     if let Some(b) = b {

@@ -109,11 +109,12 @@ fn admit(ctx: &SockAddrContext, addr: [u8; 16], port: u16) -> i32 {
 }
 
 /// Makes the refused connect() fail with `errno` (bpf_set_retval(-errno)). The verifier
-/// checks that the argument lies in [-4095, 0] as a 64-bit value (seen on 7.2; 6.18 does
-/// not), which `-(errno as i32)` of a map value is not: the errno is bounded with a mask
-/// (errnos are below 4096, MAX_ERRNO), made negative by a 64-bit subtraction from a zero
-/// the compiler cannot fold into a negation (which the verifier does not bound), and
-/// passed as 64 bits (the helper's C prototype takes an int, which would be 32).
+/// checks that the argument lies in [-4095, 0] as a 64-bit value (7.2's verifier does;
+/// 6.18's does not), which `-(errno as i32)` of a map value is not: the errno is
+/// bounded with a mask (errnos are below 4096, MAX_ERRNO), made negative by a 64-bit
+/// subtraction from a zero the compiler cannot fold into a negation (which the verifier
+/// does not bound), and passed as 64 bits (the helper's C prototype takes an int, which
+/// would be 32).
 #[inline(always)]
 fn set_errno(errno: u32) {
     let retval = opaque_zero() as i64 - (errno & 0xfff) as i64;

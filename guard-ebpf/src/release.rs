@@ -8,7 +8,7 @@
 //! socket's flags, so another sock_ops program on the host that sets only its own turns
 //! our state callback off; a tracing program interrupted by an IRQ whose softirq closes
 //! another socket on the same CPU skips the nested run (`recursion_misses`), which
-//! leaked about 2 admissions in 100,000 connections here when it was the only path.
+//! alone would leak an admission at times (docs/architecture.md says how often).
 use aya_ebpf::{
     bindings::{
         BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB, BPF_SOCK_OPS_STATE_CB, BPF_SOCK_OPS_STATE_CB_FLAG,
@@ -116,8 +116,8 @@ fn local_addr(ctx: &SockOpsContext) -> [u8; 16] {
 /// The socket is released (close() or exit). This ends the admissions that no move to
 /// TCP_CLOSE will end: a connect that failed before the socket left TCP_CLOSE
 /// (ENETUNREACH from the route lookup), or that another cgroup program refused. (fexit
-/// on tcp_v4_connect would end them at once, but on the hosts this was built on, which
-/// run with lockdown=integrity, loading fexit programs fails with EPERM.) A socket that
+/// on tcp_v4_connect would end them at once, but on a host that runs with
+/// lockdown=integrity loading an fexit program fails with EPERM.) A socket that
 /// reached SYN_SENT is released when it moves to TCP_CLOSE, by the state callback if
 /// armed, and by the tracepoint in any case: that includes the port search failing
 /// (EADDRNOTAVAIL) and a TCP Fast Open connect deferred to a first send that never came.

@@ -100,15 +100,16 @@ pub struct Cli {
 pub enum Command {
     /// Run the daemon in the foreground.
     ///
-    /// Attaches the eBPF programs to the cgroup v2 root, applies the policy and serves
-    /// the other commands on its control socket and Prometheus metrics on --metrics. It
-    /// logs to standard error (the journal, under systemd), first one line `kernel
-    /// RELEASE: using ...; degraded: ...` and then a line containing "ready" once the
-    /// programs are attached and the policy applied; under systemd's Type=notify it sends
-    /// READY=1 at that moment. It needs root; it refuses to start, naming what is
-    /// missing, on a kernel without the features it needs (`connguard kernel` says the
-    /// same), when another daemon holds the lock on /sys/fs/bpf/connguard, or when a
-    /// daemon answers on --socket. It mounts bpffs on /sys/fs/bpf when none is there.
+    /// Applies the policy, with the eBPF programs attached to the top-most cgroups it
+    /// selects (and one host-wide tracepoint), and serves the other commands on its
+    /// control socket and Prometheus metrics on --metrics. It logs to standard error
+    /// (the journal, under systemd), first one line `kernel RELEASE: using ...;
+    /// degraded: ...` and then a line containing "ready" once the programs are attached
+    /// and the policy applied; under systemd's Type=notify it sends READY=1 at that
+    /// moment. It needs root; it refuses to start, naming what is missing, on a kernel
+    /// without the features it needs (`connguard kernel` says the same), when another
+    /// daemon holds the lock on /sys/fs/bpf/connguard, or when a daemon answers on
+    /// --socket. It mounts bpffs on /sys/fs/bpf when none is there.
     ///
     /// State outlives the daemon: its maps and links are pinned in
     /// /sys/fs/bpf/connguard/v<layout>/, and SIGTERM/SIGINT exit leaving the programs
@@ -229,7 +230,7 @@ See also:
   connguard(8), connguard-top(8), connguard-events(8), connguard-run(8)
 "))]
     Stats {
-        /// Print JSON instead of a table (its fields are documented in
+        /// Print JSON instead of a table (its fields are in docs/operations.md, under
         /// /usr/share/doc/connguard).
         #[arg(long)]
         json: bool,
@@ -241,12 +242,13 @@ See also:
     ///
     /// Counts the local ports held per destination against the ephemeral range, with a
     /// diagnosis; works without the daemon. Reads the kernel's socket table (sock_diag)
-    /// of one network namespace: the caller's, or the one given. `in_use` counts active connections and TIME_WAIT
-    /// entries toward each destination from each source address; connect() fails with
-    /// EADDRNOTAVAIL once it reaches the range. With a daemon answering on --socket it
-    /// adds the TIME_WAIT creation rate per destination, the seconds left at that rate,
-    /// the scopes holding the ports and the EADDRNOTAVAIL counts per scope and process;
-    /// an answer it cannot use is left out, with a warning on standard error.
+    /// of one network namespace: the caller's, or the one given. `in_use` counts active
+    /// connections and TIME_WAIT entries toward each destination from each source
+    /// address; connect() fails with EADDRNOTAVAIL once it reaches the range. With a
+    /// daemon answering on --socket it adds the TIME_WAIT creation rate per destination,
+    /// the seconds left at that rate, the scopes holding the ports and the EADDRNOTAVAIL
+    /// counts per scope and process; an answer it cannot use is left out, with a warning
+    /// on standard error.
     #[command(after_long_help = concat!("\
 Exit status:
   0 on success; 1 when the namespace cannot be entered or its socket table read, with
@@ -262,7 +264,7 @@ See also:
   connguard-top(8), connguard-listeners(8), ss(8), ip-netns(8)
 "))]
     Ports {
-        /// Print JSON instead of a table (its fields are documented in
+        /// Print JSON instead of a table (its fields are in docs/diagnosing.md, under
         /// /usr/share/doc/connguard).
         #[arg(long)]
         json: bool,
@@ -273,9 +275,8 @@ See also:
     ///
     /// Lists each listener of one network namespace with its accept queue against the
     /// effective backlog, SYN_RECV entries, owning process, cgroup and scope, and the
-    /// namespace's overflow counters, read from the kernel's socket table (sock_diag).
-    /// A listener
-    /// whose queue holds more than its backlog, min(listen() backlog,
+    /// namespace's overflow counters, read from the kernel's socket table (sock_diag). A
+    /// listener whose queue holds more than its backlog, min(listen() backlog,
     /// net.core.somaxconn), is full and its new SYNs are dropped; each such listener gets
     /// a warning with remedies. The counters (ListenOverflows, ListenDrops, ...) are the
     /// namespace's, as `nstat -az` shows them. Works without the daemon; with one, each
@@ -291,7 +292,7 @@ See also:
   connguard-top(8), connguard-ports(8), ss(8), nstat(8), listen(2)
 "))]
     Listeners {
-        /// Print JSON instead of a table (its fields are documented in
+        /// Print JSON instead of a table (its fields are in docs/diagnosing.md, under
         /// /usr/share/doc/connguard).
         #[arg(long)]
         json: bool,
@@ -356,7 +357,7 @@ See also:
   connguard-stats(8), connguard-top(8)
 "))]
     Events {
-        /// Print one JSON object a line (its fields are documented in
+        /// Print one JSON object a line (its fields are in docs/operations.md, under
         /// /usr/share/doc/connguard).
         #[arg(long)]
         json: bool,
@@ -393,8 +394,9 @@ See also:
     ///
     /// The running daemon detaches its programs, unpins its state and exits; with no
     /// daemon running, the programs and state one left are removed. Counts start from
-    /// the kernel's socket table at the next start. Unlike SIGTERM (`systemctl stop`), which leaves the programs attached and the
-    /// state pinned for the next start, nothing of connguard stays in the kernel.
+    /// the kernel's socket table at the next start. Unlike SIGTERM (`systemctl stop`),
+    /// which leaves the programs attached and the state pinned for the next start,
+    /// nothing of connguard stays in the kernel.
     /// Removing the Debian package runs it.
     #[command(after_long_help = concat!("\
 Exit status:

@@ -2,10 +2,10 @@
 //! binary (src/main.rs) runs and that tests and examples drive.
 //!
 //! The modules are layers, each using only those listed before it: `policy` and `host`
-//! (on guard-common and crates alone), then `workload`, `kernel`, `enforce`, `fleet`, `listen`,
-//! `diagnose`, `report`, `control`, `cli`. `daemon` wires them into the daemon; the
-//! binary wires them into the other commands. The data of connguard's JSON and control
-//! protocol are the `connguard-api` crate's.
+//! (on guard-common and crates alone), then `workload`, `kernel`, `enforce`, `fleet`,
+//! `listen`, `diagnose`, `report`, `control`, `cli`. `daemon` wires them into the
+//! daemon; the binary wires them into the other commands. The data of connguard's JSON
+//! and control protocol are the `connguard-api` crate's.
 pub mod cli;
 pub mod control;
 pub mod daemon;

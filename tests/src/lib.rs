@@ -411,7 +411,8 @@ impl<'a> DaemonBuilder<'a> {
             log,
             metrics,
         };
-        // Generous: a policy on `/` with 50,000 cgroups walks them for 25 s in a TCG guest.
+        // Generous: a policy on `/` walks every cgroup of the host before the daemon is
+        // ready, which takes a slow guest tens of seconds with tens of thousands of them.
         if rx.recv_timeout(Duration::from_secs(60)).is_err() {
             let status = d.child.try_wait();
             panic!(

@@ -46,9 +46,9 @@ fn timed(d: &Daemon, args: &[&str]) -> (Duration, std::process::Output) {
 /// A client that connects and sends nothing, one that asks for stats and never reads,
 /// and one that sends 1 MiB without a newline: `stats` and `reload` from another client
 /// still answer within 1 s of what they take with no such client (a daemon serving one
-/// client at a time waits 2 s for the silent one alone; measured against the same
-/// command alone, because a qemu TCG guest takes over a second for a stats table of
-/// these destinations), and the flood is refused after 4 KiB with an error.
+/// client at a time waits 2 s for the silent one alone; timed against the same command
+/// alone, because a qemu TCG guest is slow to build a stats table of these
+/// destinations), and the flood is refused after 4 KiB with an error.
 #[test]
 fn stalled_and_flooding_clients_delay_nobody() {
     // Enough destinations that a stats answer overflows the socket buffers of the

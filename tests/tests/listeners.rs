@@ -348,9 +348,10 @@ fn wait_listed(d: &Daemon, index: usize, n: usize) {
 }
 
 /// 50 clients at once, no pacing, against listen(8) with a watermark of 0.5, across a
-/// veth pair: the decision is made per SYN from the listener's own queues, so 4 complete
-/// (one more per other CPU checking SYNs at the same moment), the others are refused by a RST at
-/// once, and none waits a SYN retransmit; with SYN cookies off, on and always on.
+/// veth pair: the decision is made per SYN from the listener's own queues, so 4
+/// complete (one more per other CPU checking SYNs at the same moment), the others are
+/// refused by a RST at once, and none waits a SYN retransmit; with SYN cookies off, on
+/// and always on.
 #[test]
 fn a_burst_stops_at_the_watermark_per_syn() {
     for syncookies in ["0", "1", "2"] {
@@ -392,8 +393,9 @@ fn a_burst_stops_at_the_watermark_per_syn() {
             (50 - o.ok, 0),
             "syncookies={syncookies}: {o:?}"
         );
-        // Under 0.2 ms on the host; a qemu TCG guest takes up to about 50 ms to wake a
-        // refused client among 50 threads, far from the 1 s of a SYN retransmit.
+        // Well under a millisecond on the host; the bound leaves room for a qemu TCG
+        // guest, slow to wake a refused client among 50 threads, and is far from a SYN
+        // retransmit's 1 s.
         assert!(o.max_error_us < 200_000, "syncookies={syncookies}: {o:?}");
         assert!(
             o.category("max_ok_us") < 1_000_000,
@@ -611,7 +613,7 @@ fn a_veth_added_after_start_is_guarded() {
     Netns::join(&server, &client);
     let _listener = cg.hold(Probe::listen(server.path(), SERVER, 8));
     wait_listed(&d, 0, 1);
-    // 5 s ran out in a 7 guest under TCG.
+    // Room for a TCG guest, slow to rescan the namespace's interfaces.
     let until = Instant::now() + Duration::from_secs(30);
     while !d
         .log

@@ -52,8 +52,7 @@ fn destination<'a>(r: &'a PortsReport, dst: &str) -> &'a DestinationPorts {
         .unwrap_or_else(|| panic!("no destination {dst} in {r:#?}"))
 }
 
-/// `ss -Htan` in the namespace: (src addr, dst addr:port, state) per socket.
-/// `ss -Htan` in the namespace: (src addr, dst addr:port, state, local port).
+/// `ss -Htan` in the namespace: (src addr, dst addr:port, state, local port) per socket.
 fn ss(ns: &Netns) -> Vec<(String, String, String, u16)> {
     let out = Command::new("ip")
         .args(["netns", "exec", &ns.name, "ss", "-Htan"])
@@ -92,8 +91,8 @@ fn exhausted_destination_is_named_with_exact_counts() {
     let cg = Cgroup::new("ports");
     let servers = serve(&cg, &ns);
     let out = cg.probe(Probe::churn(ns.path(), TO_8080, 150));
-    // The 101st fails (about 1 run in 5 here a TIME_WAIT entry goes early and the 102nd
-    // does); after the first, every one fails.
+    // The 101st fails (or the 102nd, when a TIME_WAIT entry goes early); after the
+    // first, every one fails.
     let first = out.category("first_eaddrnotavail");
     assert!((101..=102).contains(&first), "{out:?}");
     assert_eq!(
@@ -413,10 +412,9 @@ fn with_the_daemon_rates_scopes_and_eaddrnotavail_are_attributed() {
 }
 
 /// With its TIME_WAITS map full (65,536 entries, written with bpftool), the daemon keeps
-/// a few copies of it for the TIME_WAIT rates (one is about 7.5 MiB), not one per 0.5 s
-/// of the 5 s window: its resident memory grows by less than 64 MiB (it grew by 85 MiB
-/// with a sample kept every 0.5 s; 36 to 40 MiB on the host and 51 MiB in a 6.12 guest
-/// with a few copies, as the allocator keeps freed copies in each thread's arena).
+/// a few copies of it for the TIME_WAIT rates, not one per 0.5 s of the 5 s window: its
+/// resident memory grows by less than 64 MiB, which a sample kept every 0.5 s would
+/// pass (docs/performance.md has the figures).
 #[test]
 fn a_full_time_wait_map_costs_the_daemon_a_few_copies_of_it() {
     const ENTRIES: u32 = 65_536;

@@ -3,8 +3,8 @@
 //! is the daemon's to win on a host at rest, not against tests running beside it.
 //!
 //! It is a race all the same: nothing in the kernel orders the daemon's attach before
-//! a process's first connect, so a busy host loses it now and then (2 in 800 here with
-//! both CPUs spinning; once in a CI run). The test allows [`LOST`] of 100, so that a
+//! a process's first connect, so a busy host loses it at times (docs/architecture.md
+//! says how often). The test allows [`LOST`] of 100, so that a
 //! broken event path (every first connect missed: the 0.5 s walk comes too late for
 //! all of them) fails it and the scheduler's noise does not.
 use std::time::Duration;
@@ -19,8 +19,8 @@ const LOST: usize = 3;
 
 /// A selected cgroup removed and created again, 100 times, as systemd does on a service
 /// restart (a new cgroup, with a new id, and the service's first process moved in at
-/// once): that process's first connect is governed (all but [`LOST`] times). The daemon attaches on
-/// the inotify creation event, with no walk of the tree.
+/// once): that process's first connect is governed (all but [`LOST`] times). The daemon
+/// attaches on the inotify creation event, with no walk of the tree.
 #[test]
 fn a_selected_cgroup_created_again_is_governed_from_its_first_connect() {
     let server = Server::start("127.0.0.1:0");

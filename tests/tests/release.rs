@@ -191,7 +191,7 @@ fn a_reload_away_from_a_cgroup_keeps_releasing_what_it_admitted() {
     let (first, second) = (Cgroup::new("away-1"), Cgroup::new("away-2"));
     let scope = |cg: &Cgroup| Policy::new().scope(Scope::new("away", &cg.rel).max_connections(10));
     // No audit: the held socket is in no table sock_diag walks, and an audit would take
-    // its admission for a leak (a limit the README states).
+    // its admission for a leak (a limit docs/architecture.md states).
     let d = Daemon::builder(scope(&first))
         .args(&["--audit", "3600"])
         .start();

@@ -5,7 +5,7 @@ use std::{
     io::{BufRead, BufReader},
     net::{IpAddr, Ipv4Addr, SocketAddr},
     path::Path,
-    process::{Command, Stdio},
+    process::{Child, Command, Stdio},
     time::Duration,
 };
 
@@ -54,7 +54,7 @@ pub fn run(connguard: &Path) -> anyhow::Result<()> {
         policy.display(),
         indent(&text)
     );
-    let mut daemon = start(connguard, &policy, &socket)?;
+    let daemon = start(connguard, &policy, &socket)?;
 
     let after = wrk(&client, &nginx, CONNECTIONS, SECONDS);
     println!(
@@ -72,12 +72,10 @@ pub fn run(connguard: &Path) -> anyhow::Result<()> {
         indent(&String::from_utf8_lossy(&stats.stdout))
     );
 
-    terminate(daemon.id());
-    let _ = daemon.wait();
-    std::thread::sleep(Duration::from_millis(100));
+    stop(connguard, &socket, daemon)?;
     let _ = std::fs::remove_dir_all(&dir);
     println!(
-        "6. connguard stopped: its programs are detached and the client is unguarded again (fail-open).\n"
+        "6. `connguard stop`: its programs are detached and its state unpinned; the client is unguarded again.\n"
     );
     retry_storm(connguard, &client)
 }
@@ -160,9 +158,7 @@ fn retry_storm(connguard: &Path, client: &Cgroup) -> anyhow::Result<()> {
         "10. `connguard events` told it as it happened:\n\n{}",
         indent(&String::from_utf8_lossy(&events.stdout))
     );
-    terminate(daemon.id());
-    let mut daemon = daemon;
-    let _ = daemon.wait();
+    stop(connguard, &socket, daemon)?;
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())
 }
@@ -214,7 +210,7 @@ fn storm(client: &Cgroup, ns: &Netns) -> anyhow::Result<u64> {
 }
 
 /// `connguard run` on `policy`, once it says it is ready.
-fn start(connguard: &Path, policy: &Path, socket: &Path) -> anyhow::Result<std::process::Child> {
+fn start(connguard: &Path, policy: &Path, socket: &Path) -> anyhow::Result<Child> {
     let mut daemon = Command::new(connguard)
         .arg("run")
         .arg("--policy")
@@ -241,9 +237,24 @@ fn indent(text: &str) -> String {
     text.lines().map(|l| format!("    {l}\n")).collect()
 }
 
-fn terminate(pid: u32) {
-    let _ = Command::new("kill")
-        .arg("-TERM")
-        .arg(pid.to_string())
-        .status();
+/// `connguard stop` of the daemon on `socket`: it detaches its programs, unpins its
+/// state and exits, and leaves nothing of connguard in the kernel (SIGTERM would leave
+/// its programs attached for the next start).
+fn stop(connguard: &Path, socket: &Path, mut daemon: Child) -> anyhow::Result<()> {
+    // Its own line is left out: the story says what it did.
+    let out = Command::new(connguard)
+        .arg("stop")
+        .arg("--socket")
+        .arg(socket)
+        .output()
+        .context("running connguard stop")?;
+    if !out.status.success() {
+        bail!(
+            "connguard stop: {}: {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    daemon.wait()?;
+    Ok(())
 }

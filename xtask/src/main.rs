@@ -5,7 +5,10 @@ mod package;
 mod setup;
 mod vm;
 
-use std::{path::PathBuf, process::Command};
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+};
 
 use anyhow::{Context, bail};
 use clap::{Parser, Subcommand};
@@ -58,18 +61,27 @@ enum Task {
         write: bool,
     },
     /// A short before/after story: wrk with 300 connections against nginx, without and
-    /// with a connguard budget of 50.
+    /// with a connguard budget of 50; then a retry storm against a failing dependency,
+    /// without and with a circuit breaker.
     Demo,
     /// Build, then make a Debian package of the release build in target/package: the
     /// binary, the systemd unit (not enabled on install), /etc/connguard/policy.toml,
     /// the man pages, shell completions and the manual.
     Package,
     /// Measure connguard's cost side by side with no guard and with nftables, in
-    /// interleaved rounds; prints a markdown table, writes target/bench.json.
+    /// interleaved rounds; writes what it measured to target/bench.json, prints the
+    /// report with the targets, and puts it into docs/performance.md.
     Bench {
-        /// 4 rounds and smaller tables instead of 20 rounds (about 3 minutes instead of 10).
+        /// One round per mode and smaller tables instead of five rounds per mode; its
+        /// report goes into docs/performance.md only with --write.
         #[arg(long)]
         quick: bool,
+        /// Put a --quick run's report into docs/performance.md too.
+        #[arg(long)]
+        write: bool,
+        /// Render the last run's target/bench.json instead of measuring.
+        #[arg(long)]
+        render: bool,
     },
 }
 
@@ -94,15 +106,20 @@ fn main() -> anyhow::Result<()> {
             no_vm,
             args,
         } => {
-            build()?;
-            cargo(
-                &["test", "--release", "--workspace", "--", "--test-threads=1"],
-                &args,
-            )?;
+            timed("setup and build", build)?;
+            timed("host tests", || {
+                cargo(
+                    &["test", "--release", "--workspace", "--", "--test-threads=1"],
+                    &args,
+                )
+            })?;
             if no_vm {
                 return Ok(());
             }
-            vm::run(&root(), &vm::series_names(), &integration_tests()?, &args)?;
+            let tests = integration_tests()?;
+            timed("guests", || {
+                vm::run(&root(), &vm::series_names(), &tests, &args)
+            })?;
             println!("{}", vm::kernel_table(&root())?);
             Ok(())
         }
@@ -124,9 +141,19 @@ fn main() -> anyhow::Result<()> {
             }
             Ok(())
         }
-        Task::Bench { quick } => {
-            build()?;
-            bench::run(quick)
+        Task::Bench {
+            quick,
+            write,
+            render,
+        } => {
+            if !render {
+                build()?;
+            }
+            bench::run(&bench::Options {
+                quick,
+                write,
+                render,
+            })
         }
         Task::Demo => {
             build()?;
@@ -135,21 +162,28 @@ fn main() -> anyhow::Result<()> {
     }
 }
 
-/// The page that holds the kernel table, between its markers.
-const KERNEL_TABLE_PAGE: &str = "docs/kernels.md";
-
 /// Replaces the text between docs/kernels.md's kernel-table markers with `table`.
 fn write_kernel_table(table: &str) -> anyhow::Result<()> {
-    const BEGIN: &str = "<!-- kernel-table: written by `cargo xtask kernel-table --write` -->\n";
-    const END: &str = "<!-- kernel-table end -->";
-    let path = root().join(KERNEL_TABLE_PAGE);
-    let text =
+    write_between_markers(
+        "docs/kernels.md",
+        "<!-- kernel-table: written by `cargo xtask kernel-table --write` -->\n",
+        "<!-- kernel-table end -->",
+        table,
+    )
+}
+
+/// Replaces the text between the markers `begin` and `end` of the page `page` (a path
+/// from the workspace root) with `text`.
+fn write_between_markers(page: &str, begin: &str, end: &str, text: &str) -> anyhow::Result<()> {
+    let path = root().join(page);
+    let page_text =
         std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
-    let (Some(b), Some(e)) = (text.find(BEGIN), text.find(END)) else {
-        bail!("{KERNEL_TABLE_PAGE} has no kernel-table markers");
+    let (Some(b), Some(e)) = (page_text.find(begin), page_text.find(end)) else {
+        bail!("{page} has no markers {begin:?} and {end:?}");
     };
-    let text = format!("{}{table}{}", &text[..b + BEGIN.len()], &text[e..]);
-    std::fs::write(&path, text)?;
+    anyhow::ensure!(b < e, "{page}: {end:?} comes before {begin:?}");
+    let page_text = format!("{}{text}{}", &page_text[..b + begin.len()], &page_text[e..]);
+    std::fs::write(&path, page_text)?;
     Ok(())
 }
 
@@ -172,19 +206,23 @@ fn cargo(args: &[&str], extra: &[String]) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The integration test binaries (tests/tests/*.rs), built.
+/// Runs `phase`, then prints how long it took (CI's budget is spent by phase).
+fn timed<T>(name: &str, phase: impl FnOnce() -> anyhow::Result<T>) -> anyhow::Result<T> {
+    let started = std::time::Instant::now();
+    let result = phase();
+    eprintln!("xtask: {name}: {} s", started.elapsed().as_secs());
+    result
+}
+
+/// The integration test binaries (tests/tests/*.rs), built as the workspace's tests are:
+/// with its features unified (guard-user's tests turn on the tests crate's `runtimes`),
+/// so that the host run's binaries are reused, not built again without them.
 fn integration_tests() -> anyhow::Result<Vec<String>> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let tests_dir = root().join("tests/tests").canonicalize()?;
     let out = Command::new(cargo)
         .current_dir(root())
-        .args([
-            "test",
-            "--release",
-            "-p",
-            "connguard-tests",
-            "--tests",
-            "--no-run",
-        ])
+        .args(["test", "--release", "--workspace", "--tests", "--no-run"])
         .args(["--message-format=json"])
         .stderr(std::process::Stdio::inherit())
         .output()
@@ -200,7 +238,10 @@ fn integration_tests() -> anyhow::Result<Vec<String>> {
         let is_test = msg["target"]["kind"]
             .as_array()
             .is_some_and(|k| k.iter().any(|k| k == "test"));
-        if let (true, Some(exe)) = (is_test, msg["executable"].as_str()) {
+        let in_tests = msg["target"]["src_path"]
+            .as_str()
+            .is_some_and(|p| Path::new(p).starts_with(&tests_dir));
+        if let (true, true, Some(exe)) = (is_test, in_tests, msg["executable"].as_str()) {
             tests.push(exe.to_string());
         }
     }

@@ -3,8 +3,7 @@
 //! nor started on install), the embedded default policy as the conffile
 //! /etc/connguard/policy.toml, the man pages and shell completions (which the binary
 //! writes from its command-line definition, anew for each package), the README and the
-//! manual (docs/), and
-//! the Prometheus alert rules and Grafana dashboard as examples.
+//! manual (docs/), and the Prometheus alert rules and Grafana dashboard as examples.
 use std::{
     path::{Path, PathBuf},
     process::Command,

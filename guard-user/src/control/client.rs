@@ -62,9 +62,9 @@ fn connect(socket: &Path) -> anyhow::Result<UnixStream> {
 fn send(mut stream: UnixStream, request: Request) -> anyhow::Result<UnixStream> {
     // A stalled daemon must not freeze the caller (`top` polls every second); a reload
     // walks the cgroup tree, which takes seconds on hosts with tens of thousands of
-    // cgroups (over 60 s for 50,000 in a qemu TCG guest on 6.1), and gets as long as
-    // the daemon gives any reply; so does a whole snapshot, whose 262,144 destinations
-    // at most took over 5 s in such a guest.
+    // cgroups and far longer on a slow machine (docs/performance.md), and gets as long
+    // as the daemon gives any reply; so does a whole snapshot, of up to the 262,144
+    // destinations the counter map holds.
     let wait = match request {
         Request::Reload => Duration::from_secs(180),
         Request::Stats { top: None } => Duration::from_secs(30),

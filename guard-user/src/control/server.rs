@@ -25,8 +25,9 @@ const READ_TIMEOUT: Duration = Duration::from_secs(2);
 const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 const REPLY_DEADLINE: Duration = Duration::from_secs(60);
 /// Replies built or being sent at once; more clients wait their turn. This bounds the
-/// memory of snapshots in flight (about 40 MiB each at 100,000 destinations), and keeps
-/// the blocking pool, which the periodic jobs share, from filling up.
+/// memory of snapshots in flight (each holds a copy of the counters and a row per
+/// destination: docs/performance.md), and keeps the blocking pool, which the periodic
+/// jobs share, from filling up.
 const MAX_REPLIES: usize = 8;
 
 /// What answers requests.
@@ -187,10 +188,9 @@ async fn read_request(stream: &mut tokio::net::UnixStream) -> io::Result<Result<
         .and_then(Request::parse))
 }
 
-/// Gives the memory freed after a request back to the kernel: a snapshot of 100,000
-/// destinations takes about 40 MiB while it is built, and glibc keeps freed memory in
-/// its arena. (Measured before the daemon had one arena: after three `stats` and three
-/// scrapes it stayed at 39 MiB resident without this, 12 to 20 with it.)
+/// Gives the memory freed after a request back to the kernel: a snapshot of many
+/// destinations takes tens of MiB while it is built, and glibc keeps freed memory in
+/// its arena, so without this the daemon would rest near its largest snapshot.
 pub fn release_freed_memory() {
     // SAFETY: malloc_trim only walks and shrinks glibc's own heaps.
     unsafe { libc::malloc_trim(0) };

@@ -21,7 +21,7 @@ pub const RATE_WINDOW: Duration = Duration::from_secs(5);
 
 /// How often the daemon samples the TIME_WAITS map: twice per window, so that a sample
 /// between one and one and a half windows old is always kept, and at most three are
-/// (each a copy of the map: about 7.5 MiB when its 65,536 entries are taken).
+/// (each a copy of the map, which grows with its entries: docs/performance.md).
 pub const SAMPLE_EVERY: Duration = Duration::from_millis(2500);
 
 /// Samples of the TIME_WAITS map, taken every SAMPLE_EVERY, for per-second rates.

@@ -16,7 +16,9 @@
 //! - docs/architecture.md lists the eBPF object's maps and programs, in tables marked
 //!   `<!-- maps: all -->` and `<!-- programs: all -->`.
 //! - Relative links resolve, to a file and, with `#anchor`, to one of its headings.
+//! - No commit hash in README.md, docs/ or the comments of the tracked files (`hashes`).
 mod fullest;
+mod hashes;
 mod markdown;
 
 use std::{

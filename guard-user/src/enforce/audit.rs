@@ -10,10 +10,11 @@
 //! destination level only while the entry it charged is the one there (same epoch). A
 //! key whose counter moved while the sockets were read is left for the next audit, and
 //! so is one whose difference is new: a connect between its reservation and the storage
-//! write, or a release between the two, differs for an instant, never for two audits. A namespace whose table cannot
-//! be read ends the audit, with nothing corrected. The correction is applied by the
-//! `adjust` program (BPF_PROG_TEST_RUN) as a compare-and-swap from the count the audit
-//! saw, so a concurrent update is never lost: the correction waits instead.
+//! write, or a release between the two, differs for an instant, never for two audits. A
+//! namespace whose table cannot be read ends the audit, with nothing corrected. The
+//! correction is applied by the `adjust` program (BPF_PROG_TEST_RUN) as a
+//! compare-and-swap from the count the audit saw, so a concurrent update is never lost:
+//! the correction waits instead.
 use std::{
     collections::HashMap,
     os::fd::{AsFd, OwnedFd},

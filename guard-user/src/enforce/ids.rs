@@ -8,9 +8,9 @@ use crate::{kernel::maps::Hashed, policy::Policy};
 
 /// Stable numeric ids for scope and rule names, for the life of the pinned state: a
 /// scope or rule removed by a reload and added again by a later one, or by the next
-/// daemon, gets its id, and so its counts, back. Ids index the kernel's SCOPE_COUNTERS and RULE_COUNTERS arrays, so there are
-/// at most MAX_SCOPE_IDS scope ids and MAX_RULE_IDS rule ids (unique across scopes);
-/// a policy that needs more is refused.
+/// daemon, gets its id, and so its counts, back. Ids index the kernel's SCOPE_COUNTERS
+/// and RULE_COUNTERS arrays, so there are at most MAX_SCOPE_IDS scope ids and
+/// MAX_RULE_IDS rule ids (unique across scopes); a policy that needs more is refused.
 #[derive(Default, Clone)]
 pub struct Ids {
     scopes: HashMap<String, u32>,

@@ -3,14 +3,15 @@
 //! governed cgroups are counted, so that a pool opened before the start holds its share
 //! of the budget.
 //!
-//! The kernel's socket table (sock_diag, in each network namespace of the host) gives each socket's cgroup (INET_DIAG_CGROUP_ID), state and
-//! addresses; /proc gives a process holding it, and pidfd_getfd a copy of its fd. A
-//! setsockopt on that copy runs the `seed` program, attached to the top-most governed
-//! cgroups for this moment only, which admits the socket in the kernel, with the same
-//! atomic counting and socket storage as connect, and no shedding: a scope over budget
-//! at start sheds new connects until enough close. Each seeded socket is released when
-//! it reaches TCP_CLOSE, by the state tracepoint. A socket that already has storage (it
-//! connected since the programs were attached) is left alone, so none is counted twice.
+//! The kernel's socket table (sock_diag, in each network namespace of the host) gives
+//! each socket's cgroup (INET_DIAG_CGROUP_ID), state and addresses; /proc gives a
+//! process holding it, and pidfd_getfd a copy of its fd. A setsockopt on that copy runs
+//! the `seed` program, attached to the top-most governed cgroups for this moment only,
+//! which admits the socket in the kernel, with the same atomic counting and socket
+//! storage as connect, and no shedding: a scope over budget at start sheds new connects
+//! until enough close. Each seeded socket is released when it reaches TCP_CLOSE, by the
+//! state tracepoint. A socket that already has storage (it connected since the programs
+//! were attached) is left alone, so none is counted twice.
 use std::{
     collections::{BTreeMap, BTreeSet},
     fs::File,

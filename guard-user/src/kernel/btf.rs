@@ -10,9 +10,8 @@ use guard_common::SockOffsets;
 const VMLINUX: &str = "/sys/kernel/btf/vmlinux";
 
 /// What the per-SYN listener program and the state tracepoint read, each field checked
-/// for its size. Found once
-/// per process (the feature probe and the loader both ask): parsing a distribution
-/// kernel's BTF takes btf-rs about 0.2 s of CPU.
+/// for its size. Found once per process (the feature probe and the loader both ask): a
+/// distribution kernel's BTF is megabytes of types, not to be parsed twice.
 pub fn sock_offsets() -> anyhow::Result<SockOffsets> {
     static FOUND: OnceLock<Result<SockOffsets, String>> = OnceLock::new();
     FOUND
@@ -22,8 +21,8 @@ pub fn sock_offsets() -> anyhow::Result<SockOffsets> {
 }
 
 fn find_sock_offsets() -> anyhow::Result<SockOffsets> {
-    // Read whole, then parsed from memory: btf-rs's file reader seeks once per type
-    // (over 100,000 lseek calls).
+    // Read whole, then parsed from memory: btf-rs's file reader seeks once per type, a
+    // syscall for each of the kernel's many thousands of types.
     let bytes = std::fs::read(VMLINUX).with_context(|| format!("reading {VMLINUX}"))?;
     let btf = Btf::from_bytes(&bytes).with_context(|| format!("parsing {VMLINUX}"))?;
     let sock = ["inet_conn", "icsk_inet", "sk"];

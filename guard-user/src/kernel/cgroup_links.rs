@@ -4,11 +4,12 @@
 //! a program attached to a cgroup and to its ancestor would run twice for one socket.
 //!
 //! Each attachment is a bpf_link, which the kernel adds in BPF_F_ALLOW_MULTI mode, so
-//! programs of systemd or a CNI on the same cgroups keep working. A link takes no attach
-//! flags (CgroupAttachMode::AllowMultiple makes bpf_link_create fail with EINVAL on
-//! 6.18), so the default mode, Single, is passed. Each link is pinned in the state
-//! directory as `cg<cgroup id>-<program>` (bpffs refuses a dot in a name, EPERM), so that it outlives the daemon; a daemon
-//! started again adopts the pins and moves them to its own programs.
+//! programs of systemd or a CNI on the same cgroups keep working. A link takes no
+//! attach flags (CgroupAttachMode::AllowMultiple makes bpf_link_create fail with EINVAL
+//! on 6.18), so the default mode, Single, is passed. Each link is pinned in the state
+//! directory as `cg<cgroup id>-<program>` (bpffs refuses a dot in a name, EPERM), so
+//! that it outlives the daemon; a daemon started again adopts the pins and moves them
+//! to its own programs.
 use std::{
     collections::{BTreeMap, BTreeSet},
     fs::File,

@@ -170,11 +170,10 @@ pub fn remove_old_tracepoints(state: &State, ours: &Tracepoints) -> anyhow::Resu
 
 /// Attaches the loaded listener program to an interface's ingress, in the calling
 /// thread's network namespace: a tcx link when `tcx`, else a filter on a clsact qdisc.
-/// The link is handed to the caller, out of aya's table of the program's
-/// links: aya knows a clsact filter by interface index, priority and handle, and `lo`
-/// has index 1 in every namespace, so in that table a second namespace's `lo` was
-/// refused as "already attached" (seen on 6.1). Detach it with `detach_listener`, in
-/// the same namespace.
+/// The link is handed to the caller, out of aya's table of the program's links: aya
+/// knows a clsact filter by interface index, priority and handle, and `lo` has index 1
+/// in every namespace, so in that table a second namespace's `lo` would be refused as
+/// "already attached". Detach it with `detach_listener`, in the same namespace.
 pub fn attach_listener(
     ebpf: &mut Ebpf,
     iface: &str,

@@ -38,8 +38,9 @@ pub struct Reading {
 
 /// How old the SYN_RECV entries of a reading may be when no decision needs them (they
 /// then only feed the `syn_recv` figure of stats and metrics). Asking for them makes the
-/// kernel walk its whole established hash table, shared by every namespace: with 50,000
-/// connections on the host, at every 50 ms reading, that took 70 % of a core.
+/// kernel walk its whole established hash table, shared by every namespace: a cost that
+/// grows with every connection of the host, too much to pay at every 50 ms reading
+/// (docs/performance.md has the figures).
 const SYN_RECV_REFRESH: Duration = Duration::from_secs(1);
 
 /// A guarded namespace's open sock_diag socket, with the inode of the namespace it

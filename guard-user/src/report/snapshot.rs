@@ -97,8 +97,8 @@ pub fn scopes(
     let ramps = BreakerRamps::new(policy, ids);
     let now_ns = guard_common::monotonic_ns();
     let breakers = dump.breakers;
-    // Each scope's rows allocated once, at their number: grown by doubling, they took
-    // up to twice the memory, and a copy of the rows at each step.
+    // Each scope's rows allocated once, at their number: grown by doubling, they would
+    // take up to twice the memory, and a copy of the rows at each step.
     let mut rows_of: HashMap<u32, usize> = HashMap::new();
     for (k, _) in &dump.destinations {
         *rows_of.entry(k.scope_id).or_default() += 1;

@@ -1,6 +1,7 @@
 //! Containers from a Docker Engine API (Docker's, or Podman's `podman system service`):
 //! the running ones listed, then kept by the API's event stream, each event of a
-//! container followed by a look at its state. A container's cgroup is its first process's, as /proc shows it.
+//! container followed by a look at its state. A container's cgroup is its first
+//! process's, as /proc shows it.
 use std::{
     collections::HashMap,
     convert::Infallible,

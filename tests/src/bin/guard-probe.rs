@@ -684,8 +684,8 @@ fn udp(addr: SocketAddr, cycles: u64) -> anyhow::Result<Outcome> {
 
 /// COUNT connection attempts with every outcome a connection can have, inside the
 /// network namespace at NETNS_PATH (which has lo, and a route to 192.0.2.0/24 on an
-/// interface that swallows whatever is sent to 192.0.2.2). Category counts are reported under `errors`
-/// (errnos) and `categories`.
+/// interface that swallows whatever is sent to 192.0.2.2). Category counts are reported
+/// under `errors` (errnos) and `categories`.
 fn mixed(netns: &str, count: u64) -> anyhow::Result<Outcome> {
     enter_netns(netns)?;
     // Server A closes first; server B waits for the client to close.
