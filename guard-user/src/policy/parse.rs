@@ -290,10 +290,7 @@ fn parse_listeners(
             at,
         )?;
         let max_syn_recv = at_least_one(&l.max_syn_recv, "max_syn_recv", at)?.map(|n| n as u32);
-        let per_source = l
-            .per_source
-            .map(|p| parse_per_source(p, at))
-            .transpose()?;
+        let per_source = l.per_source.map(|p| parse_per_source(p, at)).transpose()?;
         if accept_queue_watermark.is_none() && max_syn_recv.is_none() && per_source.is_none() {
             return Err(at(
                 span,
@@ -1111,7 +1108,7 @@ per = "rule"
         );
         assert_eq!(
             err("[[listener]]\nname = \"api\"\nports = [\"8080\"]\n"),
-            "p.toml:1:1: listener \"api\" needs accept_queue_watermark or max_syn_recv"
+            "p.toml:1:1: listener \"api\" needs accept_queue_watermark, max_syn_recv or per_source"
         );
         assert_eq!(
             err("[[listener]]\nname = \"api\"\nports = [\"8080\"]\naccept_queue_watermark = 2.0\n"),
@@ -1212,6 +1209,15 @@ per = "rule"
                     .interfaces(["lo"])
                     .accept_queue_watermark(0.8)
                     .max_syn_recv(100)
+                    .per_source(
+                        api::PerSource::new()
+                            .prefix(24)
+                            .prefix6(56)
+                            .max_connections(100)
+                            .rate("50/s")
+                            .burst(100)
+                            .action(api::Refusal::Drop),
+                    )
                     .mode(api::Mode::Enforce),
             );
         let text = policy.to_toml();
@@ -1237,6 +1243,17 @@ per = "rule"
             (l.max_syn_recv, l.interfaces.as_slice()),
             (Some(100), &["lo".to_string()][..])
         );
+        let ps = l.per_source.as_ref().expect("per_source");
+        assert_eq!(
+            (
+                ps.prefix,
+                ps.prefix6,
+                ps.max_connections,
+                ps.rate.as_ref().map(|r| r.burst),
+                ps.action_name()
+            ),
+            (24, 56, Some(100), Some(100), "drop")
+        );
 
         fn keys(t: &toml::Table) -> BTreeSet<&str> {
             t.keys().map(String::as_str).collect()
@@ -1246,6 +1263,10 @@ per = "rule"
         let scope = table(&doc["scope"][0]);
         let rule = table(&scope["rule"][0]);
         let listener = table(&doc["listener"][0]);
+        assert_eq!(
+            keys(&table(&listener["per_source"])),
+            fields::<RawPerSource>()
+        );
         assert_eq!(keys(&doc), fields::<RawPolicy>());
         assert_eq!(keys(&scope), fields::<RawScope>());
         assert_eq!(keys(&rule), fields::<RawRule>());
