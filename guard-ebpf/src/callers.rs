@@ -64,13 +64,17 @@ pub fn check(addr: [u32; 4], entry: &ListenerEntry) -> u32 {
         // Taken first, then checked: of SYNs checked at once on several CPUs, each sees
         // the others' slots, so together they never pass the budget.
         slot = reserve(src, now);
+        // Handshakes in flight first, then the completed: a completion counts itself
+        // completed, then leaves the flight, so between the two reads it is seen at most
+        // twice (a SYN refused that would fit, at the edge of the budget), never missed.
+        let flying = in_flight(src, now);
         let active = match CALLERS.get_ptr(&key) {
             Some(c) => unsafe { core::ptr::read_volatile(&raw const (*c).active) },
             None => 0,
         };
         // Signed: a release into an entry the daemon swept and made again is skipped.
         let active = if (active as i64) < 0 { 0 } else { active };
-        if active + in_flight(src, now) > ps.max_connections as u64 {
+        if active + flying > ps.max_connections as u64 {
             reasons |= REASON_BUDGET;
         }
     }
