@@ -211,8 +211,15 @@ fn saturated_listener_answers_syns_with_rst_until_it_drains() {
     );
     let metrics = d.metrics();
     for line in [
-        "connguard_listener_rst_shed_total{listener=\"api\"} 43",
-        "connguard_listener_accept_queue{listener=\"api\",addr=\"192.0.2.1:8080\"} 7",
+        "connguard_listener_rst_shed_total{listener=\"api\"} 43".to_string(),
+        format!(
+            "connguard_listener_accept_queue{{listener=\"api\",addr=\"192.0.2.1:8080\",inode=\"{}\"}} 7",
+            q.inode
+        ),
+        format!(
+            "connguard_listener_socket_rst_shed_total{{listener=\"api\",addr=\"192.0.2.1:8080\",inode=\"{}\"}} 43",
+            q.inode
+        ),
     ] {
         assert!(
             metrics.lines().any(|l| l == line),
@@ -221,7 +228,11 @@ fn saturated_listener_answers_syns_with_rst_until_it_drains() {
     }
     let listeners = || d.listeners(&server.path()).listeners[0].clone();
     let l = listeners();
-    assert_eq!((l.accept_queue, l.backlog, l.rst_shed), (7, 8, 43), "{l:?}");
+    assert_eq!(
+        (l.accept_queue, l.backlog, l.rst_shed),
+        (7, 8, Some(43)),
+        "{l:?}"
+    );
     // Once the server accepts (cued by SIGUSR1) and its queue has drained, every new
     // connection succeeds: the RST is decided per SYN on the queue as it is then.
     // SAFETY: kill(2) on the listener's own pid.
@@ -413,12 +424,16 @@ fn a_burst_stops_at_the_watermark_per_syn() {
 /// first SYNs (standard deviation 6), of which it queues 32, and a quarter of each
 /// round of retries. Bound: at most 100 refusals in all (a per-port decision refuses
 /// every SYN once the stalled member is full). Every client connects, none waits a
-/// retransmit.
+/// retransmit. Each refusal is counted once, on the stalled member: its row in `stats`,
+/// `listeners --json` and /metrics has them all, the other members' none, and the
+/// guard's total is their sum, not repeated on every member.
 #[test]
 fn reuseport_sheds_only_for_the_stalled_member() {
     let (server, client) = Netns::veth_pair();
     let cg = Cgroup::new("reuseport");
-    let d = Daemon::builder(Policy::new().listener(half_full("api", &server))).start();
+    let d = Daemon::builder(Policy::new().listener(half_full("api", &server)))
+        .metrics()
+        .start();
     let _group = cg.hold(Probe::Reuseport {
         netns: server.path(),
         addr: SERVER,
@@ -439,7 +454,67 @@ fn reuseport_sheds_only_for_the_stalled_member() {
     assert_eq!((o.ok, o.errors("TIMEOUT")), (200, 0), "{o:?}");
     assert!((1..=100).contains(&refused), "{refused} refusals: {o:?}");
     assert!(o.category("max_ok_us") < 1_000_000, "{o:?}");
-    assert_eq!(d.stats().listeners[0].rst_shed, refused);
+    let stats = d.stats();
+    let guard = &stats.listeners[0];
+    assert!(guard.per_syn, "{guard:?}");
+    assert_eq!(guard.rst_shed, refused);
+    // The stalled member is the one whose queue holds connections.
+    let mut per_member: Vec<(u32, u64)> = guard
+        .queues
+        .iter()
+        .map(|q| (q.accept_queue, q.rst_shed))
+        .collect();
+    per_member.sort();
+    assert_eq!(
+        per_member.iter().map(|m| m.1).collect::<Vec<_>>(),
+        [0, 0, 0, refused],
+        "{guard:?}"
+    );
+    assert!(per_member[3].0 > 0 && per_member[2].0 == 0, "{guard:?}");
+    let stalled = guard.queues.iter().find(|q| q.rst_shed == refused).unwrap();
+
+    let report = d.listeners(&server.path());
+    let rows: Vec<(u32, Option<u64>)> = report
+        .listeners
+        .iter()
+        .filter(|l| l.port == 8080)
+        .map(|l| (l.inode, l.rst_shed))
+        .collect();
+    assert_eq!(rows.len(), 4, "{report:?}");
+    for (inode, rst) in &rows {
+        let own = if *inode == stalled.inode { refused } else { 0 };
+        assert_eq!(*rst, Some(own), "{report:?}");
+    }
+    assert_eq!(
+        report.guards.iter().map(|g| g.rst_shed).collect::<Vec<_>>(),
+        [refused],
+        "{report:?}"
+    );
+
+    let metrics = d.metrics();
+    let series: Vec<(u32, u64)> = metrics
+        .lines()
+        .filter_map(|l| l.strip_prefix("connguard_listener_socket_rst_shed_total{"))
+        .map(|l| {
+            let inode = l.split("inode=\"").nth(1).and_then(|r| r.split('"').next());
+            let value = l.rsplit(' ').next();
+            match (inode.map(str::parse), value.map(str::parse)) {
+                (Some(Ok(i)), Some(Ok(v))) => (i, v),
+                _ => panic!("no inode and value in {l:?}"),
+            }
+        })
+        .collect();
+    assert_eq!(series.len(), 4, "{metrics}");
+    for (inode, n) in series {
+        let own = if inode == stalled.inode { refused } else { 0 };
+        assert_eq!(n, own, "{metrics}");
+    }
+    assert!(
+        metrics.lines().any(
+            |l| l == format!("connguard_listener_rst_shed_total{{listener=\"api\"}} {refused}")
+        ),
+        "{metrics}"
+    );
 }
 
 /// Shedding stops within 1 s of the daemon no longer renewing its decisions: stopped
