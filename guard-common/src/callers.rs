@@ -124,4 +124,3 @@ pub const MAX_SOURCES: u32 = 131072;
 /// id, `rule_id` the prefix length of its address (bits of the IPv4-mapped form), and
 /// `addr` the caller's masked address.
 pub const LEVEL_CALLER: u32 = 3;
-

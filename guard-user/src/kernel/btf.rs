@@ -40,7 +40,11 @@ fn find_sock_offsets() -> anyhow::Result<SockOffsets> {
     let in_sock = |name: &'static str| [&sock[..], &[name]].concat();
     // struct sock starts struct tcp_sock: its offsets are the socket's.
     let common = |name: &'static str, size: usize| {
-        field("tcp_sock", &[&sock[..], &["__sk_common", name]].concat(), size)
+        field(
+            "tcp_sock",
+            &[&sock[..], &["__sk_common", name]].concat(),
+            size,
+        )
     };
     Ok(SockOffsets {
         ack_backlog: field("tcp_sock", &in_sock("sk_ack_backlog"), 4)?,
@@ -136,11 +140,10 @@ mod tests {
         assert!(o.net < 136 && o.syn_queue > o.max_ack_backlog, "{o:?}");
         assert_eq!(o.young, o.syn_queue + 4, "{o:?}");
         // sock_common: the address pair, then the port pair (skc_num after skc_dport).
-        assert_eq!(
-            (o.rcv_saddr, o.num % 4),
-            (o.daddr + 4, 2),
+        assert_eq!((o.rcv_saddr, o.num % 4), (o.daddr + 4, 2), "{o:?}");
+        assert!(
+            o.v6_daddr > o.family && o.v6_rcv_saddr == o.v6_daddr + 16,
             "{o:?}"
         );
-        assert!(o.v6_daddr > o.family && o.v6_rcv_saddr == o.v6_daddr + 16, "{o:?}");
     }
 }

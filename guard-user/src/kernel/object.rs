@@ -121,7 +121,10 @@ pub fn load(features: &Features, state: &State, controls: u32) -> anyhow::Result
             .with_context(|| format!("attaching {name} to {tracepoint}"))?;
         let link: FdLink = prog.take_link(link)?.into();
         let id = link.info()?.id();
-        pins.push(Pin::new(link, state.links_dir().join(format!("{name}-{id}")))?);
+        pins.push(Pin::new(
+            link,
+            state.links_dir().join(format!("{name}-{id}")),
+        )?);
     }
     Ok(Loaded {
         ebpf,

@@ -99,13 +99,21 @@ impl Callers {
             let addr = unmapped(key.addr);
             caller_name(addr, if addr.is_ipv4() { p.prefix } else { p.prefix6 })
         };
-        for (key, c) in tables.callers.iter().filter(|(k, _)| k.listener_id == listener_id) {
+        for (key, c) in tables
+            .callers
+            .iter()
+            .filter(|(k, _)| k.listener_id == listener_id)
+        {
             let row = callers.entry(*key).or_default();
             // Signed: a release into an entry made again after a sweep is skipped.
             row.active = (c.active as i64).max(0) as u64;
             (row.peak, row.admitted) = (c.peak, c.admitted);
         }
-        for (key, s) in tables.sources.iter().filter(|(k, _)| k.listener_id == listener_id) {
+        for (key, s) in tables
+            .sources
+            .iter()
+            .filter(|(k, _)| k.listener_id == listener_id)
+        {
             let row = callers.entry(*key).or_default();
             (row.refused, row.would_refuse, row.rate_limited) =
                 (s.refused, s.would_refuse, s.rate_limited);

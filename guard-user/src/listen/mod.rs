@@ -177,9 +177,7 @@ impl ListenerGuard {
         let guards = if self.per_syn {
             entries
                 .values()
-                .filter(|e| {
-                    e.listener_id != NO_LISTENER && e.per_source.action != PER_SOURCE_OFF
-                })
+                .filter(|e| e.listener_id != NO_LISTENER && e.per_source.action != PER_SOURCE_OFF)
                 .count() as u32
         } else {
             0

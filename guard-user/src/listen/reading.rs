@@ -239,12 +239,10 @@ fn unguarded_shadows(
             .get(&key([0; 16]))
             .is_some_and(|w| w.per_source.action != PER_SOURCE_OFF);
         if budgets {
-            entries
-                .entry(key(mapped(l.src)))
-                .or_insert(ListenerEntry {
-                    listener_id: NO_LISTENER,
-                    ..ListenerEntry::default()
-                });
+            entries.entry(key(mapped(l.src))).or_insert(ListenerEntry {
+                listener_id: NO_LISTENER,
+                ..ListenerEntry::default()
+            });
         }
     }
 }

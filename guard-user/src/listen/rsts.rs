@@ -48,7 +48,10 @@ impl Rsts {
         }
         self.swept = Some(Instant::now());
         let mut absent = HashSet::new();
-        for (i, map) in [&mut self.rst_shed, &mut self.would_rst].into_iter().enumerate() {
+        for (i, map) in [&mut self.rst_shed, &mut self.would_rst]
+            .into_iter()
+            .enumerate()
+        {
             for (key, n) in batch::entries(map) {
                 if key.inode == 0 || listed.contains(&key) {
                     continue;

@@ -28,7 +28,12 @@ pub struct CallerTotals {
 impl CallerTotals {
     /// The series of guard `g`'s listed callers, and its `other`, per count (refused,
     /// would_refuse).
-    fn export(&mut self, g: &str, top: &[CallerStats], totals: [u64; 2]) -> Vec<(String, [u64; 2])> {
+    fn export(
+        &mut self,
+        g: &str,
+        top: &[CallerStats],
+        totals: [u64; 2],
+    ) -> Vec<(String, [u64; 2])> {
         let first = !self.others.contains_key(g);
         let others = self.others.entry(g.to_string()).or_default();
         let mut listed = HashMap::new();
@@ -42,7 +47,11 @@ impl CallerTotals {
                 row[i] = match before {
                     Some(b) => {
                         let (seen, value) = b[i];
-                        let gain = if now[i] >= seen { now[i] - seen } else { now[i] };
+                        let gain = if now[i] >= seen {
+                            now[i] - seen
+                        } else {
+                            now[i]
+                        };
                         others[i].0 += gain;
                         (now[i], value + gain)
                     }
