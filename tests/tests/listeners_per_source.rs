@@ -233,7 +233,10 @@ fn a_caller_over_its_budget_is_refused_and_others_are_not() {
         vec!["budget".into()],
     );
     let admitted = ("caller_admitted".into(), Some("api".into()), vec![]);
-    assert!(events.len() >= 2 && events.len().is_multiple_of(2), "{events:?}");
+    assert!(
+        events.len() >= 2 && events.len().is_multiple_of(2),
+        "{events:?}"
+    );
     for (i, e) in events.iter().enumerate() {
         assert_eq!(
             e,
