@@ -458,20 +458,23 @@ fn reuseport_sheds_only_for_the_stalled_member() {
     let guard = &stats.listeners[0];
     assert!(guard.per_syn, "{guard:?}");
     assert_eq!(guard.rst_shed, refused);
-    // The stalled member is the one whose queue holds connections.
-    let mut per_member: Vec<(u32, u64)> = guard
+    // The stalled member is the one with listen(64).
+    let stalled = guard
         .queues
         .iter()
-        .map(|q| (q.accept_queue, q.rst_shed))
+        .find(|q| q.backlog == 64)
+        .expect("listen(64)");
+    let mut per_member: Vec<(bool, u64)> = guard
+        .queues
+        .iter()
+        .map(|q| (q.inode == stalled.inode, q.rst_shed))
         .collect();
     per_member.sort();
     assert_eq!(
-        per_member.iter().map(|m| m.1).collect::<Vec<_>>(),
-        [0, 0, 0, refused],
+        per_member,
+        [(false, 0), (false, 0), (false, 0), (true, refused)],
         "{guard:?}"
     );
-    assert!(per_member[3].0 > 0 && per_member[2].0 == 0, "{guard:?}");
-    let stalled = guard.queues.iter().find(|q| q.rst_shed == refused).unwrap();
 
     let report = d.listeners(&server.path());
     let rows: Vec<(u32, Option<u64>)> = report
