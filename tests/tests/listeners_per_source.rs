@@ -307,6 +307,7 @@ fn a_forged_rst_frees_no_slot() {
     assert_eq!(held.outcome.ok, 50, "{:?}", held.outcome);
     wait_for(&d, "A's 50 counted", |p| p.active == 50);
     let port = established_ports(&s.a)[0];
+    let segments = tcp_in_segs(&s.server);
     let forged = s.cg.probe(Probe::Segments {
         netns: s.a.path(),
         from: "192.0.2.2".into(),
@@ -318,6 +319,9 @@ fn a_forged_rst_frees_no_slot() {
     });
     assert_eq!(forged.ok, 1, "{forged:?}");
     std::thread::sleep(Duration::from_millis(200));
+    // It reached the server's TCP, the only segment there meanwhile (the connections
+    // are idle).
+    assert_eq!(tcp_in_segs(&s.server), segments + 1);
     assert_eq!(established_ports(&s.a).len(), 50);
     assert_eq!(per_source(&d).active, 50);
     let refused = s.open(&s.a, TO_A, 1, 0);
@@ -441,6 +445,24 @@ fn connections_never_accepted_are_released_when_the_listener_closes() {
     wait_for(&d, "A's 30 counted", |p| p.active == 30);
     listener.kill();
     wait_for(&d, "A released", |p| p.active == 0);
+}
+
+/// The TCP segments the namespace received (`Tcp: InSegs` of its /proc/net/snmp).
+fn tcp_in_segs(ns: &Netns) -> u64 {
+    let out = Command::new("ip")
+        .args(["netns", "exec", &ns.name, "cat", "/proc/net/snmp"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mut tcp = text.lines().filter(|l| l.starts_with("Tcp:"));
+    let (names, values) = (tcp.next(), tcp.next());
+    names
+        .zip(values)
+        .and_then(|(n, v)| {
+            let at = n.split_whitespace().position(|f| f == "InSegs")?;
+            v.split_whitespace().nth(at)?.parse().ok()
+        })
+        .unwrap_or_else(|| panic!("no Tcp InSegs in {text:?}"))
 }
 
 /// The client ports of A's established connections to the server.
