@@ -1181,3 +1181,18 @@ pub fn pinned_map_memory(name: &str) -> (u64, u64) {
     };
     (field("memlock:"), field("max_entries:"))
 }
+
+/// `nstat -asz NAME` in the namespace `ns`: the counter's absolute value (its TcpExt,
+/// Tcp, Ip... counters, as nstat names them).
+pub fn nstat(ns: &Netns, name: &str) -> u64 {
+    let out = Command::new("ip")
+        .args(["netns", "exec", &ns.name, "nstat", "-asz", name])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.lines()
+        .find(|l| l.starts_with(name))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in nstat output {text:?}"))
+}

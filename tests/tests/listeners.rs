@@ -1,29 +1,16 @@
 //! Listener accept-queue exhaustion: detected, and shed with RSTs by listener guards.
 use std::{
     net::{IpAddr, Ipv4Addr, SocketAddr},
-    process::Command,
     time::{Duration, Instant},
 };
 
 use connguard_api::policy::{Listener, Mode, Policy, Scope};
-use connguard_tests::{Cgroup, Daemon, Netns, Outcome, Probe, listener_policy, monotonic_ms};
+use connguard_tests::{
+    Cgroup, Daemon, Netns, Outcome, Probe, listener_policy, monotonic_ms, nstat,
+};
 
 /// The listener's address on a `Netns::veth_pair`'s server side.
 const SERVER: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(192, 0, 2, 1)), 8080);
-
-/// `nstat -asz NAME` in the namespace: the counter's absolute value.
-fn nstat(ns: &Netns, name: &str) -> u64 {
-    let out = Command::new("ip")
-        .args(["netns", "exec", &ns.name, "nstat", "-asz", name])
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    text.lines()
-        .find(|l| l.starts_with(name))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("no {name} in nstat output {text:?}"))
-}
 
 /// somaxconn 1 and listen(1000), never accepting: the queue holds backlog + 1,
 /// so 2 connects complete and the 3rd waits; the listener is shown 2 of 1, full, with
