@@ -707,6 +707,22 @@ impl Server {
     pub fn peak(&self) -> u64 {
         self.peak.load(Ordering::SeqCst)
     }
+
+    /// `start` inside the network namespace at `netns` (a namespace file): the listener
+    /// is made there, by a thread that entered it.
+    pub fn start_in(netns: &str, bind: &str) -> Server {
+        let (netns, bind) = (netns.to_string(), bind.to_string());
+        thread::spawn(move || {
+            let ns = std::fs::File::open(&netns).unwrap_or_else(|e| panic!("{netns}: {e}"));
+            // SAFETY: setns on this thread only, with a namespace file we opened.
+            let r =
+                unsafe { libc::setns(std::os::fd::AsRawFd::as_raw_fd(&ns), libc::CLONE_NEWNET) };
+            assert_eq!(r, 0, "setns {netns}: {}", std::io::Error::last_os_error());
+            Server::start(&bind)
+        })
+        .join()
+        .unwrap()
+    }
 }
 
 impl Drop for Server {
@@ -794,14 +810,30 @@ impl Netns {
 
     /// Joins two namespaces by a veth pair as `veth_pair` does, loopback up in both.
     pub fn join(server: &Netns, client: &Netns) {
+        Netns::link(
+            server,
+            client,
+            ("vs", "192.0.2.1/24"),
+            ("vc", "192.0.2.2/24"),
+        );
+    }
+
+    /// Joins two namespaces by a veth pair: device and address (a CIDR) in `server`,
+    /// then in `client`; loopback up in both.
+    pub fn link(
+        server: &Netns,
+        client: &Netns,
+        (sdev, saddr): (&str, &str),
+        (cdev, caddr): (&str, &str),
+    ) {
         server.exec(
             "ip",
-            &["link", "add", "vs", "type", "veth", "peer", "name", "vc"],
+            &["link", "add", sdev, "type", "veth", "peer", "name", cdev],
         );
-        server.exec("ip", &["link", "set", "vc", "netns", &client.name]);
-        server.exec("ip", &["addr", "add", "192.0.2.1/24", "dev", "vs"]);
-        client.exec("ip", &["addr", "add", "192.0.2.2/24", "dev", "vc"]);
-        for (ns, dev) in [(server, "vs"), (client, "vc")] {
+        server.exec("ip", &["link", "set", cdev, "netns", &client.name]);
+        server.exec("ip", &["addr", "add", saddr, "dev", sdev]);
+        client.exec("ip", &["addr", "add", caddr, "dev", cdev]);
+        for (ns, dev) in [(server, sdev), (client, cdev)] {
             ns.exec("ip", &["link", "set", "lo", "up"]);
             ns.exec("ip", &["link", "set", dev, "up"]);
         }
@@ -1151,4 +1183,52 @@ pub fn wait_attached(cg: &Cgroup, attach_type: u32) {
         );
         std::thread::sleep(Duration::from_millis(1));
     }
+}
+
+/// The kernel memory a map of the daemon's pinned state holds, and its size: `memlock`
+/// and `max_entries` of its fdinfo (/sys/fs/bpf/connguard/v<layout>/maps/NAME).
+pub fn pinned_map_memory(name: &str) -> (u64, u64) {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    const BPF_OBJ_GET: libc::c_long = 7;
+    let path = format!(
+        "/sys/fs/bpf/connguard/v{}/maps/{name}\0",
+        guard_common::STATE_LAYOUT
+    );
+    // union bpf_attr's obj member: pathname, bpf_fd, file_flags.
+    let mut attr = [0u64; 2];
+    attr[0] = path.as_ptr() as u64;
+    let fd = unsafe { libc::syscall(libc::SYS_bpf, BPF_OBJ_GET, attr.as_mut_ptr(), 16u32) };
+    assert!(
+        fd >= 0,
+        "BPF_OBJ_GET {}: {}",
+        path.trim_end_matches('\0'),
+        std::io::Error::last_os_error()
+    );
+    let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    let info = std::fs::read_to_string(format!(
+        "/proc/self/fdinfo/{}",
+        std::os::fd::AsRawFd::as_raw_fd(&fd)
+    ))
+    .unwrap();
+    let field = |key: &str| -> u64 {
+        info.lines()
+            .find_map(|l| l.strip_prefix(key)?.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no {key} in the fdinfo of {name}: {info}"))
+    };
+    (field("memlock:"), field("max_entries:"))
+}
+
+/// `nstat -asz NAME` in the namespace `ns`: the counter's absolute value (its TcpExt,
+/// Tcp, Ip... counters, as nstat names them).
+pub fn nstat(ns: &Netns, name: &str) -> u64 {
+    let out = Command::new("ip")
+        .args(["netns", "exec", &ns.name, "nstat", "-asz", name])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.lines()
+        .find(|l| l.starts_with(name))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in nstat output {text:?}"))
 }

@@ -57,7 +57,7 @@ use crate::{
     diagnose::attribution::TimeWaitRates,
     enforce::{audit::Audit, counters::Counters, lease::Lease, port_watch::PortWatch},
     host::cgroup_watch::CgroupWatch,
-    kernel::state::{self, Pin, State},
+    kernel::state::{self, State},
     policy::{self, Policy},
     report::events::EventLog,
 };
@@ -102,9 +102,9 @@ struct Daemon {
     /// The controls (guard_common::CONTROL_* bits) the connect programs were loaded with.
     controls: u32,
     policy_path: Option<PathBuf>,
-    /// The pinned state, and the tracepoint's link in it.
+    /// The pinned state, and the tracepoint programs' links in it.
     state: State,
-    tracepoint: Pin,
+    tracepoints: crate::kernel::object::Tracepoints,
     audit: Audit,
     /// Creations of cgroups where a new one may be selected.
     cgroup_watch: CgroupWatch,

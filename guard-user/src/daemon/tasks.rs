@@ -178,6 +178,7 @@ impl Daemon {
         loop {
             let mut ready = ring.readable_mut().await?;
             let ids = self.programs.generations().ids();
+            let guards = self.programs.listener_names();
             let mut log = lock(&self.events);
             while let Some(item) = ready.get_inner_mut().next() {
                 if item.len() >= std::mem::size_of::<guard_common::Event>() {
@@ -185,7 +186,7 @@ impl Daemon {
                     let ev = unsafe {
                         std::ptr::read_unaligned(item.as_ptr().cast::<guard_common::Event>())
                     };
-                    log.push(&ev, &ids, at_boot);
+                    log.push(&ev, &ids, &guards, at_boot);
                 }
             }
             ready.clear_ready();
