@@ -164,7 +164,7 @@ pub fn series_names() -> Vec<&'static str> {
 /// probed feature (tcx for the listener guard's attachment, bound_inactive_diag for the
 /// ports report, the probes themselves): each runs on every set of features the guests
 /// have. Every other binary takes the same paths wherever the daemon runs.
-const FEATURE_PATHS: &[&str] = &["kernel", "listeners", "ports"];
+const FEATURE_PATHS: &[&str] = &["kernel", "listeners", "listeners_per_source", "ports"];
 
 /// Runs the integration test `binaries` (with `args`) in a guest booted on the newest
 /// kernel of each of `series`, one after another (see `shares`), and fails naming each
