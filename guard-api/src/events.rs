@@ -13,22 +13,30 @@ pub struct EventRecord {
     /// When the kernel reported it: ms since the Unix epoch.
     pub unix_ms: u64,
     /// breaker_opened, breaker_half_open, breaker_closed, shedding_started,
-    /// shedding_stopped.
+    /// shedding_stopped, caller_refused, caller_admitted.
     pub kind: String,
+    /// The scope; empty for a listener guard's event.
     pub scope: String,
     /// The workload the scope governs, when it governs one alone: an annotated pod's
     /// scope (`pod shop/orders-7d9f`), or a scope whose selectors select one workload
-    /// (absent from the answers of older daemons).
+    /// (absent from the answers of older daemons); null for a listener guard's event.
     #[serde(default)]
     pub workload: Option<String>,
+    /// caller_refused and caller_admitted: the listener guard, and its caller (source
+    /// address prefix) that started to be refused (`reasons`: budget, rate), or had a
+    /// SYN admitted again; null otherwise.
+    #[serde(default)]
+    pub listener: Option<String>,
+    #[serde(default)]
+    pub caller: Option<String>,
     /// The rule of the destination, or of a rule-level key; null for none.
     pub rule: Option<String>,
     /// The endpoint (`a.b.c.d:port`, `[v6]:port`); null for a rule or scope key.
     pub dst: Option<String>,
-    /// shedding_started: why the first attempt was shed (budget, rate, max_connecting,
-    /// breaker); empty otherwise.
+    /// shedding_started and caller_refused: why the first attempt was shed (budget, rate,
+    /// max_connecting, breaker); empty otherwise.
     pub reasons: Vec<String>,
-    /// shedding_started in observe mode: counted, not shed.
+    /// shedding_started or caller_refused in observe mode: counted, not shed.
     pub observe: bool,
     /// breaker_half_open: the step (0-based) and the percent of attempts it lets through.
     pub step: Option<u32>,
@@ -47,9 +55,13 @@ impl EventRecord {
         let (secs, ms) = (self.unix_ms / 1000, self.unix_ms % 1000);
         let (h, m, sec) = (secs / 3600 % 24, secs / 60 % 60, secs % 60);
         let mut s = format!("{h:02}:{m:02}:{sec:02}.{ms:03} {}", self.kind);
-        let _ = write!(s, " scope {}", self.scope);
-        if let Some(w) = &self.workload {
-            let _ = write!(s, " ({w})");
+        if let (Some(l), Some(c)) = (&self.listener, &self.caller) {
+            let _ = write!(s, " listener {l} caller {c}");
+        } else {
+            let _ = write!(s, " scope {}", self.scope);
+            if let Some(w) = &self.workload {
+                let _ = write!(s, " ({w})");
+            }
         }
         if let Some(r) = &self.rule {
             let _ = write!(s, " rule {r}");

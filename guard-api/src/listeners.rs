@@ -9,12 +9,18 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+use crate::stats::ListenerStats;
+
 /// `connguard listeners --json`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ListenersReport {
     pub netns: String,
     /// Fullest first.
     pub listeners: Vec<Listener>,
+    /// The daemon's `[[listener]]` guards of this namespace (as `stats` shows them):
+    /// their totals and per-caller budgets; empty without a daemon.
+    #[serde(default)]
+    pub guards: Vec<ListenerStats>,
     /// The namespace's TcpExt counters (totals since the namespace was created), as
     /// `nstat -az` shows them.
     pub counters: BTreeMap<String, u64>,
@@ -29,6 +35,9 @@ pub struct Listener {
     pub addr: String,
     /// The port alone, host order.
     pub port: u16,
+    /// The socket's inode (as `ss -e` and /proc/PID/fd show it).
+    #[serde(default)]
+    pub inode: u32,
     /// Owning process as `comm[pid]`, when one holds the socket.
     pub process: Option<String>,
     /// Its cgroup, below the cgroup2 mount.
@@ -41,8 +50,10 @@ pub struct Listener {
     pub backlog: u32,
     /// Half-open connections (SYN received, SYN-ACK sent).
     pub syn_recv: u32,
-    /// SYNs answered with RST by connguard's guard for this port (from the daemon).
-    pub rst_shed: u64,
+    /// SYNs answered with RST by connguard's guard because this socket's own queues were
+    /// past a limit (from the daemon); null where no guard decides for this socket on
+    /// its own (no guard, or one deciding from the daemon's reading: see `guards`).
+    pub rst_shed: Option<u64>,
     /// "full" when the queue holds more than the backlog (new SYNs are dropped), else "ok".
     pub state: String,
 }

@@ -506,7 +506,8 @@ impl Breaker {
 
 /// A `[[listener]]` guard: listening sockets on `ports` (of `addr`, in the network
 /// namespace of the file `netns`, or the daemon's own), shed with RST past a fraction
-/// of the accept queue's backlog or a count of SYN_RECV.
+/// of the accept queue's backlog or a count of SYN_RECV, and each caller's SYNs past its
+/// `per_source` budgets.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Listener {
     pub name: String,
@@ -524,6 +525,8 @@ pub struct Listener {
     pub max_syn_recv: Option<u32>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub mode: Option<Mode>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub per_source: Option<PerSource>,
 }
 
 impl Listener {
@@ -537,6 +540,7 @@ impl Listener {
             accept_queue_watermark: None,
             max_syn_recv: None,
             mode: None,
+            per_source: None,
         }
     }
 
@@ -569,6 +573,80 @@ impl Listener {
 
     pub fn mode(mut self, mode: Mode) -> Listener {
         self.mode = Some(mode);
+        self
+    }
+
+    pub fn per_source(mut self, budgets: PerSource) -> Listener {
+        self.per_source = Some(budgets);
+        self
+    }
+}
+
+/// A listener guard's `per_source` table: the budgets of each caller, a source address
+/// masked to `prefix` bits (IPv6: `prefix6`): connections it holds, and new connections
+/// per second or minute with the bucket's burst; a SYN past them gets `action`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct PerSource {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefix: Option<u8>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefix6: Option<u8>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_connections: Option<u32>,
+    /// `"N/s"` or `"N/min"`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rate: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub burst: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub action: Option<Refusal>,
+}
+
+/// `per_source.action`: what a caller's SYN past its budgets gets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Refusal {
+    /// A RST at once: the client's connect() fails with ECONNREFUSED.
+    Rst,
+    /// Nothing: the client retransmits its SYN (after 1 s, 3 s, ...).
+    Drop,
+}
+
+impl PerSource {
+    pub fn new() -> PerSource {
+        PerSource::default()
+    }
+
+    /// Bits of an IPv4 source address that name a caller (0 to 32).
+    pub fn prefix(mut self, bits: u8) -> PerSource {
+        self.prefix = Some(bits);
+        self
+    }
+
+    /// Bits of an IPv6 source address that name a caller (0 to 128).
+    pub fn prefix6(mut self, bits: u8) -> PerSource {
+        self.prefix6 = Some(bits);
+        self
+    }
+
+    pub fn max_connections(mut self, n: u32) -> PerSource {
+        self.max_connections = Some(n);
+        self
+    }
+
+    /// `"N/s"` or `"N/min"`.
+    pub fn rate(mut self, rate: &str) -> PerSource {
+        self.rate = Some(rate.to_string());
+        self
+    }
+
+    pub fn burst(mut self, attempts: u32) -> PerSource {
+        self.burst = Some(attempts);
+        self
+    }
+
+    pub fn action(mut self, action: Refusal) -> PerSource {
+        self.action = Some(action);
         self
     }
 }

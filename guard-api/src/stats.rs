@@ -38,6 +38,10 @@ pub struct Snapshot {
     pub watched_ports: Vec<WatchedPort>,
     /// `[[listener]]` guards.
     pub listeners: Vec<ListenerStats>,
+    /// The kernel's tables of listener guards' callers, shared by every guard (absent
+    /// from the answers of older daemons).
+    #[serde(default)]
+    pub caller_tables: CallerTables,
     /// The daemon's periodic jobs (absent from the answers of daemons older than this
     /// field).
     #[serde(default)]
@@ -365,19 +369,31 @@ pub struct ListenerStats {
     pub ports: Vec<[u16; 2]>,
     /// "enforce" or "observe".
     pub mode: String,
+    /// True where the kernel decides per SYN on each socket's own queues (each socket's
+    /// RSTs are its own, in `queues`); false where it applies the daemon's reading, for
+    /// the guard's sockets together (absent from the answers of older daemons).
+    #[serde(default)]
+    pub per_syn: bool,
     /// True while, at the last reading, a matching listener socket was past a limit
     /// (`max_syn_recv` judged on `syn_recv`, as old as it is).
     pub shedding: bool,
-    /// SYNs answered with RST (enforce mode, total).
+    /// SYNs answered with RST past the queue limits (enforce mode, total): the sum of
+    /// the sockets' own counts in `queues`, and of the daemon's decisions for the guard
+    /// where the kernel cannot decide per SYN.
     pub rst_shed: u64,
-    /// SYNs observe mode would have answered with RST (total).
+    /// SYNs observe mode would have answered with RST past the queue limits (total).
     pub would_rst: u64,
     /// The matching listener sockets at the last reading (every 50 ms; `syn_recv`
     /// every second).
     pub queues: Vec<QueueReading>,
+    /// The guard's per-caller budgets and its busiest callers; null without
+    /// `per_source` (absent from the answers of older daemons).
+    #[serde(default)]
+    pub per_source: Option<PerSourceStats>,
 }
 
-/// One guarded listener socket's queues at the last reading (units: connections).
+/// One guarded listener socket's queues at the last reading (units: connections), and
+/// the RSTs decided on them.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct QueueReading {
     /// The daemon's id of the `[[listener]]` policy it matched. Not part of the JSON.
@@ -385,6 +401,10 @@ pub struct QueueReading {
     pub listener_id: u32,
     /// `a.b.c.d:port` or `[v6]:port`.
     pub addr: String,
+    /// The socket's inode (as `ss -e` and /proc/PID/fd show it; absent from the answers
+    /// of older daemons).
+    #[serde(default)]
+    pub inode: u32,
     pub accept_queue: u32,
     pub backlog: u32,
     /// Half-open connections (SYN_RECV) to the listener's address and port; shared by
@@ -392,4 +412,82 @@ pub struct QueueReading {
     /// Read every second, unless the polled program sheds on it (`max_syn_recv`):
     /// then at every reading.
     pub syn_recv: u32,
+    /// SYNs answered with RST (enforce mode), or that would have been (observe mode),
+    /// because this socket's own queues were past a limit (totals). Decided per SYN on
+    /// the socket the kernel picks, so a SO_REUSEPORT group's members each have their
+    /// own; 0 where the daemon's reading decides (then the guard's `rst_shed` has them).
+    #[serde(default)]
+    pub rst_shed: u64,
+    #[serde(default)]
+    pub would_rst: u64,
+}
+
+/// A listener guard's per-caller budgets (`per_source`), what they refused, and its
+/// busiest callers.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct PerSourceStats {
+    /// Bits of an IPv4 (`prefix`) and an IPv6 (`prefix6`) source address that name a
+    /// caller.
+    pub prefix: u8,
+    pub prefix6: u8,
+    /// Connections a caller may hold (completed, plus handshakes in flight); null for
+    /// no such limit.
+    pub max_connections: Option<u32>,
+    /// New connections a caller may open (`"50/s"`), and its bucket's burst; null for
+    /// no rate.
+    pub rate: Option<String>,
+    pub burst: Option<u32>,
+    /// "rst" or "drop": what a refused SYN gets.
+    pub action: String,
+    /// SYNs refused (enforce mode), and SYNs observe mode would have refused (totals);
+    /// of both, those over the rate (the others were over `max_connections`).
+    pub refused: u64,
+    pub would_refuse: u64,
+    pub rate_limited: u64,
+    /// Completed connections held by callers now, and the callers holding any.
+    pub active: u64,
+    pub callers: u64,
+    /// Callers whose last SYN was refused (or would have been, in observe mode).
+    pub refusing: u64,
+    /// The callers with the most active connections and those with the most refusals
+    /// (at most `TOP_CALLERS` of each, most active first).
+    pub top: Vec<CallerStats>,
+    /// The other callers' counts, summed (`caller` is "other").
+    pub other: CallerStats,
+}
+
+/// Callers of each guard that `stats` lists by active connections, and by refusals.
+pub const TOP_CALLERS: usize = 10;
+
+/// One caller of a listener guard.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct CallerStats {
+    /// The caller: its source address prefix, `a.b.c.d/prefix` or `v6/prefix6`.
+    pub caller: String,
+    /// Completed connections it holds (not yet in TCP_CLOSE), the most it held, and its
+    /// completed handshakes (total), while the kernel keeps its entry (removed once
+    /// idle at 0 active).
+    pub active: u64,
+    pub peak: u64,
+    pub admitted: u64,
+    /// Its SYNs refused, would-be refusals in observe mode, and of both those over the
+    /// rate, while the kernel keeps its entry (the least recently seen callers' go
+    /// first when the table is full).
+    pub refused: u64,
+    pub would_refuse: u64,
+    pub rate_limited: u64,
+    /// True while its last SYN was refused.
+    pub refusing: bool,
+}
+
+/// The kernel's tables of listener guards' callers: `CALLERS` (callers with completed
+/// connections, made at a handshake's completion only) and `SOURCES` (callers whose SYNs
+/// were seen: token buckets, handshakes in flight, refusals; the least recently used
+/// entry goes when it is full). Entries now, and the most each holds.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct CallerTables {
+    pub callers: u64,
+    pub callers_capacity: u64,
+    pub sources: u64,
+    pub sources_capacity: u64,
 }

@@ -11,6 +11,7 @@
 #![cfg_attr(not(feature = "user"), no_std)]
 
 pub mod addr;
+pub mod callers;
 pub mod linux;
 pub mod names;
 
@@ -40,7 +41,7 @@ pub const STAT_COUNT: u32 = 3;
 /// values and sizes, and the meaning of their fields. A daemon adopts pinned state of its
 /// own layout only, so a change to any of them takes a new number: the next start
 /// then seeds its counts from the socket table instead of misreading the old maps.
-pub const STATE_LAYOUT: u32 = 6;
+pub const STATE_LAYOUT: u32 = 7;
 
 /// setsockopt(2) level and option name of a seeding request: the daemon, at a start with
 /// no pinned state, asks the `seed` program (attached for that moment) to count a
@@ -300,9 +301,10 @@ pub struct Event {
     /// Breaker opening: how long it stays open, ns.
     pub open_ns: u64,
     /// The destination's key; for shedding events at rule or scope level (`level` 1,
-    /// 2), the address and port are zero.
+    /// 2), the address and port are zero; for a caller's (`level` LEVEL_CALLER), see
+    /// there.
     pub key: CounterKey,
-    /// 0 destination, 1 rule, 2 scope.
+    /// 0 destination, 1 rule, 2 scope, callers::LEVEL_CALLER a listener guard's caller.
     pub level: u32,
 }
 
@@ -313,6 +315,11 @@ pub const EVENT_BREAKER_CLOSED: u32 = 3;
 /// admitted within every limit after sheds.
 pub const EVENT_SHEDDING_STARTED: u32 = 4;
 pub const EVENT_SHEDDING_STOPPED: u32 = 5;
+/// A caller of a listener guard started to be refused (observe mode: would be) by its
+/// per-source budget, and stopped: the first SYN of its admitted after refusals
+/// (`callers::LEVEL_CALLER`).
+pub const EVENT_CALLER_REFUSED: u32 = 6;
+pub const EVENT_CALLER_ADMITTED: u32 = 7;
 
 /// Why an attempt was shed: a spent `max_connections` or port watermark, no token, a
 /// full `max_connecting`, a breaker; OBSERVE: only counted (observe mode).
@@ -534,7 +541,8 @@ pub struct ListenerKey {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ListenerEntry {
-    /// Index of the listener policy; keys RST_SHED and WOULD_RST.
+    /// Stable id of the `[[listener]]` guard (`LISTENER_IDS`), which keys RST_SHED,
+    /// WOULD_RST and the per-caller maps; NO_LISTENER for an entry that guards nothing.
     pub listener_id: u32,
     /// MODE_OBSERVE or MODE_ENFORCE.
     pub mode: u32,
@@ -550,6 +558,25 @@ pub struct ListenerEntry {
     pub _pad: u32,
     /// CLOCK_MONOTONIC (bpf_ktime_get_ns), ns, of the last renewal.
     pub renewed_ns: u64,
+    /// The guard's per-caller budgets (per-SYN program only).
+    pub per_source: callers::PerSource,
+}
+
+/// An entry of `LISTENERS` that guards nothing: a listener on a specific address that
+/// no guard selects, on the port of a guarded wildcard listener. The state tracepoint
+/// finds a completed connection's listener by its local address first, then the
+/// wildcard: this entry keeps the unguarded listener's connections out of the wildcard
+/// guard's per-caller counts.
+pub const NO_LISTENER: u32 = u32::MAX;
+
+/// Key of `RST_SHED` and `WOULD_RST`: a guard and the listening socket whose queues
+/// decided (its inode, as sock_diag and /proc name it), or 0 where the decision was the
+/// daemon's, for the guard's listeners together (the polled program).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RstKey {
+    pub listener_id: u32,
+    pub inode: u32,
 }
 
 /// How long listener guards shed without renewal: 5 heartbeats, 10 readings.
@@ -574,6 +601,22 @@ pub struct SockOffsets {
     pub net: u32,
     /// ns.inum (unsigned int), in struct net.
     pub net_inum: u32,
+    /// The socket's inode: sk_socket (struct socket *), then its file (struct file *),
+    /// the file's f_inode (struct inode *), and the inode's i_ino (unsigned long).
+    pub sk_socket: u32,
+    pub socket_file: u32,
+    pub file_inode: u32,
+    pub inode_ino: u32,
+    /// __sk_common's skc_family (unsigned short), skc_num (the local port, host order,
+    /// __u16), skc_daddr and skc_rcv_saddr (__be32), skc_v6_daddr and skc_v6_rcv_saddr
+    /// (struct in6_addr): a completed connection's caller and listener, read by the
+    /// state tracepoint.
+    pub family: u32,
+    pub num: u32,
+    pub daddr: u32,
+    pub rcv_saddr: u32,
+    pub v6_daddr: u32,
+    pub v6_rcv_saddr: u32,
 }
 
 /// The controls' clock (rate buckets, breakers, shedding events), read-only data set by
@@ -619,6 +662,11 @@ mod pod {
     unsafe impl aya::Pod for PortUseKey {}
     unsafe impl aya::Pod for ListenerKey {}
     unsafe impl aya::Pod for ListenerEntry {}
+    unsafe impl aya::Pod for RstKey {}
+    unsafe impl aya::Pod for callers::CallerKey {}
+    unsafe impl aya::Pod for callers::CallerCount {}
+    unsafe impl aya::Pod for callers::SourceState {}
+    unsafe impl aya::Pod for callers::PerSourceTotals {}
     unsafe impl aya::Pod for SockOffsets {}
     unsafe impl aya::Pod for TickClock {}
     unsafe impl aya::Pod for EaddrKey {}

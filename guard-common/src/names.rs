@@ -27,6 +27,12 @@ pub mod map {
     pub const SEED_KEY: &str = "SEED_KEY";
     pub const BREAKERS: &str = "BREAKERS";
     pub const EVENTS: &str = "EVENTS";
+    pub const CALLERS: &str = "CALLERS";
+    pub const SOURCES: &str = "SOURCES";
+    pub const CALLER_SOCKS: &str = "CALLER_SOCKS";
+    pub const PER_SOURCE_TOTALS: &str = "PER_SOURCE_TOTALS";
+    pub const LISTENER_IDS: &str = "LISTENER_IDS";
+    pub const CALLER_GUARDS: &str = "CALLER_GUARDS";
     /// The maps pinned in the state directory, which outlive the daemon: what the
     /// programs count, the sockets' own state, and the names the counts are kept by.
     /// The policy maps are not: a daemon writes its own, and programs of the daemon
@@ -42,6 +48,11 @@ pub mod map {
         IDS,
         LEASE,
         BREAKERS,
+        CALLERS,
+        SOURCES,
+        CALLER_SOCKS,
+        PER_SOURCE_TOTALS,
+        LISTENER_IDS,
     ];
     /// Every map of the object.
     pub const ALL: &[&str] = &[
@@ -67,6 +78,12 @@ pub mod map {
         SEED_KEY,
         BREAKERS,
         EVENTS,
+        CALLERS,
+        SOURCES,
+        CALLER_SOCKS,
+        PER_SOURCE_TOTALS,
+        LISTENER_IDS,
+        CALLER_GUARDS,
     ];
 }
 
@@ -80,9 +97,14 @@ pub mod program {
     pub const SOCK_RELEASE: &str = "sock_release";
     /// sock_ops: arms and takes the state callbacks that release admissions.
     pub const SOCK_STATE: &str = "sock_state";
-    /// tp_btf on [`SOCK_SET_STATE_TRACEPOINT`]: counts EADDRNOTAVAIL.
+    /// tp_btf on [`SOCK_SET_STATE_TRACEPOINT`]: releases admissions, counts
+    /// EADDRNOTAVAIL, counts and releases listener guards' callers.
     pub const SOCK_SET_STATE: &str = "sock_set_state";
     pub const SOCK_SET_STATE_TRACEPOINT: &str = "inet_sock_set_state";
+    /// tp_btf on [`CALLER_DESTROY_TRACEPOINT`]: releases a caller's count held by a
+    /// socket that reached its destruction unreleased.
+    pub const CALLER_DESTROY: &str = "caller_destroy";
+    pub const CALLER_DESTROY_TRACEPOINT: &str = "tcp_destroy_sock";
     /// tc ingress of listener guards, deciding per SYN from the listener's queues.
     pub const LISTENER_SHED: &str = "listener_shed";
     /// The same, deciding from the daemon's reading (where the kernel refuses the first).
@@ -99,6 +121,7 @@ pub mod program {
         SOCK_RELEASE,
         SOCK_STATE,
         SOCK_SET_STATE,
+        CALLER_DESTROY,
         LISTENER_SHED,
         LISTENER_SHED_POLLED,
         SEED,

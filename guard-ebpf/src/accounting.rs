@@ -181,14 +181,19 @@ fn charged_counters(state: *mut SockState) -> [*mut Counter; 3] {
     ]
 }
 
-/// Takes a token from the counter's bucket of `burst` tokens refilled one per
-/// `interval` ns, at `now` (CLOCK_MONOTONIC ns); false when it holds none. A
-/// compare-and-swap of the theoretical arrival time, so concurrent attempts each take
-/// a distinct token. Beyond 8 lost races it admits, counted as an internal error. A BPF
-/// subprogram, like `raise_peak`.
-#[inline(never)]
+/// Takes a token from the counter's bucket (`take_token_at`).
+#[inline(always)]
 pub fn take_token(c: *mut Counter, interval: u64, burst: u32, now: u64) -> bool {
-    let tat = unsafe { &raw mut (*c).rate_tat };
+    take_token_at(unsafe { &raw mut (*c).rate_tat }, interval, burst, now)
+}
+
+/// Takes a token from the bucket of `burst` tokens refilled one per `interval` ns whose
+/// theoretical arrival time is at `tat`, at `now` (CLOCK_MONOTONIC ns); false when it
+/// holds none. A compare-and-swap of the theoretical arrival time, so concurrent
+/// attempts each take a distinct token. Beyond 8 lost races it admits, counted as an
+/// internal error. A BPF subprogram, like `raise_peak`.
+#[inline(never)]
+pub fn take_token_at(tat: *mut u64, interval: u64, burst: u32, now: u64) -> bool {
     let limit = now + interval * burst as u64;
     let mut seen = unsafe { core::ptr::read_volatile(tat) };
     if seen > limit {

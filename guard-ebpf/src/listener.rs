@@ -12,9 +12,11 @@
 //!
 //! `listener_shed` decides per SYN from that socket's own queues (sk_ack_backlog,
 //! sk_max_ack_backlog, icsk_accept_queue.qlen and .young), read through
-//! bpf_skc_to_tcp_sock() at the offsets of SOCK_OFFSETS; `listener_shed_polled`, for
-//! kernels that refuse it,
-//! applies the daemon's decision from its reading. Both shed nothing LISTENER_TTL_NS
+//! bpf_skc_to_tcp_sock() at the offsets of SOCK_OFFSETS (sock_fields), and counts its
+//! RSTs per listening socket (by inode); a SYN the queues let through then meets the
+//! guard's per-caller budgets (callers). `listener_shed_polled`, for kernels that refuse
+//! it, applies the daemon's decision from its reading, and has no per-caller budgets.
+//! Both shed nothing LISTENER_TTL_NS
 //! after the daemon stops renewing them: the per-SYN one after its last heartbeat
 //! (LISTENER_HEARTBEAT, every 100 ms), the polled one after the reading of its entry.
 //!
@@ -34,26 +36,17 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use guard_common::{
-    LISTENER_TTL_NS, ListenerEntry, ListenerKey, MODE_ENFORCE, SockOffsets,
+    LISTENER_TTL_NS, ListenerEntry, ListenerKey, MODE_ENFORCE, NO_LISTENER, RstKey,
+    callers::{PER_SOURCE_DROP, PER_SOURCE_RST},
     linux::{AF_INET, IPPROTO_TCP, TCP_LISTEN},
 };
 
 use crate::{
     accounting::bump,
+    callers,
     maps::{LISTENER_HEARTBEAT, LISTENERS, RST_SHED, WOULD_RST},
     net::{ipv4_mapped, words_addr},
-};
-
-/// Set by the daemon from kernel BTF before the object is loaded (read-only data: the
-/// verifier sees the values, and checks each read against the kernel's BTF).
-#[unsafe(no_mangle)]
-static SOCK_OFFSETS: SockOffsets = SockOffsets {
-    ack_backlog: 0,
-    max_ack_backlog: 0,
-    syn_queue: 0,
-    young: 0,
-    net: 0,
-    net_inum: 0,
+    sock_fields::{self, Queues, mapped_words},
 };
 
 const ETH_HLEN: usize = 14;
@@ -127,8 +120,11 @@ fn parse(ctx: &TcContext) -> Option<Syn> {
 #[inline(always)]
 fn shed<const PER_SYN: bool>(ctx: &TcContext) -> Option<i32> {
     let syn = parse(ctx)?;
-    let (key, queues) = listener_of::<PER_SYN>(ctx, &syn)?;
+    let (key, queues, inode) = listener_of::<PER_SYN>(ctx, &syn)?;
     let entry = *unsafe { LISTENERS.get(&key) }?;
+    if entry.listener_id == NO_LISTENER {
+        return None;
+    }
     // Per SYN, the decision is the socket's own and the entry only says it is guarded:
     // it holds while the daemon lives. The polled decision is as old as its reading.
     let renewed = if PER_SYN {
@@ -144,36 +140,64 @@ fn shed<const PER_SYN: bool>(ctx: &TcContext) -> Option<i32> {
     } else {
         entry.shed != 0
     };
-    if !over {
+    if over {
+        let rst = RstKey {
+            listener_id: entry.listener_id,
+            inode,
+        };
+        if entry.mode != MODE_ENFORCE {
+            bump(&WOULD_RST, &rst);
+            return None;
+        }
+        let (action, sent) = refuse(ctx, &syn, PER_SOURCE_RST);
+        if sent {
+            bump(&RST_SHED, &rst);
+        }
+        return Some(action);
+    }
+    if !PER_SYN {
         return None;
     }
-    if entry.mode != MODE_ENFORCE {
-        bump(&WOULD_RST, &entry.listener_id);
+    let action = callers::check(source(ctx, &syn)?, &entry);
+    if action == 0 {
         return None;
     }
-    // From here the packet is being rewritten: if a step fails, drop it rather than let
-    // a half-rewritten segment through.
-    if reply_rst(ctx, &syn).is_none() {
-        return Some(TC_ACT_SHOT);
-    }
-    bump(&RST_SHED, &entry.listener_id);
-    let ifindex = unsafe { (*ctx.skb.skb).ifindex };
-    let action = unsafe { bpf_redirect(ifindex, 0) };
-    Some(if action == TC_ACT_REDIRECT as i64 {
-        TC_ACT_REDIRECT
-    } else {
-        TC_ACT_SHOT
-    })
+    Some(refuse(ctx, &syn, action).0)
 }
 
-/// A listener's queues, units: connections.
-#[derive(Default)]
-struct Queues {
-    accept_queue: u32,
-    backlog: u32,
-    syn_recv: u32,
-    /// Half-open requests under their first SYN-ACK retransmit.
-    young: u32,
+/// Refuses the SYN by `action`: answered with a RST+ACK sent back out of the interface
+/// it came in on (PER_SOURCE_RST), or dropped (PER_SOURCE_DROP). The tc action, and
+/// whether a RST was made. From the rewrite on, a step that fails drops the packet
+/// rather than let a half-rewritten segment through.
+#[inline(always)]
+fn refuse(ctx: &TcContext, syn: &Syn, action: u32) -> (i32, bool) {
+    if action == PER_SOURCE_DROP || reply_rst(ctx, syn).is_none() {
+        return (TC_ACT_SHOT, false);
+    }
+    let ifindex = unsafe { (*ctx.skb.skb).ifindex };
+    let redirected = unsafe { bpf_redirect(ifindex, 0) } == TC_ACT_REDIRECT as i64;
+    (
+        if redirected {
+            TC_ACT_REDIRECT
+        } else {
+            TC_ACT_SHOT
+        },
+        true,
+    )
+}
+
+/// The SYN's source address as words of the maps' form (IPv4 IPv4-mapped).
+#[inline(always)]
+fn source(ctx: &TcContext, syn: &Syn) -> Option<[u32; 4]> {
+    if syn.addr_len == 4 {
+        return Some(mapped_words(ctx.load::<u32>(syn.src_off).ok()?));
+    }
+    Some([
+        ctx.load::<u32>(syn.src_off).ok()?,
+        ctx.load::<u32>(syn.src_off + 4).ok()?,
+        ctx.load::<u32>(syn.src_off + 8).ok()?,
+        ctx.load::<u32>(syn.src_off + 12).ok()?,
+    ])
 }
 
 /// Whether `q` is at or past a limit of `entry`. A backlog of 0 still queues one
@@ -203,9 +227,12 @@ fn past_limits(entry: &ListenerEntry, q: &Queues) -> bool {
 }
 
 /// The listening socket the kernel would give this SYN to, as a LISTENERS key, and
-/// (per SYN) its queues.
+/// (per SYN) its queues and inode.
 #[inline(always)]
-fn listener_of<const PER_SYN: bool>(ctx: &TcContext, syn: &Syn) -> Option<(ListenerKey, Queues)> {
+fn listener_of<const PER_SYN: bool>(
+    ctx: &TcContext,
+    syn: &Syn,
+) -> Option<(ListenerKey, Queues, u32)> {
     // struct bpf_sock_tuple: saddr, daddr, sport, dport, all network order.
     let mut tuple = [0u8; 36];
     let size = if syn.addr_len == 4 {
@@ -247,10 +274,10 @@ fn listener_of<const PER_SYN: bool>(ctx: &TcContext, syn: &Syn) -> Option<(Liste
             read(&raw const (*s).src_ip6[3]),
         ]
     };
-    let (netns, queues) = if PER_SYN && state == TCP_LISTEN {
+    let (netns, queues, inode) = if PER_SYN && state == TCP_LISTEN {
         own_queues(sk.cast())
     } else {
-        (0, Queues::default())
+        (0, Queues::default(), 0)
     };
     unsafe { bpf_sk_release(sk.cast()) };
     if state != TCP_LISTEN || (PER_SYN && netns == 0) {
@@ -272,38 +299,23 @@ fn listener_of<const PER_SYN: bool>(ctx: &TcContext, syn: &Syn) -> Option<(Liste
             addr,
         },
         queues,
+        inode,
     ))
 }
 
-/// A listening socket's network namespace (inode number; 0 when it cannot be read) and
-/// queues, read from its struct tcp_sock at SOCK_OFFSETS. The loads are BTF-checked
-/// (PTR_TO_BTF_ID) and fault-safe.
+/// A listening socket's network namespace (inode number; 0 when it cannot be read),
+/// queues and inode, read from its struct tcp_sock.
 #[inline(always)]
-fn own_queues(sk: *mut core::ffi::c_void) -> (u32, Queues) {
+fn own_queues(sk: *mut core::ffi::c_void) -> (u32, Queues, u32) {
     let tp = unsafe { bpf_skc_to_tcp_sock(sk) } as *const u8;
     if tp.is_null() {
-        return (0, Queues::default());
+        return (0, Queues::default(), 0);
     }
-    let o = &raw const SOCK_OFFSETS;
-    let at = |off: u32| unsafe { tp.add(off as usize) };
-    unsafe {
-        let u32_at = |p: *const u8| core::ptr::read_volatile(p.cast::<u32>());
-        let queues = Queues {
-            accept_queue: u32_at(at(core::ptr::read_volatile(&raw const (*o).ack_backlog))),
-            backlog: u32_at(at(core::ptr::read_volatile(
-                &raw const (*o).max_ack_backlog,
-            ))),
-            syn_recv: u32_at(at(core::ptr::read_volatile(&raw const (*o).syn_queue))),
-            young: u32_at(at(core::ptr::read_volatile(&raw const (*o).young))),
-        };
-        let net: *const u8 =
-            core::ptr::read_volatile(at(core::ptr::read_volatile(&raw const (*o).net)).cast());
-        if net.is_null() {
-            return (0, queues);
-        }
-        let inum = u32_at(net.add(core::ptr::read_volatile(&raw const (*o).net_inum) as usize));
-        (inum, queues)
-    }
+    (
+        sock_fields::netns(tp),
+        sock_fields::queues(tp),
+        sock_fields::inode(tp),
+    )
 }
 
 /// Rewrites the SYN in place into its RST+ACK answer.

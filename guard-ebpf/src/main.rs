@@ -13,6 +13,7 @@
 mod accounting;
 mod adjust;
 mod breaker;
+mod callers;
 mod charge;
 mod clock;
 mod connect;
@@ -26,6 +27,7 @@ mod seed;
 mod set_state;
 mod shedding;
 mod sock_create;
+mod sock_fields;
 
 #[panic_handler]
 fn panic(_info: &core::panic::PanicInfo) -> ! {

@@ -7,12 +7,16 @@ use aya_ebpf::{
     btf_maps::SkStorage,
     helpers::generated::bpf_sk_storage_get,
     macros::{btf_map, map},
-    maps::{Array, HashMap, LpmTrie, PerCpuArray, RingBuf},
+    maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, RingBuf},
 };
 use guard_common::{
     Breaker, Candidates, CgroupKey, Counter, CounterKey, EaddrKey, IdKey, ListenerEntry,
-    ListenerKey, MAX_RULE_IDS, MAX_SCOPE_IDS, PortUseKey, RuleAddrKey, STAT_COUNT, ScopeConf,
-    SockState, TimeWaitKey,
+    ListenerKey, MAX_RULE_IDS, MAX_SCOPE_IDS, PortUseKey, RstKey, RuleAddrKey, STAT_COUNT,
+    ScopeConf, SockState, TimeWaitKey,
+    callers::{
+        CallerCount, CallerHold, CallerKey, MAX_CALLERS, MAX_SOURCES, PerSourceTotals,
+        SourceState,
+    },
 };
 
 /// Element 0: the policy generation (0 or 1) that the programs read.
@@ -78,11 +82,43 @@ pub static LISTENER_HEARTBEAT: Array<u64> = Array::with_max_entries(1, 0);
 pub static LISTENERS: HashMap<ListenerKey, ListenerEntry> =
     HashMap::with_max_entries(4096, BPF_F_NO_PREALLOC);
 
-/// SYNs answered with RST, and SYNs observe mode would have answered, per listener id.
+/// SYNs answered with RST past a guard's queue limits, and SYNs observe mode would have
+/// answered, per guard and deciding listener socket.
 #[map]
-pub static RST_SHED: HashMap<u32, u64> = HashMap::with_max_entries(4096, BPF_F_NO_PREALLOC);
+pub static RST_SHED: HashMap<RstKey, u64> = HashMap::with_max_entries(4096, BPF_F_NO_PREALLOC);
 #[map]
-pub static WOULD_RST: HashMap<u32, u64> = HashMap::with_max_entries(4096, BPF_F_NO_PREALLOC);
+pub static WOULD_RST: HashMap<RstKey, u64> = HashMap::with_max_entries(4096, BPF_F_NO_PREALLOC);
+
+/// Guards' ids by name (an IdKey of kind 0), kept with the per-caller counts they key.
+/// Written and read by the daemon only.
+#[map]
+pub static LISTENER_IDS: HashMap<IdKey, u32> = HashMap::with_max_entries(4096, BPF_F_NO_PREALLOC);
+
+/// Element 0: how many LISTENERS entries set per-caller budgets; while 0, the state
+/// tracepoint counts no caller.
+#[map]
+pub static CALLER_GUARDS: Array<u32> = Array::with_max_entries(1, 0);
+
+/// Callers' completed connections (guard_common::callers), made at a handshake's
+/// completion only.
+#[map]
+pub static CALLERS: HashMap<CallerKey, CallerCount> =
+    HashMap::with_max_entries(MAX_CALLERS, BPF_F_NO_PREALLOC);
+
+/// Callers' token buckets, handshakes in flight and refusals, made at their first SYN;
+/// the least recently used goes when it is full.
+#[map]
+pub static SOURCES: LruHashMap<CallerKey, SourceState> =
+    LruHashMap::with_max_entries(MAX_SOURCES, 0);
+
+/// Per guard: its per-caller refusals.
+#[map]
+pub static PER_SOURCE_TOTALS: HashMap<u32, PerSourceTotals> =
+    HashMap::with_max_entries(4096, BPF_F_NO_PREALLOC);
+
+/// On a server socket, the caller's count it holds.
+#[btf_map]
+pub static CALLER_SOCKS: SkStorage<CallerHold> = SkStorage::new();
 
 /// Per-socket state, in the socket itself: no size limit and nothing to clean up.
 #[btf_map]
@@ -134,11 +170,22 @@ pub fn lease_held() -> bool {
 /// memset loop.)
 #[inline(always)]
 pub fn storage(sk: *mut bpf_sock, create: bool) -> *mut SockState {
+    sk_storage(core::ptr::addr_of!(SOCKS).cast(), sk, create)
+}
+
+/// The caller's count a server socket holds (`CALLER_SOCKS`), as `storage` finds a
+/// socket's state.
+#[inline(always)]
+pub fn caller_hold(sk: *mut bpf_sock, create: bool) -> *mut CallerHold {
+    sk_storage(core::ptr::addr_of!(CALLER_SOCKS).cast(), sk, create)
+}
+
+#[inline(always)]
+fn sk_storage<T>(map: *const c_void, sk: *mut bpf_sock, create: bool) -> *mut T {
     let flags = if create {
         BPF_SK_STORAGE_GET_F_CREATE as u64
     } else {
         0
     };
-    let map = core::ptr::addr_of!(SOCKS).cast_mut().cast::<c_void>();
-    unsafe { bpf_sk_storage_get(map, sk.cast(), core::ptr::null_mut(), flags) }.cast()
+    unsafe { bpf_sk_storage_get(map.cast_mut(), sk.cast(), core::ptr::null_mut(), flags) }.cast()
 }

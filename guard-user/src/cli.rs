@@ -180,9 +180,19 @@ See also:
         /// Policy file (TOML: [[scope]] tables with name, cgroup, mode, errno,
         /// max_connections and [[scope.rule]]s; `connguard check` validates one);
         /// default: the embedded policy that observes the whole host and sheds nothing.
+        /// The daemon reloads it by itself when its bytes change (see
+        /// --no-watch-policy).
         #[arg(long, value_name = "FILE")]
         policy: Option<PathBuf>,
-        /// Address for Prometheus metrics at /metrics, or "off".
+        /// Do not watch the policy file: reload it only on SIGHUP and `connguard
+        /// reload`. By default the daemon watches the file's directory (inotify) and
+        /// reloads, as `connguard reload` does, once per burst of changes that leaves
+        /// the file's bytes different: a write in place, a rename over it, or the
+        /// symlink swap of a Kubernetes ConfigMap volume.
+        #[arg(long)]
+        no_watch_policy: bool,
+        /// Address for Prometheus metrics at /metrics and the probes /healthz and
+        /// /readyz, or "off".
         #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:9877")]
         metrics: String,
         /// Control socket, which the other commands ask.
@@ -359,7 +369,7 @@ See also:
   connguard-run(8), bpftool-feature(8)
 ")]
     Kernel {
-        /// Print JSON: {"release": "...", "features": {"NAME": true|false, ...}}.
+        /// Print JSON: {"release": "...", "features": {"NAME": true|false, ...}, "required": ["NAME", ...]}.
         #[arg(long)]
         json: bool,
     },

@@ -40,6 +40,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
     match command {
         Command::Run {
             policy,
+            no_watch_policy,
             metrics,
             socket,
             bpf_stats,
@@ -63,6 +64,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 state_layout,
                 audit: std::time::Duration::from_secs(audit),
                 runtimes,
+                watch_policy: !no_watch_policy,
             })?;
         }
         Command::Check { file } => match policy::load_file(&file) {
@@ -251,15 +253,22 @@ fn listeners_report(name: &str, socket: &Path) -> anyhow::Result<ListenersReport
             }
         }
     }
-    // RSTs sent by the daemon's guards, per port.
+    // The daemon's guards of this namespace, and each socket's own RSTs where the kernel
+    // decides per socket.
     if let Ok(snap) = client::ask::<Snapshot>(socket, Request::Stats { top: Some(0) }) {
+        report.guards = snap
+            .listeners
+            .into_iter()
+            .filter(|g| listeners::same_netns(&g.netns, name))
+            .collect();
         for l in &mut report.listeners {
-            l.rst_shed = snap
-                .listeners
+            l.rst_shed = report
+                .guards
                 .iter()
-                .filter(|g| g.ports.iter().any(|[a, b]| (*a..=*b).contains(&l.port)))
-                .map(|g| g.rst_shed)
-                .sum();
+                .filter(|g| g.per_syn)
+                .flat_map(|g| &g.queues)
+                .find(|q| q.inode != 0 && q.inode == l.inode)
+                .map(|q| q.rst_shed);
         }
     }
     Ok(report)

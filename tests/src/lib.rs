@@ -292,9 +292,25 @@ pub struct DaemonBuilder<'a> {
     socket: Option<PathBuf>,
     adopt: bool,
     cgroup_namespace: Option<&'a Cgroup>,
+    watch_policy: bool,
+    policy_at: Option<PathBuf>,
 }
 
 impl<'a> DaemonBuilder<'a> {
+    /// Lets the daemon reload by itself when its policy file changes; others run with
+    /// --no-watch-policy, so that a test's rewrite and reload is one reload.
+    pub fn watching_policy(mut self) -> Self {
+        self.watch_policy = true;
+        self
+    }
+
+    /// The policy file at `path`, which the caller has written (the policy given to
+    /// `builder` is then unused): a symlink, a ConfigMap volume's layout.
+    pub fn policy_at(mut self, path: PathBuf) -> Self {
+        self.policy_at = Some(path);
+        self
+    }
+
     /// Serves Prometheus metrics on a free loopback port (`Daemon::metrics`).
     pub fn metrics(mut self) -> Self {
         self.metrics = true;
@@ -372,8 +388,14 @@ impl<'a> DaemonBuilder<'a> {
         };
         let dir = std::env::temp_dir().join(unique("connguard-test"));
         std::fs::create_dir_all(&dir).unwrap();
-        let policy_path = dir.join("policy.toml");
-        std::fs::write(&policy_path, &self.policy).unwrap();
+        let policy_path = match self.policy_at {
+            Some(path) => path,
+            None => {
+                let path = dir.join("policy.toml");
+                std::fs::write(&path, &self.policy).unwrap();
+                path
+            }
+        };
         let socket = self.socket.unwrap_or_else(|| dir.join("connguard.sock"));
         let metrics = self
             .metrics
@@ -387,6 +409,9 @@ impl<'a> DaemonBuilder<'a> {
         }
         if !given("--audit") {
             defaults.extend(["--audit".into(), "1".into()]);
+        }
+        if !self.watch_policy {
+            defaults.push("--no-watch-policy".into());
         }
         let mut child = command
             .arg("run")
@@ -453,22 +478,33 @@ impl Daemon {
             socket: None,
             adopt: false,
             cgroup_namespace: None,
+            watch_policy: false,
+            policy_at: None,
         }
     }
 
     /// The body of GET /metrics.
     pub fn metrics(&self) -> String {
+        let (status, body) = self.get("/metrics");
+        assert_eq!(status, 200, "{body}");
+        body
+    }
+
+    /// GET `path` of the metrics listener: the status code and the body.
+    pub fn get(&self, path: &str) -> (u16, String) {
         use std::io::Write;
         let mut conn =
             std::net::TcpStream::connect(self.metrics.expect("started with metrics")).unwrap();
-        conn.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+        write!(conn, "GET {path} HTTP/1.0\r\n\r\n").unwrap();
         let mut text = String::new();
         conn.read_to_string(&mut text).unwrap();
-        assert!(
-            text.starts_with("HTTP/1.1 200") || text.starts_with("HTTP/1.0 200"),
-            "{text}"
-        );
-        text
+        let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+        let status = head
+            .split_whitespace()
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| panic!("no status line: {text}"));
+        (status, body.to_string())
     }
 
     /// Sends `signal` and waits for the daemon to exit, leaving its pinned state for
@@ -687,6 +723,22 @@ impl Server {
     pub fn peak(&self) -> u64 {
         self.peak.load(Ordering::SeqCst)
     }
+
+    /// `start` inside the network namespace at `netns` (a namespace file): the listener
+    /// is made there, by a thread that entered it.
+    pub fn start_in(netns: &str, bind: &str) -> Server {
+        let (netns, bind) = (netns.to_string(), bind.to_string());
+        thread::spawn(move || {
+            let ns = std::fs::File::open(&netns).unwrap_or_else(|e| panic!("{netns}: {e}"));
+            // SAFETY: setns on this thread only, with a namespace file we opened.
+            let r =
+                unsafe { libc::setns(std::os::fd::AsRawFd::as_raw_fd(&ns), libc::CLONE_NEWNET) };
+            assert_eq!(r, 0, "setns {netns}: {}", std::io::Error::last_os_error());
+            Server::start(&bind)
+        })
+        .join()
+        .unwrap()
+    }
 }
 
 impl Drop for Server {
@@ -774,14 +826,30 @@ impl Netns {
 
     /// Joins two namespaces by a veth pair as `veth_pair` does, loopback up in both.
     pub fn join(server: &Netns, client: &Netns) {
+        Netns::link(
+            server,
+            client,
+            ("vs", "192.0.2.1/24"),
+            ("vc", "192.0.2.2/24"),
+        );
+    }
+
+    /// Joins two namespaces by a veth pair: device and address (a CIDR) in `server`,
+    /// then in `client`; loopback up in both.
+    pub fn link(
+        server: &Netns,
+        client: &Netns,
+        (sdev, saddr): (&str, &str),
+        (cdev, caddr): (&str, &str),
+    ) {
         server.exec(
             "ip",
-            &["link", "add", "vs", "type", "veth", "peer", "name", "vc"],
+            &["link", "add", sdev, "type", "veth", "peer", "name", cdev],
         );
-        server.exec("ip", &["link", "set", "vc", "netns", &client.name]);
-        server.exec("ip", &["addr", "add", "192.0.2.1/24", "dev", "vs"]);
-        client.exec("ip", &["addr", "add", "192.0.2.2/24", "dev", "vc"]);
-        for (ns, dev) in [(server, "vs"), (client, "vc")] {
+        server.exec("ip", &["link", "set", cdev, "netns", &client.name]);
+        server.exec("ip", &["addr", "add", saddr, "dev", sdev]);
+        client.exec("ip", &["addr", "add", caddr, "dev", cdev]);
+        for (ns, dev) in [(server, sdev), (client, cdev)] {
             ns.exec("ip", &["link", "set", "lo", "up"]);
             ns.exec("ip", &["link", "set", dev, "up"]);
         }
@@ -1131,4 +1199,52 @@ pub fn wait_attached(cg: &Cgroup, attach_type: u32) {
         );
         std::thread::sleep(Duration::from_millis(1));
     }
+}
+
+/// The kernel memory a map of the daemon's pinned state holds, and its size: `memlock`
+/// and `max_entries` of its fdinfo (/sys/fs/bpf/connguard/v<layout>/maps/NAME).
+pub fn pinned_map_memory(name: &str) -> (u64, u64) {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    const BPF_OBJ_GET: libc::c_long = 7;
+    let path = format!(
+        "/sys/fs/bpf/connguard/v{}/maps/{name}\0",
+        guard_common::STATE_LAYOUT
+    );
+    // union bpf_attr's obj member: pathname, bpf_fd, file_flags.
+    let mut attr = [0u64; 2];
+    attr[0] = path.as_ptr() as u64;
+    let fd = unsafe { libc::syscall(libc::SYS_bpf, BPF_OBJ_GET, attr.as_mut_ptr(), 16u32) };
+    assert!(
+        fd >= 0,
+        "BPF_OBJ_GET {}: {}",
+        path.trim_end_matches('\0'),
+        std::io::Error::last_os_error()
+    );
+    let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    let info = std::fs::read_to_string(format!(
+        "/proc/self/fdinfo/{}",
+        std::os::fd::AsRawFd::as_raw_fd(&fd)
+    ))
+    .unwrap();
+    let field = |key: &str| -> u64 {
+        info.lines()
+            .find_map(|l| l.strip_prefix(key)?.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no {key} in the fdinfo of {name}: {info}"))
+    };
+    (field("memlock:"), field("max_entries:"))
+}
+
+/// `nstat -asz NAME` in the namespace `ns`: the counter's absolute value (its TcpExt,
+/// Tcp, Ip... counters, as nstat names them).
+pub fn nstat(ns: &Netns, name: &str) -> u64 {
+    let out = Command::new("ip")
+        .args(["netns", "exec", &ns.name, "nstat", "-asz", name])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.lines()
+        .find(|l| l.starts_with(name))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in nstat output {text:?}"))
 }

@@ -229,6 +229,23 @@ pub enum Probe {
         count: u64,
         spread_ms: u64,
     },
+    /// COUNT raw TCP segments to ADDR, SYNs (with --rst, RSTs) with sequence number SEQ,
+    /// sent with IP_HDRINCL from the addresses of FROM (`a.b.c.d/len`: the i-th segment
+    /// from its (i+1)-th address, wrapping; or `a.b.c.d`) and from source port SPORT (0:
+    /// a new one per segment). No socket of this host has them: a spoofed source's SYNs,
+    /// or a forged RST. IPv4 only.
+    Segments {
+        netns: String,
+        from: String,
+        addr: SocketAddr,
+        count: u64,
+        #[arg(long, default_value_t = 0)]
+        sport: u16,
+        #[arg(long, default_value_t = 0)]
+        seq: u32,
+        #[arg(long)]
+        rst: bool,
+    },
     /// COUNT connects from threads started together, each given up after TIMEOUT_MS;
     /// `categories`: refused_max_us, the longest a refused connect() took.
     Handshakes {
@@ -404,6 +421,31 @@ impl Probe {
                 addr,
                 backlog,
             } => vec!["echo1".into(), s(netns), s(addr), s(backlog)],
+            Probe::Segments {
+                netns,
+                from,
+                addr,
+                count,
+                sport,
+                seq,
+                rst,
+            } => {
+                let mut a = vec![
+                    "segments".into(),
+                    s(netns),
+                    s(from),
+                    s(addr),
+                    s(count),
+                    "--sport".into(),
+                    s(sport),
+                    "--seq".into(),
+                    s(seq),
+                ];
+                if *rst {
+                    a.push("--rst".into());
+                }
+                a
+            }
             Probe::Spray { netns, count, port } => {
                 vec!["spray".into(), s(netns), s(count), s(port)]
             }
@@ -575,6 +617,24 @@ mod tests {
                 netns: ns(),
                 count: 100,
                 port: 9,
+            },
+            Probe::Segments {
+                netns: ns(),
+                from: "10.200.0.0/15".into(),
+                addr,
+                count: 100_000,
+                sport: 0,
+                seq: 0,
+                rst: false,
+            },
+            Probe::Segments {
+                netns: ns(),
+                from: "192.0.2.2".into(),
+                addr,
+                count: 1,
+                sport: 40000,
+                seq: 7,
+                rst: true,
             },
             Probe::Shedlat {
                 netns: ns(),

@@ -1,29 +1,16 @@
 //! Listener accept-queue exhaustion: detected, and shed with RSTs by listener guards.
 use std::{
     net::{IpAddr, Ipv4Addr, SocketAddr},
-    process::Command,
     time::{Duration, Instant},
 };
 
 use connguard_api::policy::{Listener, Mode, Policy, Scope};
-use connguard_tests::{Cgroup, Daemon, Netns, Outcome, Probe, listener_policy, monotonic_ms};
+use connguard_tests::{
+    Cgroup, Daemon, Netns, Outcome, Probe, listener_policy, monotonic_ms, nstat,
+};
 
 /// The listener's address on a `Netns::veth_pair`'s server side.
 const SERVER: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(192, 0, 2, 1)), 8080);
-
-/// `nstat -asz NAME` in the namespace: the counter's absolute value.
-fn nstat(ns: &Netns, name: &str) -> u64 {
-    let out = Command::new("ip")
-        .args(["netns", "exec", &ns.name, "nstat", "-asz", name])
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    text.lines()
-        .find(|l| l.starts_with(name))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("no {name} in nstat output {text:?}"))
-}
 
 /// somaxconn 1 and listen(1000), never accepting: the queue holds backlog + 1,
 /// so 2 connects complete and the 3rd waits; the listener is shown 2 of 1, full, with
@@ -211,8 +198,15 @@ fn saturated_listener_answers_syns_with_rst_until_it_drains() {
     );
     let metrics = d.metrics();
     for line in [
-        "connguard_listener_rst_shed_total{listener=\"api\"} 43",
-        "connguard_listener_accept_queue{listener=\"api\",addr=\"192.0.2.1:8080\"} 7",
+        "connguard_listener_rst_shed_total{listener=\"api\"} 43".to_string(),
+        format!(
+            "connguard_listener_accept_queue{{listener=\"api\",addr=\"192.0.2.1:8080\",inode=\"{}\"}} 7",
+            q.inode
+        ),
+        format!(
+            "connguard_listener_socket_rst_shed_total{{listener=\"api\",addr=\"192.0.2.1:8080\",inode=\"{}\"}} 43",
+            q.inode
+        ),
     ] {
         assert!(
             metrics.lines().any(|l| l == line),
@@ -221,7 +215,11 @@ fn saturated_listener_answers_syns_with_rst_until_it_drains() {
     }
     let listeners = || d.listeners(&server.path()).listeners[0].clone();
     let l = listeners();
-    assert_eq!((l.accept_queue, l.backlog, l.rst_shed), (7, 8, 43), "{l:?}");
+    assert_eq!(
+        (l.accept_queue, l.backlog, l.rst_shed),
+        (7, 8, Some(43)),
+        "{l:?}"
+    );
     // Once the server accepts (cued by SIGUSR1) and its queue has drained, every new
     // connection succeeds: the RST is decided per SYN on the queue as it is then.
     // SAFETY: kill(2) on the listener's own pid.
@@ -413,12 +411,16 @@ fn a_burst_stops_at_the_watermark_per_syn() {
 /// first SYNs (standard deviation 6), of which it queues 32, and a quarter of each
 /// round of retries. Bound: at most 100 refusals in all (a per-port decision refuses
 /// every SYN once the stalled member is full). Every client connects, none waits a
-/// retransmit.
+/// retransmit. Each refusal is counted once, on the stalled member: its row in `stats`,
+/// `listeners --json` and /metrics has them all, the other members' none, and the
+/// guard's total is their sum, not repeated on every member.
 #[test]
 fn reuseport_sheds_only_for_the_stalled_member() {
     let (server, client) = Netns::veth_pair();
     let cg = Cgroup::new("reuseport");
-    let d = Daemon::builder(Policy::new().listener(half_full("api", &server))).start();
+    let d = Daemon::builder(Policy::new().listener(half_full("api", &server)))
+        .metrics()
+        .start();
     let _group = cg.hold(Probe::Reuseport {
         netns: server.path(),
         addr: SERVER,
@@ -439,7 +441,70 @@ fn reuseport_sheds_only_for_the_stalled_member() {
     assert_eq!((o.ok, o.errors("TIMEOUT")), (200, 0), "{o:?}");
     assert!((1..=100).contains(&refused), "{refused} refusals: {o:?}");
     assert!(o.category("max_ok_us") < 1_000_000, "{o:?}");
-    assert_eq!(d.stats().listeners[0].rst_shed, refused);
+    let stats = d.stats();
+    let guard = &stats.listeners[0];
+    assert!(guard.per_syn, "{guard:?}");
+    assert_eq!(guard.rst_shed, refused);
+    // The stalled member is the one with listen(64).
+    let stalled = guard
+        .queues
+        .iter()
+        .find(|q| q.backlog == 64)
+        .expect("listen(64)");
+    let mut per_member: Vec<(bool, u64)> = guard
+        .queues
+        .iter()
+        .map(|q| (q.inode == stalled.inode, q.rst_shed))
+        .collect();
+    per_member.sort();
+    assert_eq!(
+        per_member,
+        [(false, 0), (false, 0), (false, 0), (true, refused)],
+        "{guard:?}"
+    );
+
+    let report = d.listeners(&server.path());
+    let rows: Vec<(u32, Option<u64>)> = report
+        .listeners
+        .iter()
+        .filter(|l| l.port == 8080)
+        .map(|l| (l.inode, l.rst_shed))
+        .collect();
+    assert_eq!(rows.len(), 4, "{report:?}");
+    for (inode, rst) in &rows {
+        let own = if *inode == stalled.inode { refused } else { 0 };
+        assert_eq!(*rst, Some(own), "{report:?}");
+    }
+    assert_eq!(
+        report.guards.iter().map(|g| g.rst_shed).collect::<Vec<_>>(),
+        [refused],
+        "{report:?}"
+    );
+
+    let metrics = d.metrics();
+    let series: Vec<(u32, u64)> = metrics
+        .lines()
+        .filter_map(|l| l.strip_prefix("connguard_listener_socket_rst_shed_total{"))
+        .map(|l| {
+            let inode = l.split("inode=\"").nth(1).and_then(|r| r.split('"').next());
+            let value = l.rsplit(' ').next();
+            match (inode.map(str::parse), value.map(str::parse)) {
+                (Some(Ok(i)), Some(Ok(v))) => (i, v),
+                _ => panic!("no inode and value in {l:?}"),
+            }
+        })
+        .collect();
+    assert_eq!(series.len(), 4, "{metrics}");
+    for (inode, n) in series {
+        let own = if inode == stalled.inode { refused } else { 0 };
+        assert_eq!(n, own, "{metrics}");
+    }
+    assert!(
+        metrics.lines().any(
+            |l| l == format!("connguard_listener_rst_shed_total{{listener=\"api\"}} {refused}")
+        ),
+        "{metrics}"
+    );
 }
 
 /// Shedding stops within 1 s of the daemon no longer renewing its decisions: stopped

@@ -1,6 +1,9 @@
 //! `cargo xtask`: set-up, build, run, test and demo for connguard.
 mod bench;
 mod demo;
+mod image;
+#[cfg(test)]
+mod kubernetes;
 mod package;
 mod setup;
 mod vm;
@@ -68,6 +71,10 @@ enum Task {
     /// binary, the systemd unit (not enabled on install), /etc/connguard/policy.toml,
     /// the man pages, shell completions and the manual.
     Package,
+    /// Build, then make the OCI image of the DaemonSet (packaging/kubernetes/) offline
+    /// with buildah: FROM scratch, the stripped binary and its shared libraries, tagged
+    /// localhost/connguard:VERSION, written to target/image/connguard_VERSION.oci.tar.
+    Image,
     /// Measure connguard's cost side by side with no guard and with nftables, in
     /// interleaved rounds; writes what it measured to target/bench.json, prints the
     /// report with the targets, and puts it into docs/performance.md.
@@ -92,6 +99,10 @@ fn main() -> anyhow::Result<()> {
         Task::Package => {
             build()?;
             package::run(&root()).map(|_| ())
+        }
+        Task::Image => {
+            build()?;
+            image::run(&root()).map(|_| ())
         }
         Task::Run { args } => {
             build()?;

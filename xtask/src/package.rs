@@ -242,7 +242,7 @@ fn changelog(version: &str) -> String {
 }
 
 /// The connguard crate's version, from its Cargo.toml.
-fn version(root: &Path) -> anyhow::Result<String> {
+pub fn version(root: &Path) -> anyhow::Result<String> {
     let manifest = std::fs::read_to_string(root.join("guard-user/Cargo.toml"))?;
     manifest
         .lines()

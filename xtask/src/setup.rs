@@ -1,7 +1,7 @@
 //! Installs the toolchain for Rust eBPF (Debian's BPF-capable rustc and its `core`, LLVM 22
 //! for bpf-linker) and the test tools, skipping what is
 //! already there.
-use std::process::Command;
+use std::{path::PathBuf, process::Command};
 
 use anyhow::{Context, bail};
 
@@ -44,8 +44,28 @@ const PACKAGES: &[&str] = &[
     "runc",
     "podman",
     "busybox-static",
+    // `cargo xtask image` builds the DaemonSet's image with it, offline.
+    "buildah",
+    // The virtual environment kubernetes-validate is installed in.
+    "python3-venv",
 ];
 const BPF_LINKER_VERSION: &str = "0.13.0";
+/// kubernetes-validate, which validates packaging/kubernetes/ against Kubernetes'
+/// schemas (it ships them: it reads no network at run time), and what it needs, each
+/// pinned (PyPI): installed with --no-deps, so that the environment holds these and no
+/// other version.
+const KUBERNETES_VALIDATE: &[&str] = &[
+    "kubernetes-validate==1.37.0",
+    "attrs==26.1.0",
+    "importlib_resources==7.1.0",
+    "jsonschema==4.26.0",
+    "jsonschema-specifications==2025.9.1",
+    "packaging==26.4",
+    "PyYAML==6.0.4",
+    "referencing==0.37.0",
+    "rpds-py==2026.9.1",
+    "typing_extensions==4.16.0",
+];
 
 pub fn run() -> anyhow::Result<()> {
     install(PACKAGES)?;
@@ -66,6 +86,43 @@ pub fn run() -> anyhow::Result<()> {
             bail!("cargo install bpf-linker failed");
         }
     }
+    install_kubernetes_validate()
+}
+
+/// The virtual environment of kubernetes-validate, under target/ (its Python has PyYAML,
+/// which the manifests' tests read YAML with).
+pub fn kubernetes_validate_venv() -> PathBuf {
+    crate::root().join("target/kubernetes-validate/venv")
+}
+
+/// Installs KUBERNETES_VALIDATE with pip into kubernetes_validate_venv(), a virtual
+/// environment of Debian's Python, unless it holds them already (its file `pins` lists
+/// what was installed).
+fn install_kubernetes_validate() -> anyhow::Result<()> {
+    let venv = kubernetes_validate_venv();
+    let pins = KUBERNETES_VALIDATE.join("\n");
+    if std::fs::read_to_string(venv.join("pins")).is_ok_and(|p| p == pins) {
+        return Ok(());
+    }
+    eprintln!(
+        "setup: installing {} into {}",
+        KUBERNETES_VALIDATE[0],
+        venv.display()
+    );
+    sh(
+        "/usr/bin/python3",
+        &["-m", "venv", "--clear", &venv.to_string_lossy()],
+    )?;
+    let mut args = vec![
+        "install",
+        "--quiet",
+        "--disable-pip-version-check",
+        "--no-deps",
+        "--only-binary=:all:",
+    ];
+    args.extend(KUBERNETES_VALIDATE);
+    sh(&venv.join("bin/pip").to_string_lossy(), &args)?;
+    std::fs::write(venv.join("pins"), pins)?;
     Ok(())
 }
 

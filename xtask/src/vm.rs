@@ -56,6 +56,9 @@ struct Series {
     /// The features `connguard kernel` must find absent there (every other one present):
     /// a probe that changes its answer on a known kernel fails the run.
     absent: &'static [&'static str],
+    /// Whether the daemon runs there (none of its required features is absent); the
+    /// guest's `connguard kernel` must agree, or the run fails.
+    daemon: bool,
 }
 
 const SERIES: &[Series] = &[
@@ -70,22 +73,26 @@ const SERIES: &[Series] = &[
             "so_netns_cookie",
             "tcx",
         ],
+        daemon: false,
     },
     Series {
         name: "6.1",
         prefixes: &["linux-image-6.1."],
         absent: &["bound_inactive_diag", "cgroup_storage", "tcx"],
+        daemon: true,
     },
     Series {
         name: "6.12",
         prefixes: &["linux-image-6.12."],
         absent: &[],
+        daemon: true,
     },
     // sid splits the kernel into the image and its modules.
     Series {
         name: "7",
         prefixes: &["linux-binary-7.", "linux-modules-7."],
         absent: &[],
+        daemon: true,
     },
 ];
 
@@ -153,15 +160,18 @@ pub fn series_names() -> Vec<&'static str> {
     SERIES.iter().map(|s| s.name).collect()
 }
 
+/// The integration test binaries (by name, tests/tests/NAME.rs) whose paths depend on a
+/// probed feature (tcx for the listener guard's attachment, bound_inactive_diag for the
+/// ports report, the probes themselves): each runs on every set of features the guests
+/// have. Every other binary takes the same paths wherever the daemon runs.
+const FEATURE_PATHS: &[&str] = &["kernel", "listeners", "listeners_per_source", "ports"];
+
 /// Runs the integration test `binaries` (with `args`) in a guest booted on the newest
-/// kernel of each of `series`: all of their tests where the daemon can run, DAEMONLESS
-/// where it cannot. Series that probe alike (the same `absent`: 6.12 and 7) share the
-/// binaries, each running every n-th, so that the matrix fits CI's time: a whole suite
-/// under TCG takes many times the host's. The guests run one after another, each with 2
-/// vCPUs: several side by side on 2 CPUs slow every test (a vCPU spins on a lock its
-/// descheduled sibling holds), and with 1 vCPU each, tests timed for 2 miss their
-/// deadlines. Fails naming each kernel where a test failed, a probe answered otherwise
-/// than `absent` says, or the guest gave no result.
+/// kernel of each of `series`, one after another (see `shares`), and fails naming each
+/// kernel where a test failed, a probe answered otherwise than `absent` says, or the
+/// guest gave no result. Each guest has 2 vCPUs: several side by side on 2 CPUs slow
+/// every test (a vCPU spins on a lock its descheduled sibling holds), and with 1 vCPU
+/// each, tests timed for 2 miss their deadlines.
 pub fn run(
     root: &Path,
     series: &[&str],
@@ -177,17 +187,13 @@ pub fn run(
             None => bail!("no kernel series {name}; known: {:?}", series_names()),
         }
     }
-    for series in &known {
-        let alike: Vec<&str> = known
+    ensure!(
+        FEATURE_PATHS
             .iter()
-            .filter(|s| s.absent == series.absent)
-            .map(|s| s.name)
-            .collect();
-        let (n, i) = (
-            alike.len(),
-            alike.iter().position(|s| *s == series.name).unwrap_or(0),
-        );
-        let share: Vec<String> = binaries.iter().skip(i).step_by(n).cloned().collect();
+            .all(|f| binaries.iter().any(|b| binary_name(b) == *f)),
+        "a binary of FEATURE_PATHS {FEATURE_PATHS:?} is not among the integration tests"
+    );
+    for (series, share) in shares(&known, binaries) {
         if let Err(e) = prepare(root, series, &share, args).and_then(|g| g.run(args)) {
             eprintln!("{e:#}");
             failed.push(series.name);
@@ -198,6 +204,50 @@ pub fn run(
         "the integration tests failed in the guests on {failed:?} (see above)"
     );
     Ok(())
+}
+
+/// Which binaries each guest runs, so that the matrix fits CI's time (a whole suite
+/// under TCG takes many times the host's, and the host runs it whole on its own kernel):
+/// - where the daemon cannot run, every binary (its DAEMONLESS tests run by name);
+/// - each FEATURE_PATHS binary on one guest of each set of features (`absent`), in turn
+///   among the guests that share the set;
+/// - every other binary on one guest where the daemon runs, in turn among them all.
+fn shares<'a>(series: &[&'a Series], binaries: &[String]) -> Vec<(&'a Series, Vec<String>)> {
+    let capable: Vec<&Series> = series.iter().copied().filter(|s| s.daemon).collect();
+    let mut shares: Vec<(&Series, Vec<String>)> = series.iter().map(|s| (*s, Vec::new())).collect();
+    let mut give = |to: &Series, binary: &String| {
+        if let Some((_, share)) = shares.iter_mut().find(|(s, _)| s.name == to.name) {
+            share.push(binary.clone());
+        }
+    };
+    for s in series.iter().filter(|s| !s.daemon) {
+        binaries.iter().for_each(|b| give(s, b));
+    }
+    let (paths, others): (Vec<&String>, Vec<&String>) = binaries
+        .iter()
+        .partition(|b| FEATURE_PATHS.contains(&binary_name(b)));
+    let mut sets: Vec<&[&str]> = Vec::new();
+    for s in &capable {
+        if !sets.contains(&s.absent) {
+            sets.push(s.absent);
+        }
+    }
+    for set in sets {
+        let alike: Vec<&&Series> = capable.iter().filter(|s| s.absent == set).collect();
+        for (i, b) in paths.iter().enumerate() {
+            give(alike[i % alike.len()], b);
+        }
+    }
+    for (i, b) in others.iter().enumerate() {
+        give(capable[i % capable.len()], b);
+    }
+    shares
+}
+
+/// The name of a test binary (`target/release/deps/NAME-HASH`): its tests/tests/NAME.rs.
+fn binary_name(path: &str) -> &str {
+    let file = path.rsplit('/').next().unwrap_or(path);
+    file.rsplit_once('-').map_or(file, |(name, _)| name)
 }
 
 /// A guest ready to boot: its kernel unpacked, its initramfs and script written.
@@ -338,6 +388,11 @@ impl Guest {
             "vm: {release}: the probes found {} (expected absent: {:?})",
             wrong.join(", "),
             series.absent
+        );
+        ensure!(
+            below_minimum != series.daemon,
+            "vm: {release}: the daemon {} there, against the series' table",
+            if below_minimum { "cannot run" } else { "runs" }
         );
         ensure!(
             below_minimum != outcome.missing().is_empty(),
@@ -800,6 +855,33 @@ pub fn kernel_table(root: &Path) -> anyhow::Result<String> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn each_binary_runs_once_where_the_daemon_runs_and_feature_paths_once_per_set() {
+        let binaries: Vec<String> = [
+            "attach",
+            "breakers",
+            "kernel",
+            "listeners",
+            "ports",
+            "rates",
+        ]
+        .iter()
+        .map(|n| format!("target/release/deps/{n}-0123456789abcdef"))
+        .collect();
+        let series: Vec<&super::Series> = super::SERIES.iter().collect();
+        let shares = super::shares(&series, &binaries);
+        let names =
+            |i: usize| -> Vec<&str> { shares[i].1.iter().map(|b| super::binary_name(b)).collect() };
+        assert_eq!(shares.len(), 4);
+        // 5.10: below the daemon's minimum, every binary for its DAEMONLESS tests.
+        assert_eq!(names(0).len(), 6);
+        // 6.1 (its own set): every feature path, and a third of the others.
+        assert_eq!(names(1), ["kernel", "listeners", "ports", "attach"]);
+        // 6.12 and 7 (one set): the feature paths in turn, the others in turn.
+        assert_eq!(names(2), ["kernel", "ports", "breakers"]);
+        assert_eq!(names(3), ["listeners", "rates"]);
+    }
+
     #[test]
     fn results_name_a_failure_whose_output_came_before_failed() {
         let output = "running 3 tests\n\

@@ -19,7 +19,7 @@ use super::lock;
 const KEPT_RUNS: usize = 257;
 /// A run still going after this long is logged (again every time as long), and shown
 /// in `stats` as `running_ms`: every job's run takes far less.
-const STALLED: Duration = Duration::from_secs(10);
+pub(super) const STALLED: Duration = Duration::from_secs(10);
 
 pub type Work = Arc<dyn Fn() -> anyhow::Result<()> + Send + Sync>;
 

@@ -29,7 +29,9 @@
 //! tree, seconds on hosts with tens of thousands of cgroups, are made holding none of
 //! the locks `stats` needs.
 mod govern;
+mod health;
 mod jobs;
+mod policy_watch;
 mod programs;
 mod report;
 mod scrape;
@@ -57,7 +59,7 @@ use crate::{
     diagnose::attribution::TimeWaitRates,
     enforce::{audit::Audit, counters::Counters, lease::Lease, port_watch::PortWatch},
     host::cgroup_watch::CgroupWatch,
-    kernel::state::{self, Pin, State},
+    kernel::state::{self, State},
     policy::{self, Policy},
     report::events::EventLog,
 };
@@ -92,6 +94,8 @@ pub struct Options {
     pub audit: Duration,
     /// Where the runtimes are, for pod and container selectors.
     pub runtimes: RuntimeSockets,
+    /// Reload when the policy file changes (policy_watch).
+    pub watch_policy: bool,
 }
 
 /// The daemon's state: first what is set at start, then the locks (see the module's
@@ -102,9 +106,9 @@ struct Daemon {
     /// The controls (guard_common::CONTROL_* bits) the connect programs were loaded with.
     controls: u32,
     policy_path: Option<PathBuf>,
-    /// The pinned state, and the tracepoint's link in it.
+    /// The pinned state, and the tracepoint programs' links in it.
     state: State,
-    tracepoint: Pin,
+    tracepoints: crate::kernel::object::Tracepoints,
     audit: Audit,
     /// Creations of cgroups where a new one may be selected.
     cgroup_watch: CgroupWatch,
@@ -148,6 +152,7 @@ fn read_policy(path: Option<&Path>) -> Result<Policy, policy::PolicyError> {
 /// `connguard run`, phase by phase; each phase hands the next what it made.
 pub fn run(opts: Options) -> anyhow::Result<()> {
     start::set_up_process();
+    let watch = policy_watch(&opts);
     // What is left of `probed.endpoints` lives to the end of `run`: the control
     // socket's file is removed, and bpf_stats turned off, when the daemon stops and when
     // it fails to start.
@@ -155,8 +160,30 @@ pub fn run(opts: Options) -> anyhow::Result<()> {
     let (loaded, events) = start::load(&opts, &probed.host)?;
     let (daemon, first) = start::adopt(&opts, probed.host, loaded)?;
     let ready = start::apply(&daemon, first)?;
-    let detach = serve::serve(&daemon, probed.endpoints.listeners, events, ready, &opts);
+    let detach = serve::serve(
+        &daemon,
+        probed.endpoints.listeners,
+        events,
+        watch,
+        ready,
+        &opts,
+    );
     serve::shut_down(daemon, detach, &opts)
+}
+
+/// The watch of the policy file, made before the first read of the policy (see
+/// policy_watch); none without a file, with `--no-watch-policy`, or without inotify
+/// (said in the log: reloads then come from SIGHUP and `connguard reload` only).
+fn policy_watch(opts: &Options) -> Option<policy_watch::PolicyWatch> {
+    let path = opts.policy.as_deref().filter(|_| opts.watch_policy)?;
+    policy_watch::PolicyWatch::new(path)
+        .inspect_err(|e| {
+            log::warn!(
+                "watching {}: {e}; the policy is reloaded on SIGHUP and `connguard reload` only",
+                path.display()
+            )
+        })
+        .ok()
 }
 
 /// `connguard stop`: asks the daemon at `socket` to detach, unpin and exit, and waits

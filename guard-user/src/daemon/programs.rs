@@ -7,6 +7,7 @@
 //! so wait for no cgroup walk or attach and no snapshot (only for the listener program's
 //! own attach).
 use std::{
+    collections::HashMap,
     ops::{Deref, DerefMut},
     sync::{Mutex, MutexGuard},
 };
@@ -14,7 +15,7 @@ use std::{
 use aya::Ebpf;
 
 use super::lock;
-use connguard_api::stats::ListenerStats;
+use connguard_api::stats::{CallerTables, ListenerStats};
 
 use crate::{
     enforce::generations::Generations,
@@ -92,8 +93,14 @@ impl Programs {
         lock(&self.listeners).heartbeat()
     }
 
-    pub fn listener_stats(&self) -> Vec<ListenerStats> {
+    /// The listener guards' stats, and the use of their callers' tables.
+    pub fn listener_stats(&self) -> (Vec<ListenerStats>, CallerTables) {
         lock(&self.listeners).stats()
+    }
+
+    /// Listener guards' names by id, for events.
+    pub fn listener_names(&self) -> HashMap<u32, String> {
+        lock(&self.listeners).names()
     }
 
     /// Empties LISTENERS for good and detaches the listener program

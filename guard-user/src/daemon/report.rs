@@ -31,7 +31,7 @@ impl Daemon {
         };
         let dump = lock(&self.counts).counters.dump(ids.counts());
         let watched_ports = lock(&self.port_watch).watched();
-        let listeners = self.programs.listener_stats();
+        let (listeners, caller_tables) = self.programs.listener_stats();
         let scope_name = |id| ids.scope_name(id).unwrap_or("?").to_string();
         let eaddrnotavail = eaddrnotavail_counts(&dump.eaddrnotavail, scope_name);
         let (internal_errors, lease_expired, lost_events) =
@@ -49,6 +49,7 @@ impl Daemon {
             eaddrnotavail,
             watched_ports,
             listeners,
+            caller_tables,
             jobs: self.jobs.stats(),
             kernel: Some(self.features.clone()),
             runtimes: self.workloads.runtimes(),

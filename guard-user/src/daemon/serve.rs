@@ -8,6 +8,7 @@ use tokio::signal::unix::{SignalKind, signal};
 
 use super::{
     Daemon, Options,
+    policy_watch::PolicyWatch,
     start::{Listeners, Ready},
 };
 use crate::{
@@ -15,14 +16,16 @@ use crate::{
     kernel::state,
 };
 
-/// Serves the control socket and /metrics, runs the jobs and reads the kernel's events
-/// from `events`; reloads on SIGHUP. Returns, once SIGTERM, SIGINT or a `stop` request
+/// Serves the control socket and the HTTP listener, runs the jobs and reads the kernel's
+/// events from `events`; reloads on SIGHUP and, with `watch`, when the policy file
+/// changes. Returns, once SIGTERM, SIGINT or a `stop` request
 /// came, whether to detach everything (`stop`, or `--detach-on-exit`), with the
 /// runtime shut down and the listener guards stopped.
 pub fn serve(
     daemon: &Arc<Daemon>,
     listeners: Listeners,
     events: RingBuf<MapData>,
+    watch: Option<PolicyWatch>,
     ready: Ready,
     opts: &Options,
 ) -> anyhow::Result<bool> {
@@ -39,16 +42,29 @@ pub fn serve(
             }
         });
         if let Some(listener) = metrics {
-            log::info!("metrics on http://{}/metrics", listener.local_addr()?);
-            let d = daemon.clone();
-            let render: control::metrics::Render = Arc::new(move || d.metrics());
+            let at = listener.local_addr()?;
+            log::info!("metrics on http://{at}/metrics, probes on http://{at}/healthz and /readyz");
+            let endpoint: Arc<dyn control::metrics::Endpoint> = daemon.clone();
             tokio::spawn(async move {
-                if let Err(e) = control::metrics::serve(listener, render).await {
-                    log::error!("metrics: {e:#}; /metrics no longer answers");
+                if let Err(e) = control::metrics::serve(listener, endpoint).await {
+                    log::error!("metrics: {e:#}; /metrics, /healthz and /readyz no longer answer");
                 }
             });
         }
         daemon.spawn_jobs(opts.forget_idle, opts.audit);
+        if let Some(watch) = watch {
+            let d = daemon.clone();
+            tokio::spawn(async move {
+                let reload = Arc::new(move || {
+                    d.reload();
+                });
+                if let Err(e) = watch.run(reload).await {
+                    log::error!(
+                        "watching the policy file: {e}; it is reloaded on SIGHUP and `connguard reload` only"
+                    );
+                }
+            });
+        }
         let d = daemon.clone();
         tokio::spawn(async move {
             if let Err(e) = d.read_events(events).await {

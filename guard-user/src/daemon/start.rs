@@ -42,7 +42,7 @@ use crate::{
         features::{Feature, KernelFeatures},
         maps::{CounterMaps, Hashed, ListenerMaps, Maps, PolicyMaps},
         object,
-        state::{self, Pin, State},
+        state::{self, State},
         syscall,
     },
     listen::ListenerGuard,
@@ -157,8 +157,8 @@ pub fn probe(opts: &Options) -> anyhow::Result<Probed> {
 /// it.
 pub struct Loaded {
     ebpf: Ebpf,
-    /// The state tracepoint's link, attached and pinned.
-    tracepoint: Pin,
+    /// The tracepoint programs' links, attached and pinned.
+    tracepoints: object::Tracepoints,
     /// The listener program decides per SYN (else from the daemon's readings).
     per_syn: bool,
     policy_maps: PolicyMaps,
@@ -183,7 +183,7 @@ pub fn load(opts: &Options, host: &Host) -> anyhow::Result<(Loaded, RingBuf<MapD
     } = host;
     let object::Loaded {
         mut ebpf,
-        tracepoint,
+        tracepoints,
         per_syn,
     } = object::load(features, state, policy::controls(policy))?;
     if per_syn {
@@ -219,7 +219,7 @@ pub fn load(opts: &Options, host: &Host) -> anyhow::Result<(Loaded, RingBuf<MapD
     );
     let loaded = Loaded {
         ebpf,
-        tracepoint,
+        tracepoints,
         per_syn,
         policy_maps,
         counter_maps,
@@ -264,13 +264,13 @@ pub fn adopt(opts: &Options, host: Host, loaded: Loaded) -> anyhow::Result<(Arc<
         loaded.listener_maps,
         features.has(Feature::Tcx),
         loaded.per_syn,
-    );
+    )?;
     let daemon = Arc::new(Daemon {
         controls,
         policy_path: opts.policy.clone(),
         features,
         state,
-        tracepoint: loaded.tracepoint,
+        tracepoints: loaded.tracepoints,
         audit: loaded.audit,
         cgroup_watch: CgroupWatch::new(),
         workloads,
@@ -328,7 +328,7 @@ pub fn apply(daemon: &Daemon, first: First) -> anyhow::Result<Ready> {
     let what = policy::describe(&policy);
     let listeners = policy.listeners.clone();
     daemon.apply(policy, tree)?;
-    object::remove_old_tracepoints(&daemon.state, &daemon.tracepoint)?;
+    object::remove_old_tracepoints(&daemon.state, &daemon.tracepoints)?;
     daemon.log_adoption(adopted_links);
     if !lock(&daemon.lease).seeded()? && daemon.seed() {
         lock(&daemon.lease).mark_seeded()?;

@@ -191,6 +191,7 @@ impl Daemon {
                 let g = self.programs.generations();
                 (g.ids(), g.policy())
             };
+            let guards = self.programs.listener_names();
             let workload = |scope: &str| {
                 let s = policy.as_ref()?.scopes.iter().find(|s| s.name == scope)?;
                 s.workload().map(ToString::to_string)
@@ -202,7 +203,7 @@ impl Daemon {
                     let ev = unsafe {
                         std::ptr::read_unaligned(item.as_ptr().cast::<guard_common::Event>())
                     };
-                    log.push(&ev, &ids, at_boot, workload);
+                    log.push(&ev, &ids, &guards, at_boot, workload);
                 }
             }
             ready.clear_ready();

@@ -9,7 +9,10 @@
 //! (net/ipv4/tcp_diag.c), and half-open connections as SYN_RECV entries.
 use std::{collections::BTreeMap, fmt::Write};
 
-use connguard_api::listeners::{Listener, ListenersReport};
+use connguard_api::{
+    listeners::{Listener, ListenersReport},
+    stats::ListenerStats,
+};
 use guard_common::{addr::endpoint, linux::TCP_LISTEN};
 
 use crate::host::{
@@ -44,13 +47,14 @@ pub fn report(
                 netns: netns.to_string(),
                 addr: endpoint(l.src, l.sport),
                 port: l.sport,
+                inode: l.inode,
                 process: owner.map(|o| format!("{}[{}]", o.comm, o.pid)),
                 cgroup: owner.and_then(|o| o.cgroup.clone()),
                 scope: None,
                 accept_queue: l.recv_queue,
                 backlog: l.send_queue,
                 syn_recv,
-                rst_shed: 0,
+                rst_shed: None,
                 state: if l.recv_queue > l.send_queue {
                     "full"
                 } else {
@@ -67,6 +71,7 @@ pub fn report(
     let mut r = ListenersReport {
         netns: netns.to_string(),
         listeners,
+        guards: Vec::new(),
         counters,
         warnings: Vec::new(),
     };
@@ -91,6 +96,14 @@ pub fn report(
     r
 }
 
+/// Whether two names of network namespaces, as a guard and a report write them (a netns
+/// file, or "self" for the daemon's and the caller's own), are the same namespace.
+pub fn same_netns(a: &str, b: &str) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let inode = |p: &str| (p != "self").then(|| std::fs::metadata(p).ok().map(|m| m.ino()));
+    a == b || matches!((inode(a), inode(b)), (Some(Some(x)), Some(Some(y))) if x == y)
+}
+
 /// The calling thread's namespace's COUNTERS.
 pub fn read_counters() -> anyhow::Result<BTreeMap<String, u64>> {
     tcp_ext_counters(COUNTERS)
@@ -102,17 +115,18 @@ pub fn table(r: &ListenersReport) -> String {
     let _ = writeln!(out, "netns {}", r.netns);
     let _ = writeln!(
         out,
-        "\n{:<28} {:>8} {:>8} {:>9} {:<6} {:<24} {:<16}",
-        "LISTENER", "QUEUE", "BACKLOG", "SYN_RECV", "STATE", "PROCESS", "SCOPE"
+        "\n{:<28} {:>8} {:>8} {:>9} {:>8} {:<6} {:<24} {:<16}",
+        "LISTENER", "QUEUE", "BACKLOG", "SYN_RECV", "RST", "STATE", "PROCESS", "SCOPE"
     );
     for l in &r.listeners {
         let _ = writeln!(
             out,
-            "{:<28} {:>8} {:>8} {:>9} {:<6} {:<24} {:<16}",
+            "{:<28} {:>8} {:>8} {:>9} {:>8} {:<6} {:<24} {:<16}",
             l.addr,
             l.accept_queue,
             l.backlog,
             l.syn_recv,
+            l.rst_shed.map_or("-".into(), |n| n.to_string()),
             l.state,
             l.process.as_deref().unwrap_or("-"),
             l.scope.as_deref().unwrap_or("-")
@@ -120,8 +134,69 @@ pub fn table(r: &ListenersReport) -> String {
     }
     let counters: Vec<String> = r.counters.iter().map(|(k, v)| format!("{k} {v}")).collect();
     let _ = writeln!(out, "\nnamespace counters: {}", counters.join(", "));
+    for g in &r.guards {
+        out += &guard(g);
+    }
     for w in &r.warnings {
         let _ = writeln!(out, "\nWARNING: {w}");
+    }
+    out
+}
+
+/// A guard's totals, and its per-caller budgets with its busiest callers.
+fn guard(g: &ListenerStats) -> String {
+    let mut out = String::new();
+    let decided = if g.per_syn {
+        "per SYN: RST above per socket"
+    } else {
+        "from the daemon's reading"
+    };
+    let _ = writeln!(
+        out,
+        "\nguard {} ({}, {decided}): {} RST past the queue limits, {} in observe mode",
+        g.name, g.mode, g.rst_shed, g.would_rst
+    );
+    let Some(p) = &g.per_source else {
+        return out;
+    };
+    let mut limits = Vec::new();
+    if let Some(n) = p.max_connections {
+        limits.push(format!("{n} connections"));
+    }
+    if let (Some(rate), Some(burst)) = (&p.rate, p.burst) {
+        limits.push(format!("{rate} (burst {burst})"));
+    }
+    let _ = writeln!(
+        out,
+        "  per caller (/{} IPv4, /{} IPv6): {}, refused by {}",
+        p.prefix,
+        p.prefix6,
+        limits.join(", "),
+        p.action
+    );
+    let _ = writeln!(
+        out,
+        "  {} refused, {} in observe mode ({} over the rate); {} caller(s) refused now; \
+         {} connection(s) held by {} caller(s)",
+        p.refused, p.would_refuse, p.rate_limited, p.refusing, p.active, p.callers
+    );
+    let _ = writeln!(
+        out,
+        "  {:<44} {:>8} {:>8} {:>9} {:>8} {:>8} {:<8}",
+        "CALLER", "ACTIVE", "PEAK", "ADMITTED", "REFUSED", "WOULD", "REFUSING"
+    );
+    for c in p.top.iter().chain(std::iter::once(&p.other)) {
+        let _ = writeln!(
+            out,
+            "  {:<44} {:>8} {:>8} {:>9} {:>8} {:>8} {:<8}",
+            c.caller,
+            c.active,
+            c.peak,
+            c.admitted,
+            c.refused,
+            c.would_refuse,
+            if c.refusing { "yes" } else { "-" }
+        );
     }
     out
 }

@@ -16,6 +16,8 @@
 //! - docs/architecture.md lists the eBPF object's maps and programs, in tables marked
 //!   `<!-- maps: all -->` and `<!-- programs: all -->`.
 //! - Relative links resolve, to a file and, with `#anchor`, to one of its headings.
+//! - README.md, the front page, has at most 250 lines, and it and docs/README.md link
+//!   every page of docs/.
 //! - No commit hash in README.md, docs/ or the comments of the tracked files (`hashes`).
 mod fullest;
 mod hashes;
@@ -557,6 +559,45 @@ fn resolve(from: &Path, to: &str) -> PathBuf {
         }
     }
     out
+}
+
+/// The front page's length limit, in lines.
+const FRONT_PAGE_LINES: usize = 250;
+
+#[test]
+fn the_front_page_is_short_and_it_and_the_index_link_every_page() {
+    let all = docs();
+    let pages: BTreeSet<PathBuf> = all
+        .iter()
+        .filter(|d| d.path.starts_with("docs") && d.path != Path::new("docs/README.md"))
+        .map(|d| d.path.clone())
+        .collect();
+    let mut problems = Vec::new();
+    for index in ["README.md", "docs/README.md"] {
+        let doc = all
+            .iter()
+            .find(|d| d.path == Path::new(index))
+            .unwrap_or_else(|| panic!("no {index}"));
+        let linked: BTreeSet<PathBuf> = doc
+            .links()
+            .into_iter()
+            .filter(|(url, _)| !url.contains("://"))
+            .map(|(url, _)| resolve(&doc.path, url.split('#').next().unwrap_or_default()))
+            .collect();
+        problems.extend(
+            pages
+                .difference(&linked)
+                .map(|p| format!("{index} does not link {}", p.display())),
+        );
+    }
+    let readme = all.iter().find(|d| d.path == Path::new("README.md"));
+    let lines = readme.map_or(0, |d| d.text.lines().count());
+    if lines > FRONT_PAGE_LINES {
+        problems.push(format!(
+            "README.md has {lines} lines, more than {FRONT_PAGE_LINES}: move the detail into docs/"
+        ));
+    }
+    report("the front page", problems);
 }
 
 #[test]

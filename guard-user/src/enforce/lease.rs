@@ -30,6 +30,15 @@ impl Lease {
         self.map.set(1, 1, 0).context("writing LEASE")
     }
 
+    /// How long the programs shed from now on without another renewal: zero once the
+    /// lease has run out.
+    pub fn remaining(&self) -> anyhow::Result<Duration> {
+        let until = self.map.get(&0, 0).context("reading LEASE")?;
+        Ok(Duration::from_nanos(
+            until.saturating_sub(guard_common::monotonic_ns()),
+        ))
+    }
+
     /// Holds the lease for its length from now.
     pub fn renew(&mut self) -> anyhow::Result<()> {
         let until = guard_common::monotonic_ns().saturating_add(self.length.as_nanos() as u64);

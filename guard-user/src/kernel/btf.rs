@@ -9,9 +9,9 @@ use guard_common::SockOffsets;
 
 const VMLINUX: &str = "/sys/kernel/btf/vmlinux";
 
-/// What the per-SYN listener program reads, each field checked for its size. Found once
-/// per process (the feature probe and the loader both ask): a distribution kernel's BTF
-/// is megabytes of types, not to be parsed twice.
+/// What the per-SYN listener program and the state tracepoint read, each field checked
+/// for its size. Found once per process (the feature probe and the loader both ask): a
+/// distribution kernel's BTF is megabytes of types, not to be parsed twice.
 pub fn sock_offsets() -> anyhow::Result<SockOffsets> {
     static FOUND: OnceLock<Result<SockOffsets, String>> = OnceLock::new();
     FOUND
@@ -38,17 +38,31 @@ fn find_sock_offsets() -> anyhow::Result<SockOffsets> {
         Ok(offset)
     };
     let in_sock = |name: &'static str| [&sock[..], &[name]].concat();
+    // struct sock starts struct tcp_sock: its offsets are the socket's.
+    let common = |name: &'static str, size: usize| {
+        field(
+            "tcp_sock",
+            &[&sock[..], &["__sk_common", name]].concat(),
+            size,
+        )
+    };
     Ok(SockOffsets {
         ack_backlog: field("tcp_sock", &in_sock("sk_ack_backlog"), 4)?,
         max_ack_backlog: field("tcp_sock", &in_sock("sk_max_ack_backlog"), 4)?,
         syn_queue: field("tcp_sock", &["inet_conn", "icsk_accept_queue", "qlen"], 4)?,
         young: field("tcp_sock", &["inet_conn", "icsk_accept_queue", "young"], 4)?,
-        net: field(
-            "tcp_sock",
-            &[&sock[..], &["__sk_common", "skc_net"]].concat(),
-            8,
-        )?,
+        net: common("skc_net", 8)?,
         net_inum: field("net", &["ns", "inum"], 4)?,
+        sk_socket: field("tcp_sock", &in_sock("sk_socket"), 8)?,
+        socket_file: field("socket", &["file"], 8)?,
+        file_inode: field("file", &["f_inode"], 8)?,
+        inode_ino: field("inode", &["i_ino"], 8)?,
+        family: common("skc_family", 2)?,
+        num: common("skc_num", 2)?,
+        daddr: common("skc_daddr", 4)?,
+        rcv_saddr: common("skc_rcv_saddr", 4)?,
+        v6_daddr: common("skc_v6_daddr", 16)?,
+        v6_rcv_saddr: common("skc_v6_rcv_saddr", 16)?,
     })
 }
 
@@ -125,5 +139,11 @@ mod tests {
         assert_eq!(o.max_ack_backlog, o.ack_backlog + 4, "{o:?}");
         assert!(o.net < 136 && o.syn_queue > o.max_ack_backlog, "{o:?}");
         assert_eq!(o.young, o.syn_queue + 4, "{o:?}");
+        // sock_common: the address pair, then the port pair (skc_num after skc_dport).
+        assert_eq!((o.rcv_saddr, o.num % 4), (o.daddr + 4, 2), "{o:?}");
+        assert!(
+            o.v6_daddr > o.family && o.v6_rcv_saddr == o.v6_daddr + 16,
+            "{o:?}"
+        );
     }
 }

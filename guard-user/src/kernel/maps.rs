@@ -9,7 +9,9 @@ use aya::{
 };
 use guard_common::{
     Breaker, Candidates, CgroupKey, Counter, CounterKey, EaddrKey, IdKey, ListenerEntry,
-    ListenerKey, PortUseKey, RuleAddrKey, ScopeConf, TimeWaitKey, names::map,
+    ListenerKey, PortUseKey, RstKey, RuleAddrKey, ScopeConf, TimeWaitKey,
+    callers::{CallerCount, CallerKey, PerSourceTotals, SourceState},
+    names::map,
 };
 
 pub type Hashed<K, V> = BpfHash<MapData, K, V>;
@@ -43,8 +45,15 @@ pub struct ListenerMaps {
     pub shed: Hashed<ListenerKey, ListenerEntry>,
     /// [0]: CLOCK_MONOTONIC ns of the daemon's last heartbeat.
     pub heartbeat: Array<MapData, u64>,
-    pub rst_shed: Hashed<u32, u64>,
-    pub would_rst: Hashed<u32, u64>,
+    pub rst_shed: Hashed<RstKey, u64>,
+    pub would_rst: Hashed<RstKey, u64>,
+    pub ids: Hashed<IdKey, u32>,
+    /// [0]: how many LISTENERS entries set per-caller budgets.
+    pub caller_guards: Array<MapData, u32>,
+    pub callers: Hashed<CallerKey, CallerCount>,
+    /// An LRU hash map (aya reads it as a hash map).
+    pub sources: Hashed<CallerKey, SourceState>,
+    pub per_source_totals: Hashed<u32, PerSourceTotals>,
 }
 
 /// The maps the daemon uses. SOCKS (socket storage) is the programs' alone.
@@ -83,6 +92,11 @@ impl Maps {
                 heartbeat: take(ebpf, map::LISTENER_HEARTBEAT)?,
                 rst_shed: take(ebpf, map::RST_SHED)?,
                 would_rst: take(ebpf, map::WOULD_RST)?,
+                ids: take(ebpf, map::LISTENER_IDS)?,
+                caller_guards: take(ebpf, map::CALLER_GUARDS)?,
+                callers: take(ebpf, map::CALLERS)?,
+                sources: take(ebpf, map::SOURCES)?,
+                per_source_totals: take(ebpf, map::PER_SOURCE_TOTALS)?,
             },
             lease: take(ebpf, map::LEASE)?,
         })

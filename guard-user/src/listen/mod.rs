@@ -7,32 +7,49 @@
 //! entry's reading (polled); heartbeats stop when readings do, so a killed daemon, a
 //! hung one or a stuck watcher sheds nothing (fail-open); a namespace that cannot be
 //! read loses its entries, and is logged once, and again when it can be read again.
+//!
+//! Guards with per-caller budgets (`per_source`, callers.rs) need the per-SYN program:
+//! with the polled one they are not enforced, and a warning says so.
 mod attach;
+mod callers;
+mod ids;
 mod reading;
+mod rsts;
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::{
+    collections::{BTreeMap, BTreeSet, HashMap, HashSet},
+    time::Duration,
+};
 
 use anyhow::Context;
 use aya::Ebpf;
-use connguard_api::stats::{ListenerStats, QueueReading};
-use guard_common::{LISTENER_TTL_NS, ListenerEntry, ListenerKey, monotonic_ns};
+use connguard_api::stats::{CallerTables, ListenerStats, QueueReading};
+use guard_common::{
+    LISTENER_TTL_NS, ListenerEntry, ListenerKey, NO_LISTENER, RstKey, callers::PER_SOURCE_OFF,
+    monotonic_ns,
+};
 
+pub use callers::caller_name;
 pub use reading::{Reader, Reading};
 
 use crate::{
-    kernel::maps::{Hashed, ListenerMaps, Mirrored},
+    kernel::maps::{ListenerMaps, Mirrored},
     policy::{ListenerPolicy, mode_name},
 };
+
+/// How often the kernel's entries of gone sockets and idle callers are swept.
+const SWEEP: Duration = Duration::from_secs(10);
 
 /// The daemon's side of listener guards.
 pub struct ListenerGuard {
     entries: Mirrored<ListenerKey, ListenerEntry>,
     heartbeat: aya::maps::Array<aya::maps::MapData, u64>,
-    rst_shed: Hashed<u32, u64>,
-    would_rst: Hashed<u32, u64>,
+    rsts: rsts::Rsts,
+    /// The policies in force that have an id.
     policies: Vec<ListenerPolicy>,
-    /// Listener name -> id of its RST_SHED and WOULD_RST counters, stable across reloads.
-    ids: HashMap<String, u32>,
+    /// Guard names' ids, which key their counts in the kernel.
+    ids: ids::GuardIds,
+    callers: callers::Callers,
     readings: Vec<QueueReading>,
     /// Listener ids past a limit at the last reading.
     shedding: BTreeSet<u32>,
@@ -49,14 +66,19 @@ pub struct ListenerGuard {
 }
 
 impl ListenerGuard {
-    pub fn new(maps: ListenerMaps, tcx: bool, per_syn: bool) -> Self {
-        ListenerGuard {
+    pub fn new(maps: ListenerMaps, tcx: bool, per_syn: bool) -> anyhow::Result<Self> {
+        Ok(ListenerGuard {
             entries: Mirrored::new(maps.shed),
             heartbeat: maps.heartbeat,
-            rst_shed: maps.rst_shed,
-            would_rst: maps.would_rst,
+            rsts: rsts::Rsts::new(maps.rst_shed, maps.would_rst),
             policies: Vec::new(),
-            ids: HashMap::new(),
+            ids: ids::GuardIds::restore(maps.ids)?,
+            callers: callers::Callers::new(
+                maps.caller_guards,
+                maps.callers,
+                maps.sources,
+                maps.per_source_totals,
+            ),
             readings: Vec::new(),
             shedding: BTreeSet::new(),
             applied: None,
@@ -64,17 +86,32 @@ impl ListenerGuard {
             unreadable: BTreeMap::new(),
             cleared: false,
             per_syn,
-        }
+        })
     }
 
     /// Takes the listener policies of the policy in force, and attaches the program
-    /// where they need it (`rescan`).
+    /// where they need it (`rescan`). A guard whose name cannot be given an id is left
+    /// out, and logged.
     pub fn set_policies(&mut self, ebpf: &mut Ebpf, policies: Vec<ListenerPolicy>) {
-        for p in &policies {
-            let next = self.ids.len() as u32;
-            self.ids.entry(p.name.clone()).or_insert(next);
+        self.policies = policies
+            .into_iter()
+            .filter(|p| match self.ids.assign(&p.name) {
+                Ok(_) => true,
+                Err(e) => {
+                    log::error!("listener guard {:?} is not applied: {e:#}", p.name);
+                    false
+                }
+            })
+            .collect();
+        if !self.per_syn
+            && let Some(p) = self.policies.iter().find(|p| p.per_source.is_some())
+        {
+            log::warn!(
+                "listener guard {:?}: per_source budgets need the per-SYN listener program \
+                 (kernel feature listener_per_syn), and are not enforced",
+                p.name
+            );
         }
-        self.policies = policies;
         self.rescan(ebpf);
     }
 
@@ -95,7 +132,7 @@ impl ListenerGuard {
         let policies = self
             .policies
             .iter()
-            .map(|p| (p.clone(), self.ids[&p.name]))
+            .filter_map(|p| Some((p.clone(), self.ids.get(&p.name)?)))
             .collect();
         (policies, self.per_syn)
     }
@@ -124,7 +161,7 @@ impl ListenerGuard {
         self.shedding = reading.shedding;
         self.applied = Some(std::time::Instant::now());
         let now = monotonic_ns();
-        let entries = reading
+        let entries: HashMap<ListenerKey, ListenerEntry> = reading
             .entries
             .into_iter()
             .map(|(k, v)| {
@@ -137,9 +174,28 @@ impl ListenerGuard {
                 )
             })
             .collect();
+        let guards = if self.per_syn {
+            entries
+                .values()
+                .filter(|e| e.listener_id != NO_LISTENER && e.per_source.action != PER_SOURCE_OFF)
+                .count() as u32
+        } else {
+            0
+        };
         let synced = self.entries.sync(entries).context("writing LISTENERS");
         // The entries hold from the moment they are written, not from the next beat.
         self.heartbeat()?;
+        self.callers.set_guards(guards)?;
+        self.callers.sweep();
+        let listed: HashSet<RstKey> = self
+            .readings
+            .iter()
+            .map(|q| RstKey {
+                listener_id: q.listener_id,
+                inode: q.inode,
+            })
+            .collect();
+        self.rsts.sweep(&listed);
         synced
     }
 
@@ -169,28 +225,59 @@ impl ListenerGuard {
         emptied
     }
 
-    pub fn stats(&self) -> Vec<ListenerStats> {
-        self.policies
+    /// The guards' stats, and the use of the callers' tables.
+    pub fn stats(&self) -> (Vec<ListenerStats>, CallerTables) {
+        let rsts = self.rsts.read();
+        let tables = self
+            .policies
             .iter()
-            .map(|p| {
-                let id = self.ids[&p.name];
-                ListenerStats {
+            .any(|p| p.per_source.is_some())
+            .then(|| self.callers.read());
+        let stats = self
+            .policies
+            .iter()
+            .filter_map(|p| {
+                let id = self.ids.get(&p.name)?;
+                let [rst_shed, would_rst] = self.rsts.totals(&rsts, id);
+                Some(ListenerStats {
                     name: p.name.clone(),
                     netns: netns_name(p.netns.as_deref()),
                     ports: p.ports.iter().map(|r| [r.first, r.last]).collect(),
                     mode: mode_name(p.mode).into(),
+                    per_syn: self.per_syn,
                     shedding: self.shedding.contains(&id),
-                    rst_shed: self.rst_shed.get(&id, 0).unwrap_or(0),
-                    would_rst: self.would_rst.get(&id, 0).unwrap_or(0),
+                    rst_shed,
+                    would_rst,
                     queues: self
                         .readings
                         .iter()
                         .filter(|r| r.listener_id == id)
-                        .cloned()
+                        .map(|r| {
+                            let [rst_shed, would_rst] = rsts.of(&RstKey {
+                                listener_id: id,
+                                inode: r.inode,
+                            });
+                            QueueReading {
+                                rst_shed,
+                                would_rst,
+                                ..r.clone()
+                            }
+                        })
                         .collect(),
-                }
+                    per_source: p
+                        .per_source
+                        .as_ref()
+                        .zip(tables.as_ref())
+                        .map(|(ps, t)| self.callers.stats(t, id, ps)),
+                })
             })
-            .collect()
+            .collect();
+        (stats, tables.map(|t| t.use_of()).unwrap_or_default())
+    }
+
+    /// Guard ids by name, for events.
+    pub fn names(&self) -> HashMap<u32, String> {
+        self.ids.names()
     }
 }
 

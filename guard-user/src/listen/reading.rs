@@ -11,8 +11,9 @@ use std::{
 
 use connguard_api::stats::QueueReading;
 use guard_common::{
-    ListenerEntry, ListenerKey,
+    ListenerEntry, ListenerKey, NO_LISTENER,
     addr::{endpoint, mapped},
+    callers::PER_SOURCE_OFF,
     linux::TCP_SYN_RECV,
 };
 
@@ -22,7 +23,7 @@ use crate::{
         netns,
         sockdiag::{Diag, TcpSocket, syn_recv_of},
     },
-    policy::ListenerPolicy,
+    policy::{ListenerPolicy, compile},
 };
 
 /// What one reading of the guarded namespaces found.
@@ -92,6 +93,9 @@ impl Reader {
             let key_ns = if per_syn { inode as u32 } else { 0 };
             for (p, id) in guards {
                 judge(p, *id, key_ns, &listeners, syn_recv, &mut reading);
+            }
+            if per_syn {
+                unguarded_shadows(key_ns, &listeners, &mut reading.entries);
             }
         }
         reading
@@ -176,9 +180,12 @@ fn judge(
             reading.queues.push(QueueReading {
                 listener_id: id,
                 addr: endpoint(l.src, l.sport),
+                inode: l.inode,
                 accept_queue: l.recv_queue,
                 backlog: l.send_queue,
                 syn_recv,
+                rst_shed: 0,
+                would_rst: 0,
             });
             // A backlog of 0 still queues one connection: compare against 1.
             let backlog = l.send_queue.max(1) as u64;
@@ -200,6 +207,7 @@ fn judge(
             shed: u32::from(all_over),
             _pad: 0,
             renewed_ns: 0,
+            per_source: compile::per_source(p.per_source.as_ref()),
         };
         // Polled, namespaces share the key (0): shed only when every one is past.
         reading
@@ -207,5 +215,34 @@ fn judge(
             .entry(key)
             .and_modify(|e| e.shed &= entry.shed)
             .or_insert(entry);
+    }
+}
+
+/// Entries that guard nothing for the listeners of a namespace (`netns`) on a specific
+/// address that no guard selected, where the wildcard listener of their port has
+/// per-caller budgets: the state tracepoint finds a connection's listener by its local
+/// address, then the wildcard, and would count these listeners' connections against the
+/// wildcard guard's callers (guard_common::NO_LISTENER).
+fn unguarded_shadows(
+    netns: u32,
+    listeners: &[TcpSocket],
+    entries: &mut HashMap<ListenerKey, ListenerEntry>,
+) {
+    for l in listeners.iter().filter(|l| !l.src.is_unspecified()) {
+        let key = |addr| ListenerKey {
+            netns,
+            port: l.sport,
+            _pad: 0,
+            addr,
+        };
+        let budgets = entries
+            .get(&key([0; 16]))
+            .is_some_and(|w| w.per_source.action != PER_SOURCE_OFF);
+        if budgets {
+            entries.entry(key(mapped(l.src))).or_insert(ListenerEntry {
+                listener_id: NO_LISTENER,
+                ..ListenerEntry::default()
+            });
+        }
     }
 }

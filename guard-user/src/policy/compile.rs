@@ -1,4 +1,5 @@
-//! The policy in the kernel's terms: the entries of SCOPES and RULES. Networks are keyed
+//! The policy in the kernel's terms: the entries of SCOPES and RULES, and a listener
+//! guard's per-caller budgets. Networks are keyed
 //! IPv6, IPv4 IPv4-mapped (guard_common::addr). For each distinct destination prefix of
 //! a scope's rules, the RULES trie holds every rule whose network contains that prefix,
 //! in policy order: the longest prefix containing an address then carries exactly the
@@ -7,10 +8,28 @@ use std::net::Ipv6Addr;
 
 use guard_common::{
     BreakerConf, Candidates, MAX_RAMP_STEPS, RULE_KEY_FIXED_BITS, RuleAddrKey, RuleRef, ScopeConf,
+    callers::PerSource,
 };
 use ipnet::{IpNet, Ipv6Net};
 
-use super::{BreakerPolicy, Limits, Rate, Rule, Scope};
+use super::{BreakerPolicy, Limits, PerSourcePolicy, Rate, Rule, Scope};
+
+/// A listener guard's `per_source` as its LISTENERS entries carry it (all zeros, off,
+/// without one). IPv4 callers are keyed IPv4-mapped: their prefix counts 96 bits more.
+pub fn per_source(p: Option<&PerSourcePolicy>) -> PerSource {
+    let Some(p) = p else {
+        return PerSource::default();
+    };
+    PerSource {
+        action: p.action,
+        max_connections: p.max_connections.unwrap_or(0),
+        rate_interval_ns: p.rate.as_ref().map_or(0, Rate::interval_ns),
+        burst: p.rate.as_ref().map_or(0, |r| r.burst),
+        prefix4: 96 + p.prefix as u32,
+        prefix6: p.prefix6 as u32,
+        _pad: 0,
+    }
+}
 
 /// A scope as SCOPES holds it, under its stable id.
 pub fn scope_conf(scope: &Scope, scope_id: u32, serial: u32) -> ScopeConf {

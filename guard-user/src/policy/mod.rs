@@ -27,7 +27,8 @@ pub struct Policy {
     pub listeners: Vec<ListenerPolicy>,
 }
 
-/// A listener guard: shed SYNs with RSTs while the accept queue is past a watermark.
+/// A listener guard: shed SYNs with RSTs while the accept queue is past a watermark,
+/// and a caller's SYNs past its per-caller budgets.
 #[derive(Debug, Clone)]
 pub struct ListenerPolicy {
     pub name: String,
@@ -42,7 +43,34 @@ pub struct ListenerPolicy {
     pub accept_queue_watermark: Option<u32>,
     /// Shed from this many SYN_RECV entries.
     pub max_syn_recv: Option<u32>,
+    /// Budgets of each caller (source address prefix).
+    pub per_source: Option<PerSourcePolicy>,
     pub mode: u32,
+}
+
+/// `per_source` of a listener guard: what each caller (source address masked to
+/// `prefix` bits, IPv6 to `prefix6`) may hold and open; at least one limit is set.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PerSourcePolicy {
+    pub prefix: u8,
+    pub prefix6: u8,
+    /// Connections a caller holds: completed, plus handshakes in flight.
+    pub max_connections: Option<u32>,
+    /// New connections a caller opens.
+    pub rate: Option<Rate>,
+    /// What a refused SYN gets: guard_common::callers::PER_SOURCE_RST or _DROP.
+    pub action: u32,
+}
+
+impl PerSourcePolicy {
+    /// How stats and logs write the action.
+    pub fn action_name(&self) -> &'static str {
+        if self.action == guard_common::callers::PER_SOURCE_DROP {
+            "drop"
+        } else {
+            "rst"
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -387,16 +415,21 @@ pub fn controls(p: &Policy) -> u32 {
 }
 
 /// Warnings for controls finer than the kernel tick (`tick_ns`), at which the kernel
-/// reads their clock: a rate whose bucket holds less than one tick of tokens refills at
+/// reads their clock: a rate (of a scope, a rule, or a listener guard's callers) whose
+/// bucket holds less than one tick of tokens refills at
 /// most `burst` tokens a tick, below its rate; a `slow_connect_ms` under two ticks
 /// tells handshakes apart by a tick's error.
 pub fn coarse_controls(p: &Policy, tick_ns: u64) -> Vec<String> {
     let tick_us = tick_ns / 1000;
     let mut warnings = Vec::new();
-    for (name, limits, breaker) in levels(p) {
-        if let Some(r) = &limits.rate
-            && r.interval_ns().saturating_mul(r.burst as u64) < tick_ns
-        {
+    let rates = levels(p)
+        .filter_map(|(name, l, _)| l.rate.clone().map(|r| (name, r)))
+        .chain(p.listeners.iter().filter_map(|l| {
+            let r = l.per_source.as_ref()?.rate.clone()?;
+            Some((format!("listener {} per_source", l.name), r))
+        }));
+    for (name, r) in rates {
+        if r.interval_ns().saturating_mul(r.burst as u64) < tick_ns {
             warnings.push(format!(
                 "{name}: rate {r} with burst {} holds less than one kernel tick ({tick_us} µs) \
                  of tokens, so it admits at most {} a tick ({}/s): raise burst to {} or more",
@@ -406,6 +439,8 @@ pub fn coarse_controls(p: &Policy, tick_ns: u64) -> Vec<String> {
                 tick_ns.div_ceil(r.interval_ns()),
             ));
         }
+    }
+    for (name, _, breaker) in levels(p) {
         if let Some(slow) = breaker.as_ref().and_then(|b| b.slow_connect_ns)
             && slow < 2 * tick_ns
         {

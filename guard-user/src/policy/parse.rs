@@ -16,8 +16,8 @@ use serde::Deserialize;
 use toml::Spanned;
 
 use super::{
-    BreakerPolicy, ERRNOS, Limits, ListenerPolicy, Policy, PolicyError, Rate, RateUnit, Rule,
-    Scope, Selector,
+    BreakerPolicy, ERRNOS, Limits, ListenerPolicy, PerSourcePolicy, Policy, PolicyError, Rate,
+    RateUnit, Rule, Scope, Selector,
     compile::{candidates_of, rule_prefixes, unmapped_net},
     workloads::DERIVED_SEPARATOR,
 };
@@ -48,7 +48,19 @@ struct RawListener {
     scope: Option<Spanned<String>>,
     accept_queue_watermark: Option<Spanned<f64>>,
     max_syn_recv: Option<Spanned<i64>>,
+    per_source: Option<Spanned<RawPerSource>>,
     mode: Option<Spanned<String>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawPerSource {
+    prefix: Option<Spanned<i64>>,
+    prefix6: Option<Spanned<i64>>,
+    max_connections: Option<Spanned<i64>>,
+    rate: Option<Spanned<String>>,
+    burst: Option<Spanned<i64>>,
+    action: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize)]
@@ -401,10 +413,13 @@ fn parse_listeners(
         let span = l.span();
         let l = l.into_inner();
         let name = l.name.get_ref().trim().to_string();
-        if name.is_empty() || !names.insert(name.clone()) {
+        if let Some(reason) = bad_name(&name) {
+            return Err(at(l.name.span(), format!("listener name {reason}")));
+        }
+        if !names.insert(name.clone()) {
             return Err(at(
                 l.name.span(),
-                format!("listener name {name:?} is empty or used twice"),
+                format!("listener name {name:?} is used twice"),
             ));
         }
         if let Some(s) = &l.scope {
@@ -434,10 +449,13 @@ fn parse_listeners(
             at,
         )?;
         let max_syn_recv = at_least_one(&l.max_syn_recv, "max_syn_recv", at)?.map(|n| n as u32);
-        if accept_queue_watermark.is_none() && max_syn_recv.is_none() {
+        let per_source = l.per_source.map(|p| parse_per_source(p, at)).transpose()?;
+        if accept_queue_watermark.is_none() && max_syn_recv.is_none() && per_source.is_none() {
             return Err(at(
                 span,
-                format!("listener {name:?} needs accept_queue_watermark or max_syn_recv"),
+                format!(
+                    "listener {name:?} needs accept_queue_watermark, max_syn_recv or per_source"
+                ),
             ));
         }
         out.push(ListenerPolicy {
@@ -448,10 +466,75 @@ fn parse_listeners(
             interfaces: l.interfaces,
             accept_queue_watermark,
             max_syn_recv,
+            per_source,
             mode: parse_mode(&l.mode, at)?,
         });
     }
     Ok(out)
+}
+
+/// A listener guard's `per_source` table: prefix lengths, at least one limit, and the
+/// action.
+fn parse_per_source(
+    raw: Spanned<RawPerSource>,
+    at: &impl Fn(Range<usize>, String) -> PolicyError,
+) -> Result<PerSourcePolicy, PolicyError> {
+    use guard_common::callers::{PER_SOURCE_DROP, PER_SOURCE_RST};
+    let span = raw.span();
+    let p = raw.into_inner();
+    let prefix = |v: &Option<Spanned<i64>>, key: &str, max: i64, default: u8| match v {
+        None => Ok(default),
+        Some(n) if (0..=max).contains(n.get_ref()) => Ok(*n.get_ref() as u8),
+        Some(n) => Err(at(
+            n.span(),
+            format!(
+                "{key} must be a prefix length from 0 to {max} bits (got {})",
+                n.get_ref()
+            ),
+        )),
+    };
+    let limits = parse_limits(
+        RawLimits {
+            max_connections: &p.max_connections,
+            max_connecting: &None,
+            rate: &p.rate,
+            burst: &p.burst,
+        },
+        at,
+    )?;
+    let max_connections = match (limits.max_connections, &p.max_connections) {
+        (Some(n), Some(v)) if n > u32::MAX as u64 => {
+            return Err(at(
+                v.span(),
+                format!("max_connections must be at most {} (got {n})", u32::MAX),
+            ));
+        }
+        (n, _) => n.map(|n| n as u32),
+    };
+    if max_connections.is_none() && limits.rate.is_none() {
+        return Err(at(
+            span,
+            "per_source needs max_connections or rate (like rate = \"50/s\")".into(),
+        ));
+    }
+    let action = match p.action.as_ref().map(|a| a.get_ref().as_str()) {
+        None | Some("rst") => PER_SOURCE_RST,
+        Some("drop") => PER_SOURCE_DROP,
+        Some(other) => {
+            let span = p.action.as_ref().map_or(span, |a| a.span());
+            return Err(at(
+                span,
+                format!("action must be \"rst\" or \"drop\", not {other:?}"),
+            ));
+        }
+    };
+    Ok(PerSourcePolicy {
+        prefix: prefix(&p.prefix, "prefix", 32, 32)?,
+        prefix6: prefix(&p.prefix6, "prefix6", 128, 64)?,
+        max_connections,
+        rate: limits.rate,
+        action,
+    })
 }
 
 fn parse_rule(
@@ -1292,7 +1375,7 @@ per = "rule"
         );
         assert_eq!(
             err("[[listener]]\nname = \"api\"\nports = [\"8080\"]\n"),
-            "p.toml:1:1: listener \"api\" needs accept_queue_watermark or max_syn_recv"
+            "p.toml:1:1: listener \"api\" needs accept_queue_watermark, max_syn_recv or per_source"
         );
         assert_eq!(
             err("[[listener]]\nname = \"api\"\nports = [\"8080\"]\naccept_queue_watermark = 2.0\n"),
@@ -1407,6 +1490,15 @@ per = "rule"
                     .interfaces(["lo"])
                     .accept_queue_watermark(0.8)
                     .max_syn_recv(100)
+                    .per_source(
+                        api::PerSource::new()
+                            .prefix(24)
+                            .prefix6(56)
+                            .max_connections(100)
+                            .rate("50/s")
+                            .burst(100)
+                            .action(api::Refusal::Drop),
+                    )
                     .mode(api::Mode::Enforce),
             );
         let text = policy.to_toml();
@@ -1432,6 +1524,17 @@ per = "rule"
             (l.max_syn_recv, l.interfaces.as_slice()),
             (Some(100), &["lo".to_string()][..])
         );
+        let ps = l.per_source.as_ref().expect("per_source");
+        assert_eq!(
+            (
+                ps.prefix,
+                ps.prefix6,
+                ps.max_connections,
+                ps.rate.as_ref().map(|r| r.burst),
+                ps.action_name()
+            ),
+            (24, 56, Some(100), Some(100), "drop")
+        );
 
         fn keys(t: &toml::Table) -> BTreeSet<&str> {
             t.keys().map(String::as_str).collect()
@@ -1441,6 +1544,10 @@ per = "rule"
         let scope = table(&doc["scope"][0]);
         let rule = table(&scope["rule"][0]);
         let listener = table(&doc["listener"][0]);
+        assert_eq!(
+            keys(&table(&listener["per_source"])),
+            fields::<RawPerSource>()
+        );
         assert_eq!(keys(&doc), fields::<RawPolicy>());
         assert_eq!(keys(&scope), fields::<RawScope>());
         assert_eq!(keys(&rule), fields::<RawRule>());

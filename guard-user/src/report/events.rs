@@ -1,29 +1,34 @@
 //! `connguard events`: what the kernel reported through its EVENTS ring buffer (breaker
-//! transitions; keys that start and stop shedding), named and kept by the daemon, the
+//! transitions; keys that start and stop shedding; listener guards' callers that start
+//! and stop being refused), named and kept by the daemon, the
 //! newest EVENT_LOG of them, for clients that ask for those after a sequence number.
 use std::{
-    collections::VecDeque,
+    collections::{HashMap, VecDeque},
     time::{SystemTime, UNIX_EPOCH},
 };
 
 use connguard_api::events::EventRecord;
 use guard_common::{
-    EVENT_BREAKER_CLOSED, EVENT_BREAKER_HALF_OPEN, EVENT_BREAKER_OPENED, EVENT_SHEDDING_STARTED,
-    Event, NO_RULE, REASON_BREAKER, REASON_BUDGET, REASON_HANDSHAKES, REASON_OBSERVE, REASON_RATE,
+    EVENT_BREAKER_CLOSED, EVENT_BREAKER_HALF_OPEN, EVENT_BREAKER_OPENED, EVENT_CALLER_ADMITTED,
+    EVENT_CALLER_REFUSED, EVENT_SHEDDING_STARTED, Event, NO_RULE, REASON_BREAKER, REASON_BUDGET,
+    REASON_HANDSHAKES, REASON_OBSERVE, REASON_RATE,
     addr::{endpoint, unmapped},
+    callers::LEVEL_CALLER,
 };
 
-use crate::enforce::ids::Ids;
+use crate::{enforce::ids::Ids, listen::caller_name};
 
 /// Events the daemon keeps.
 pub const EVENT_LOG: usize = 4096;
 
-/// The kernel's event `ev` named by `ids`; `seq` and the clocks' difference
-/// (`unix_ms_at_boot`: the wall clock less CLOCK_MONOTONIC, ms) make the rest.
-/// `workload` names the workload of a scope that governs one alone.
+/// The kernel's event `ev` named by `ids` (a listener guard's caller's, by `guards`);
+/// `seq` and the clocks' difference (`unix_ms_at_boot`: the wall clock less
+/// CLOCK_MONOTONIC, ms) make the rest. `workload` names the workload of a scope that
+/// governs one alone.
 pub fn record(
     ev: &Event,
     ids: &Ids,
+    guards: &HashMap<u32, String>,
     seq: u64,
     unix_ms_at_boot: u64,
     workload: impl Fn(&str) -> Option<String>,
@@ -33,10 +38,13 @@ pub fn record(
         EVENT_BREAKER_HALF_OPEN => "breaker_half_open",
         EVENT_BREAKER_CLOSED => "breaker_closed",
         EVENT_SHEDDING_STARTED => "shedding_started",
+        EVENT_CALLER_REFUSED => "caller_refused",
+        EVENT_CALLER_ADMITTED => "caller_admitted",
         _ => "shedding_stopped",
     };
     let k = &ev.key;
-    let rule = (k.rule_id != NO_RULE)
+    let caller = ev.level == LEVEL_CALLER;
+    let rule = (!caller && k.rule_id != NO_RULE)
         .then(|| ids.rule_names().get(&k.rule_id).map(|n| n.to_string()))
         .flatten();
     let reasons = [
@@ -51,6 +59,25 @@ pub fn record(
     .collect();
     let breaker = kind.starts_with("breaker");
     let opened = ev.kind == EVENT_BREAKER_OPENED;
+    if caller {
+        let addr = unmapped(k.addr);
+        // The prefix counts bits of the IPv4-mapped form.
+        let bits = if addr.is_ipv4() {
+            k.rule_id.saturating_sub(96)
+        } else {
+            k.rule_id
+        };
+        return EventRecord {
+            seq,
+            unix_ms: unix_ms_at_boot + ev.time_ns / 1_000_000,
+            kind: kind.into(),
+            listener: Some(guards.get(&k.scope_id).cloned().unwrap_or("?".into())),
+            caller: Some(caller_name(addr, bits as u8)),
+            reasons,
+            observe: ev.reasons & REASON_OBSERVE != 0,
+            ..EventRecord::default()
+        };
+    }
     let scope = ids.scope_name(k.scope_id).unwrap_or("?").to_string();
     EventRecord {
         seq,
@@ -58,6 +85,8 @@ pub fn record(
         kind: kind.into(),
         workload: workload(&scope),
         scope,
+        listener: None,
+        caller: None,
         rule,
         dst: (ev.level == 0).then(|| endpoint(unmapped(k.addr), k.port)),
         reasons,
@@ -88,11 +117,12 @@ pub struct EventLog {
 }
 
 impl EventLog {
-    /// Adds the kernel's `ev`, named by `ids` and `workload` (see `record`).
+    /// Adds the kernel's `ev`, named by `ids`, `guards` and `workload` (see `record`).
     pub fn push(
         &mut self,
         ev: &Event,
         ids: &Ids,
+        guards: &HashMap<u32, String>,
         unix_ms_at_boot: u64,
         workload: impl Fn(&str) -> Option<String>,
     ) {
@@ -100,8 +130,14 @@ impl EventLog {
         if self.events.len() == EVENT_LOG {
             self.events.pop_front();
         }
-        self.events
-            .push_back(record(ev, ids, self.last_seq, unix_ms_at_boot, workload));
+        self.events.push_back(record(
+            ev,
+            ids,
+            guards,
+            self.last_seq,
+            unix_ms_at_boot,
+            workload,
+        ));
     }
 
     /// The events after `since`, and the sequence number to ask after next.

@@ -1,6 +1,7 @@
 //! Prometheus text exposition of a snapshot: the `connguard_` prefix, base units,
 //! `_total` counters that never go down, and bounded label cardinality (the busiest
-//! destinations per scope, the rest as dst="other").
+//! destinations per scope, the rest as dst="other"; listener guards' busiest callers,
+//! the rest as caller="other").
 use std::{
     collections::{HashMap, HashSet},
     sync::atomic::AtomicU64,
@@ -15,6 +16,8 @@ use prometheus_client::{
     metrics::{counter::Counter as PromCounter, family::Family, gauge::Gauge},
     registry::Registry,
 };
+
+use super::listener_metrics::{self, CallerTotals};
 
 /// Destinations per scope that get their own Prometheus series; the rest are counted
 /// under dst="other" to bound cardinality.
@@ -90,6 +93,9 @@ pub struct Exported {
     /// EADDRNOTAVAIL failures by (scope, comm) as last exported: an annotated pod's go
     /// with its scope, and the series stays where it was.
     eaddrnotavail: HashMap<(String, String), u64>,
+    /// What listener guards' callers' listed series gained while listed, and their
+    /// `other` totals as last exported (as `others` for scopes).
+    callers: CallerTotals,
 }
 
 impl Exported {
@@ -136,7 +142,7 @@ pub fn render(snap: &Snapshot, exported: &mut Exported) -> String {
     scopes.fill(&rolled, exported);
     members(&mut reg, &rolled);
     ports(&mut reg, snap, &rolled, exported);
-    listeners(&mut reg, snap);
+    listener_metrics::fill(&mut reg, snap, &mut exported.callers);
     jobs(&mut reg, snap);
     runtimes(&mut reg, snap);
     daemon.fill(snap);
@@ -148,13 +154,13 @@ pub fn render(snap: &Snapshot, exported: &mut Exported) -> String {
 /// A series' labels.
 type Labels = Vec<(&'static str, String)>;
 
-fn gauge(reg: &mut Registry, name: &str, help: &str) -> Family<Labels, Gauge> {
+pub(super) fn gauge(reg: &mut Registry, name: &str, help: &str) -> Family<Labels, Gauge> {
     let f = Family::<Labels, Gauge>::default();
     reg.register(name, help, f.clone());
     f
 }
 
-fn counter(reg: &mut Registry, name: &str, help: &str) -> Family<Labels, PromCounter> {
+pub(super) fn counter(reg: &mut Registry, name: &str, help: &str) -> Family<Labels, PromCounter> {
     let f = Family::<Labels, PromCounter>::default();
     reg.register(name, help, f.clone());
     f
@@ -510,52 +516,6 @@ fn ports(reg: &mut Registry, snap: &Snapshot, scopes: &[ScopeStats], exported: &
     }
 }
 
-/// The listener guards: RSTs, shedding, and each guarded socket's queues.
-fn listeners(reg: &mut Registry, snap: &Snapshot) {
-    let rst = counter(
-        reg,
-        "listener_rst_shed",
-        "SYNs answered with RST by a listener guard",
-    );
-    let would_rst = counter(
-        reg,
-        "listener_would_rst",
-        "SYNs a listener guard in observe mode would have answered with RST",
-    );
-    let shedding = gauge(
-        reg,
-        "listener_shedding",
-        "1 while the listener's accept queue is past its watermark",
-    );
-    let queue = gauge(
-        reg,
-        "listener_accept_queue",
-        "Connections waiting to be accepted (guarded listeners)",
-    );
-    let backlog = gauge(
-        reg,
-        "listener_backlog",
-        "Effective backlog, min(listen() backlog, somaxconn) (guarded listeners)",
-    );
-    let syn_recv = gauge(
-        reg,
-        "listener_syn_recv",
-        "Half-open connections (guarded listeners)",
-    );
-    for l in &snap.listeners {
-        for q in &l.queues {
-            let labels = vec![("listener", l.name.clone()), ("addr", q.addr.clone())];
-            queue.get_or_create(&labels).set(q.accept_queue as i64);
-            backlog.get_or_create(&labels).set(q.backlog as i64);
-            syn_recv.get_or_create(&labels).set(q.syn_recv as i64);
-        }
-        let labels = vec![("listener", l.name.clone())];
-        rst.get_or_create(&labels).inc_by(l.rst_shed);
-        would_rst.get_or_create(&labels).inc_by(l.would_rst);
-        shedding.get_or_create(&labels).set(l.shedding as i64);
-    }
-}
-
 /// The daemon's periodic jobs: runs, failures, and whether the last run failed.
 fn jobs(reg: &mut Registry, snap: &Snapshot) {
     let job_runs = counter(reg, "job_runs", "Runs of the daemon's periodic jobs");
@@ -665,6 +625,7 @@ mod tests {
             eaddrnotavail: Vec::new(),
             watched_ports: Vec::new(),
             listeners: Vec::new(),
+            caller_tables: Default::default(),
             jobs: Vec::new(),
             kernel: None,
             runtimes: Vec::new(),

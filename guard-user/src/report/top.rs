@@ -1,6 +1,6 @@
 //! `connguard top`: a live terminal view (ratatui), refreshed every second: ports held
-//! per destination, listeners and their accept queues, the daemon's scopes, and the
-//! diagnosis. Works over ssh in any terminal; ratatui redraws only what changed, so it
+//! per destination, listeners and their accept queues, listener guards' busiest
+//! callers, the daemon's scopes, and the diagnosis. Works over ssh in any terminal; ratatui redraws only what changed, so it
 //! does not flicker.
 use std::time::{Duration, Instant};
 
@@ -93,6 +93,7 @@ fn draw(f: &mut Frame, netns: &str, v: &View, at: &str) {
                 bar(l.accept_queue as f64 / l.backlog.max(1) as f64),
                 format!("{}/{}", l.accept_queue, l.backlog),
                 l.syn_recv.to_string(),
+                l.rst_shed.map_or("-".into(), |n| n.to_string()),
                 l.state.clone(),
                 l.process.clone().unwrap_or_else(|| "-".into()),
             ])
@@ -105,6 +106,7 @@ fn draw(f: &mut Frame, netns: &str, v: &View, at: &str) {
             Constraint::Length(BAR_WIDTH as u16),
             Constraint::Length(12),
             Constraint::Length(9),
+            Constraint::Length(8),
             Constraint::Length(6),
             Constraint::Min(10),
         ],
@@ -115,13 +117,17 @@ fn draw(f: &mut Frame, netns: &str, v: &View, at: &str) {
             "ACCEPT QUEUE",
             "QUEUE",
             "SYN_RECV",
+            "RST",
             "STATE",
             "PROCESS",
         ])
         .style(bold),
     )
     .block(Block::bordered().title(" listeners "));
+    let [lists, callers] =
+        Layout::horizontal([Constraint::Percentage(60), Constraint::Percentage(40)]).areas(lists);
     f.render_widget(listener_table, lists);
+    f.render_widget(caller_table(v, bold), callers);
 
     let head = match &v.ports {
         Ok(r) => format!(
@@ -293,4 +299,38 @@ fn draw(f: &mut Frame, netns: &str, v: &View, at: &str) {
             .block(Block::bordered().title(" diagnosis ")),
         warnings,
     );
+}
+
+/// Listener guards' busiest callers (by active connections, then refusals), from the
+/// daemon's stats.
+fn caller_table(v: &View, bold: Style) -> Table<'static> {
+    let rows: Vec<Row> = v
+        .stats
+        .iter()
+        .flat_map(|s| &s.listeners)
+        .filter_map(|l| Some((l, l.per_source.as_ref()?)))
+        .flat_map(|(l, p)| {
+            p.top.iter().map(|c| {
+                Row::new(vec![
+                    l.name.clone(),
+                    c.caller.clone(),
+                    c.active.to_string(),
+                    (c.refused + c.would_refuse).to_string(),
+                    if c.refusing { "yes" } else { "-" }.to_string(),
+                ])
+            })
+        })
+        .collect();
+    Table::new(
+        rows,
+        [
+            Constraint::Length(12),
+            Constraint::Min(18),
+            Constraint::Length(7),
+            Constraint::Length(8),
+            Constraint::Length(8),
+        ],
+    )
+    .header(Row::new(["GUARD", "CALLER", "ACTIVE", "REFUSED", "REFUSING"]).style(bold))
+    .block(Block::bordered().title(" callers of listener guards "))
 }

@@ -272,6 +272,18 @@ fn main() -> anyhow::Result<()> {
             enter_netns(&netns)?;
             handshakes(addr, count, timeout_ms)
         }
+        Probe::Segments {
+            netns,
+            from,
+            addr,
+            count,
+            sport,
+            seq,
+            rst,
+        } => {
+            enter_netns(&netns)?;
+            segments(&from, addr, count, sport, seq, rst)?
+        }
     };
     println!("{}", serde_json::to_string(&out)?);
     Ok(())
@@ -824,4 +836,60 @@ fn mixed(netns: &str, count: u64) -> anyhow::Result<Outcome> {
         .chain(timeouts)
         .for_each(|t| t.join().unwrap());
     Ok(Arc::try_unwrap(out).unwrap().into_inner().unwrap())
+}
+
+/// COUNT raw TCP segments to ADDR (see `Probe::Segments`), built by etherparse and sent
+/// through an IPPROTO_RAW socket (IP_HDRINCL): the kernel sends them as they are, with
+/// whatever source address they carry.
+fn segments(
+    from: &str,
+    addr: SocketAddr,
+    count: u64,
+    sport: u16,
+    seq: u32,
+    rst: bool,
+) -> anyhow::Result<Outcome> {
+    let SocketAddr::V4(dst) = addr else {
+        anyhow::bail!("segments: {addr} is not IPv4");
+    };
+    let (first, len) = match from.split_once('/') {
+        Some((a, len)) => (a.parse::<Ipv4Addr>()?, len.parse::<u32>()?),
+        None => (from.parse::<Ipv4Addr>()?, 32),
+    };
+    // Addresses of the network after its first (all of a /32, its one).
+    let size = 1u64 << (32 - len);
+    let source = |i: u64| {
+        let offset = if size == 1 { 0 } else { 1 + i % (size - 1) };
+        Ipv4Addr::from(u32::from(first) + offset as u32)
+    };
+    let s = Socket::new(
+        Domain::IPV4,
+        Type::RAW,
+        Some(Protocol::from(libc::IPPROTO_RAW)),
+    )?;
+    let to = SockAddr::from(addr);
+    let mut out = Outcome::default();
+    let mut packet = Vec::with_capacity(64);
+    for i in 0..count {
+        let port = if sport == 0 {
+            1024 + (i % 64_000) as u16
+        } else {
+            sport
+        };
+        let tcp = etherparse::PacketBuilder::ipv4(source(i).octets(), dst.ip().octets(), 64).tcp(
+            port,
+            dst.port(),
+            seq,
+            64_240,
+        );
+        let tcp = if rst { tcp.rst() } else { tcp.syn() };
+        packet.clear();
+        tcp.write(&mut packet, &[])?;
+        out.attempts += 1;
+        match s.send_to(&packet, &to) {
+            Ok(_) => out.ok += 1,
+            Err(e) => *out.errors.entry(errno_name(&e)).or_default() += 1,
+        }
+    }
+    Ok(out)
 }

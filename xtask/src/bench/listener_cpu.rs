@@ -11,7 +11,7 @@ use anyhow::Context;
 use connguard_api::policy::{Listener, Mode, Policy};
 use connguard_tests::{Cgroup, Daemon, Holder, Netns, Probe};
 
-use super::{Sizes, output, report::ListenerCpu};
+use super::{Sizes, output, report::ListenerCpu, testbed::wait_guarded};
 
 /// The listener guard's namespace: the guarded listener (listen(128), accepting), and
 /// the servers that hold the established connections, each its share of them.
@@ -67,19 +67,7 @@ pub fn run(sizes: &Sizes) -> anyhow::Result<ListenerCpu> {
         let d = Daemon::builder(Policy::new().listener(guard))
             .args(&["--audit", "3600"])
             .start();
-        let started = Instant::now();
-        while d
-            .stats()
-            .listeners
-            .first()
-            .is_none_or(|l| l.queues.is_empty())
-        {
-            anyhow::ensure!(
-                started.elapsed() < Duration::from_secs(5),
-                "the listener guard did not read its listener"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        wait_guarded(&d)?;
         // Past the start's own work (its audit, the first attachments).
         std::thread::sleep(Duration::from_secs(3));
         let alone = process_cpu(d.pid(), window)?;

@@ -6,6 +6,7 @@
 mod daemon;
 mod figures;
 mod listener_cpu;
+mod per_source;
 mod refusal;
 mod render;
 mod report;
@@ -80,6 +81,10 @@ pub struct Sizes {
     time_wait: usize,
     /// ESTABLISHED connections held for the listener guard's CPU.
     held_connections: u64,
+    /// Callers in the per-source table while the per-SYN cost is timed, and the SYNs
+    /// timed.
+    per_source_callers: u64,
+    per_source_syns: u64,
     listener_cpu_window: Duration,
     usage_window: Duration,
 }
@@ -95,6 +100,8 @@ impl Sizes {
                 many_destinations: 100_000,
                 time_wait: 60_000,
                 held_connections: 50_000,
+                per_source_callers: 100_000,
+                per_source_syns: 20_000,
                 listener_cpu_window: Duration::from_secs(20),
                 usage_window: Duration::from_secs(5),
             },
@@ -105,6 +112,8 @@ impl Sizes {
                 many_destinations: 10_000,
                 time_wait: 10_000,
                 held_connections: 10_000,
+                per_source_callers: 10_000,
+                per_source_syns: 5_000,
                 listener_cpu_window: Duration::from_secs(5),
                 usage_window: Duration::from_secs(2),
             },
@@ -127,6 +136,7 @@ fn measure(quick: bool) -> anyhow::Result<Report> {
     let cgroup_recreation = daemon::recreation()?;
     let refusal = refusal::at_connect(&tb)?;
     let inbound = refusal::inbound(&tb)?;
+    let per_source_syn = per_source::run(&sizes)?;
     let monitoring = daemon::monitoring(&tb, &sizes)?;
     let ports = daemon::ports(&tb, &sizes)?;
     let daemon = daemon::usage(&tb, &sizes)?;
@@ -136,6 +146,7 @@ fn measure(quick: bool) -> anyhow::Result<Report> {
         cgroup_recreation,
         refusal,
         inbound,
+        per_source_syn,
         monitoring,
         ports,
         daemon,

@@ -18,6 +18,7 @@ impl Report {
             self.program_tables(),
             self.recreation_table().to_string(),
             self.refusal_tables(),
+            self.listener_syn_table().to_string(),
             self.one_shot_table().to_string(),
             self.listener_period_table().to_string(),
             self.daemon_table().to_string(),
@@ -277,6 +278,34 @@ impl Report {
         )
     }
 
+    /// The per-SYN program's cost with and without per-caller budgets, and the target
+    /// where one is set.
+    fn listener_syn_table(&self) -> Table {
+        let p = &self.per_source_syn;
+        let mut t = Table::new([
+            format!(
+                "listener guard's per-SYN program, ns a SYN (bpf_stats on): {} SYNs a round from spoofed callers, {} callers in the per-source table",
+                num(p.syns as f64, 0),
+                num(p.sources as f64, 0)
+            ),
+            "median".into(),
+            "min".into(),
+            "max".into(),
+            "rounds".into(),
+            "target".into(),
+            "".into(),
+        ]);
+        for per_source in [false, true] {
+            let figure = Figure::ListenerSyn { per_source };
+            let rounds = p.ns(per_source);
+            let mut cells = vec![figure.label()];
+            cells.extend(round_cells(rounds, figure.decimals()));
+            cells.extend(self.target_cells(&figure));
+            t.row(cells);
+        }
+        t
+    }
+
     fn one_shot_table(&self) -> Table {
         let (m, p) = (&self.monitoring, &self.ports);
         let mut t = Table::new([
@@ -397,14 +426,7 @@ impl Report {
             ),
         ] {
             let mut cells = vec![name];
-            cells.extend(summary_cells(Summary::of(rounds), 2));
-            cells.push(
-                rounds
-                    .iter()
-                    .map(|v| num(*v, 2))
-                    .collect::<Vec<_>>()
-                    .join(", "),
-            );
+            cells.extend(round_cells(rounds, 2));
             t.row(cells);
         }
         t
@@ -448,6 +470,13 @@ fn summary_cells(s: Option<Summary>, decimals: usize) -> [String; 3] {
         Some(s) => [s.median, s.min, s.max].map(|v| num(v, decimals)),
         None => ["–", "–", "–"].map(String::from),
     }
+}
+
+/// Median, lowest and highest of a figure's rounds, then every round.
+fn round_cells(rounds: &[f64], decimals: usize) -> [String; 4] {
+    let [median, min, max] = summary_cells(Summary::of(rounds), decimals);
+    let each = rounds.iter().map(|v| num(*v, decimals)).collect::<Vec<_>>();
+    [median, min, max, each.join(", ")]
 }
 
 /// A target's limit in its figure's unit, without trailing zeros: "≤ 1,200 ns (stretch
@@ -580,6 +609,23 @@ mod tests {
         );
         let cheap = sample::report(50.0).markdown();
         assert!(cheap.contains("| governed: all programs | 612 | 490 | ≤ 1,200 ns (stretch 800) | met, stretch too |"), "{cheap}");
+    }
+
+    #[test]
+    fn the_per_syn_cost_has_its_rows_with_and_without_per_source() {
+        let text = sample::report(100.0).markdown();
+        for row in [
+            "| listener guard per SYN: queue limits alone | 311 | 295 | 330 | 311, 295, 330 |  |  |",
+            "| listener guard per SYN: per_source, callers in its table | 702 | 689 | 741 | 702, 689, 741 |  |  |",
+        ] {
+            assert!(text.contains(row), "no {row:?} in\n{text}");
+        }
+        assert!(
+            text.contains(
+                "20,000 SYNs a round from spoofed callers, 100,000 callers in the per-source table"
+            ),
+            "{text}"
+        );
     }
 
     #[test]

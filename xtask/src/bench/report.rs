@@ -83,6 +83,9 @@ pub struct Report {
     pub cgroup_recreation: Recreation,
     pub refusal: Refusal,
     pub inbound: Inbound,
+    /// Empty in the JSON of a run before this measurement.
+    #[serde(default)]
+    pub per_source_syn: PerSourceSyn,
     pub monitoring: Monitoring,
     pub ports: PortsOneShot,
     pub daemon: DaemonUsage,
@@ -165,6 +168,22 @@ pub struct Inbound {
     pub nftables: Latency,
     /// The SYN dropped; attempts given up after 3 s.
     pub no_guard: Latency,
+}
+
+/// The per-SYN listener program's cost (bpf_stats), round by round: a guard with queue
+/// limits alone, and the same guard with `per_source` budgets whose table of recent
+/// sources holds `sources` callers; SYNs from spoofed sources, none refused.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct PerSourceSyn {
+    /// Callers put into `SOURCES` before the timed SYNs.
+    pub sources: u64,
+    /// SYNs timed in each round, from callers already in `SOURCES`.
+    pub syns: u64,
+    /// `SOURCES` entries before the timed SYNs, per round with `per_source`.
+    pub sources_held: Vec<u64>,
+    /// ns per SYN.
+    pub queue_limits_ns: Vec<f64>,
+    pub per_source_ns: Vec<f64>,
 }
 
 /// How long connect() took to fail, and how the attempts ended (guard-probe's shedlat).
@@ -263,6 +282,16 @@ pub struct ListenerCpu {
     pub alone: Vec<f64>,
     /// % of one core, with the ESTABLISHED connections too.
     pub established: Vec<f64>,
+}
+
+impl PerSourceSyn {
+    /// ns per SYN of each round, with `per_source` or with queue limits alone.
+    pub fn ns(&self, per_source: bool) -> &[f64] {
+        match per_source {
+            true => &self.per_source_ns,
+            false => &self.queue_limits_ns,
+        }
+    }
 }
 
 impl Report {
@@ -431,6 +460,13 @@ pub mod sample {
                 connguard: latency(16_900, 48_100, "ECONNREFUSED", 1000),
                 nftables: latency(18_000, 46_100, "ECONNREFUSED", 1000),
                 no_guard: latency(3_002_159_900, 3_002_208_300, "TIMEOUT", 3),
+            },
+            per_source_syn: PerSourceSyn {
+                sources: 100_000,
+                syns: 20_000,
+                sources_held: vec![100_000; 3],
+                queue_limits_ns: vec![310.6, 295.0, 330.2],
+                per_source_ns: vec![702.4, 688.9, 741.0],
             },
             monitoring: Monitoring {
                 destinations: 100_000,

@@ -32,6 +32,9 @@ pub enum Figure<'a> {
     Refusal,
     /// A SYN to a saturated guarded listener over veth, until connect() returns: p99 µs.
     InboundRst,
+    /// The per-SYN listener program's ns a SYN, median of the rounds: with `per_source`
+    /// budgets and their table of recent sources full of callers, or queue limits alone.
+    ListenerSyn { per_source: bool },
 }
 
 impl Figure<'_> {
@@ -60,12 +63,18 @@ impl Figure<'_> {
             Figure::Recreation => "selected cgroup created again: governed after (p99)".into(),
             Figure::Refusal => "outbound refusal at connect() (p99)".into(),
             Figure::InboundRst => "RST from the listener guard over veth (p99)".into(),
+            Figure::ListenerSyn { per_source: false } => {
+                "listener guard per SYN: queue limits alone".into()
+            }
+            Figure::ListenerSyn { per_source: true } => {
+                "listener guard per SYN: per_source, callers in its table".into()
+            }
         }
     }
 
     pub fn unit(&self) -> &'static str {
         match self {
-            Figure::Ebpf { .. } | Figure::ControlsExtra => "ns",
+            Figure::Ebpf { .. } | Figure::ControlsExtra | Figure::ListenerSyn { .. } => "ns",
             Figure::PeakRss => "MiB",
             Figure::IdleCpu => "% of a core",
             Figure::StatsJson | Figure::Scrape => "ms",
@@ -77,7 +86,10 @@ impl Figure<'_> {
     /// Decimals worth showing in its unit.
     pub fn decimals(&self) -> usize {
         match self {
-            Figure::Ebpf { .. } | Figure::ControlsExtra | Figure::Recreation => 0,
+            Figure::Ebpf { .. }
+            | Figure::ControlsExtra
+            | Figure::Recreation
+            | Figure::ListenerSyn { .. } => 0,
             Figure::PeakRss | Figure::StatsJson | Figure::Scrape | Figure::Refusal => 1,
             Figure::InboundRst => 1,
             Figure::IdleCpu | Figure::PortsToSs => 2,
@@ -100,6 +112,7 @@ impl Figure<'_> {
             Figure::Recreation => vec![r.recreation().map_or(f64::NAN, |p| p.p99)],
             Figure::Refusal => p99_us(r.refusal.connguard.p99_ns),
             Figure::InboundRst => p99_us(r.inbound.connguard.p99_ns),
+            Figure::ListenerSyn { per_source } => vec![median(r.per_source_syn.ns(per_source))],
         }
     }
 }

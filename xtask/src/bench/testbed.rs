@@ -5,11 +5,12 @@ use std::{
     io::Write,
     net::SocketAddr,
     process::{Command, Stdio},
+    time::{Duration, Instant},
 };
 
 use anyhow::Context;
 use connguard_api::policy::{Breaker, Limited, Policy, Port, Rule, Scope};
-use connguard_tests::{Cgroup, Holder, Netns, Probe, ServePort};
+use connguard_tests::{Cgroup, Daemon, Holder, Netns, Probe, ServePort};
 
 use super::report::Mode;
 
@@ -200,5 +201,24 @@ fn nft(ns: &Netns, args: &[&str], stdin: Option<&str>) -> anyhow::Result<()> {
             .write_all(text.as_bytes())?;
     }
     anyhow::ensure!(child.wait()?.success(), "nft {} failed", args.join(" "));
+    Ok(())
+}
+
+/// Waits (deadline 5 s) until the daemon's first listener guard has read its listener:
+/// its entry is in the kernel.
+pub fn wait_guarded(d: &Daemon) -> anyhow::Result<()> {
+    let started = Instant::now();
+    while d
+        .stats()
+        .listeners
+        .first()
+        .is_none_or(|l| l.queues.is_empty())
+    {
+        anyhow::ensure!(
+            started.elapsed() < Duration::from_secs(5),
+            "the listener guard did not read its listener"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
     Ok(())
 }
