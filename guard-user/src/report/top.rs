@@ -124,10 +124,22 @@ fn draw(f: &mut Frame, netns: &str, v: &View, at: &str) {
         .style(bold),
     )
     .block(Block::bordered().title(" listeners "));
-    let [lists, callers] =
-        Layout::horizontal([Constraint::Percentage(60), Constraint::Percentage(40)]).areas(lists);
-    f.render_widget(listener_table, lists);
-    f.render_widget(caller_table(v, bold), callers);
+    // The callers' panel takes room from the listeners only where a guard has
+    // per-caller budgets.
+    let per_source = v
+        .stats
+        .iter()
+        .flat_map(|s| &s.listeners)
+        .any(|l| l.per_source.is_some());
+    if per_source {
+        let [lists, callers] =
+            Layout::horizontal([Constraint::Percentage(60), Constraint::Percentage(40)])
+                .areas(lists);
+        f.render_widget(listener_table, lists);
+        f.render_widget(caller_table(v, bold), callers);
+    } else {
+        f.render_widget(listener_table, lists);
+    }
 
     let head = match &v.ports {
         Ok(r) => format!(
