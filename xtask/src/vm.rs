@@ -284,7 +284,7 @@ fn prepare(
     } else {
         args.join(" ")
     };
-    // The restart churn runs 5 minutes on the host and 1 in each guest: the same
+    // The restart churn runs 2 minutes on the host and 1 in each guest: the same
     // kernel paths, at a fifth of a guest's time.
     let connguard = root.join("target/release/connguard");
     let mut text = format!(
