@@ -285,7 +285,7 @@ fn prepare(
         args.join(" ")
     };
     // The restart churn runs 2 minutes on the host and 1 in each guest: the same
-    // kernel paths, at a fifth of a guest's time.
+    // kernel paths, in less of a guest's time.
     let connguard = root.join("target/release/connguard");
     let mut text = format!(
         "cd {}\nK=$({} kernel --json) && FILTER='{}' || {{ FILTER='{filters}'; echo BELOW_MINIMUM; }}\n\
