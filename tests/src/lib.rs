@@ -944,9 +944,9 @@ pub fn listener_policy(ns: &Netns, mode: Mode) -> Policy {
 /// the kernel matrix's runner sets in each guest.
 pub const CHURN_SECONDS_VAR: &str = "CONNGUARD_CHURN_SECONDS";
 
-/// The restart churn test's length: CHURN_SECONDS_VAR, else 5 minutes.
+/// The restart churn test's length: CHURN_SECONDS_VAR, else 2 minutes.
 pub fn churn_length() -> Duration {
-    Duration::from_secs(std::env::var(CHURN_SECONDS_VAR).map_or(300, |s| {
+    Duration::from_secs(std::env::var(CHURN_SECONDS_VAR).map_or(120, |s| {
         s.parse()
             .unwrap_or_else(|_| panic!("{CHURN_SECONDS_VAR}={s}: not a number of seconds"))
     }))

@@ -388,7 +388,7 @@ fn the_audit_corrects_a_handshake_count_set_wrong_behind_its_back() {
     assert_eq!((s.counts.active, s.counts.connecting), (0, 0), "{s:?}");
 }
 
-/// Five minutes (CONNGUARD_CHURN_SECONDS: the kernel matrix's guests run one) of
+/// Two minutes (CONNGUARD_CHURN_SECONDS: the kernel matrix's guests run one) of
 /// `guard-probe mixed` (10,000 attempts a run, every outcome), with the daemon
 /// restarted three times while it runs (SIGTERM, SIGKILL, SIGTERM): every attempt
 /// admitted exactly once across the restarts, every count back to exactly 0, and no

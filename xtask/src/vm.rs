@@ -284,8 +284,8 @@ fn prepare(
     } else {
         args.join(" ")
     };
-    // The restart churn runs 5 minutes on the host and 1 in each guest: the same
-    // kernel paths, at a fifth of a guest's time.
+    // The restart churn runs 2 minutes on the host and 1 in each guest: the same
+    // kernel paths, in less of a guest's time.
     let connguard = root.join("target/release/connguard");
     let mut text = format!(
         "cd {}\nK=$({} kernel --json) && FILTER='{}' || {{ FILTER='{filters}'; echo BELOW_MINIMUM; }}\n\

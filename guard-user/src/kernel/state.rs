@@ -78,7 +78,25 @@ impl State {
     /// Removes this layout's pins: its links detach, its maps go when their last
     /// program does.
     pub fn remove(&self) -> io::Result<usize> {
-        remove_pins(&self.dir)
+        let n = remove_pins(&self.dir)?;
+        remove_root()?;
+        Ok(n)
+    }
+}
+
+/// Removes ROOT once nothing is pinned below it, so that a clean stop leaves nothing in
+/// bpffs; a daemon that started meanwhile keeps it (it is not empty then).
+fn remove_root() -> io::Result<()> {
+    match std::fs::remove_dir(ROOT) {
+        Err(e)
+            if !matches!(
+                e.kind(),
+                io::ErrorKind::NotFound | io::ErrorKind::DirectoryNotEmpty
+            ) =>
+        {
+            Err(e)
+        }
+        _ => Ok(()),
     }
 }
 
@@ -98,6 +116,7 @@ pub fn remove_left() -> anyhow::Result<usize> {
     for dir in std::fs::read_dir(root)? {
         n += remove_pins(&dir?.path())?;
     }
+    remove_root()?;
     Ok(n)
 }
 

@@ -124,10 +124,18 @@ fn draw(f: &mut Frame, netns: &str, v: &View, at: &str) {
         .style(bold),
     )
     .block(Block::bordered().title(" listeners "));
-    let [lists, callers] =
-        Layout::horizontal([Constraint::Percentage(60), Constraint::Percentage(40)]).areas(lists);
-    f.render_widget(listener_table, lists);
-    f.render_widget(caller_table(v, bold), callers);
+    // The callers' panel takes room from the listeners only where a guard has
+    // per-caller budgets.
+    match caller_table(v, bold) {
+        Some(callers_table) => {
+            let [lists, callers] =
+                Layout::horizontal([Constraint::Percentage(60), Constraint::Percentage(40)])
+                    .areas(lists);
+            f.render_widget(listener_table, lists);
+            f.render_widget(callers_table, callers);
+        }
+        None => f.render_widget(listener_table, lists),
+    }
 
     let head = match &v.ports {
         Ok(r) => format!(
@@ -302,13 +310,19 @@ fn draw(f: &mut Frame, netns: &str, v: &View, at: &str) {
 }
 
 /// Listener guards' busiest callers (by active connections, then refusals), from the
-/// daemon's stats.
-fn caller_table(v: &View, bold: Style) -> Table<'static> {
-    let rows: Vec<Row> = v
+/// daemon's stats; none where no guard has per-caller budgets.
+fn caller_table(v: &View, bold: Style) -> Option<Table<'static>> {
+    let guards: Vec<_> = v
         .stats
         .iter()
         .flat_map(|s| &s.listeners)
         .filter_map(|l| Some((l, l.per_source.as_ref()?)))
+        .collect();
+    if guards.is_empty() {
+        return None;
+    }
+    let rows: Vec<Row> = guards
+        .into_iter()
         .flat_map(|(l, p)| {
             p.top.iter().map(|c| {
                 Row::new(vec![
@@ -321,7 +335,7 @@ fn caller_table(v: &View, bold: Style) -> Table<'static> {
             })
         })
         .collect();
-    Table::new(
+    let table = Table::new(
         rows,
         [
             Constraint::Length(12),
@@ -332,5 +346,6 @@ fn caller_table(v: &View, bold: Style) -> Table<'static> {
         ],
     )
     .header(Row::new(["GUARD", "CALLER", "ACTIVE", "REFUSED", "REFUSING"]).style(bold))
-    .block(Block::bordered().title(" callers of listener guards "))
+    .block(Block::bordered().title(" callers of listener guards "));
+    Some(table)
 }
