@@ -17,6 +17,11 @@ pub struct EventRecord {
     pub kind: String,
     /// The scope; empty for a listener guard's event.
     pub scope: String,
+    /// The workload the scope governs, when it governs one alone: an annotated pod's
+    /// scope (`pod shop/orders-7d9f`), or a scope whose selectors select one workload
+    /// (absent from the answers of older daemons); null for a listener guard's event.
+    #[serde(default)]
+    pub workload: Option<String>,
     /// caller_refused and caller_admitted: the listener guard, and its caller (source
     /// address prefix) that started to be refused (`reasons`: budget, rate), or had a
     /// SYN admitted again; null otherwise.
@@ -54,6 +59,9 @@ impl EventRecord {
             let _ = write!(s, " listener {l} caller {c}");
         } else {
             let _ = write!(s, " scope {}", self.scope);
+            if let Some(w) = &self.workload {
+                let _ = write!(s, " ({w})");
+            }
         }
         if let Some(r) = &self.rule {
             let _ = write!(s, " rule {r}");

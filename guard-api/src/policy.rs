@@ -15,7 +15,7 @@
 //! );
 //! assert!(policy.to_toml().contains("[[scope.rule]]"));
 //! ```
-use std::{fmt, ops::RangeInclusive};
+use std::{collections::BTreeMap, fmt, ops::RangeInclusive};
 
 use serde::{Deserialize, Serialize};
 
@@ -157,12 +157,19 @@ pub trait Limited: Sized {
     }
 }
 
-/// A `[[scope]]`: the cgroups it governs (a path or glob below the cgroup2 mount), how,
-/// and its rules.
+/// A `[[scope]]`: the cgroups it governs (a path or glob below the cgroup2 mount, the
+/// pods, containers and systemd units it selects), how, and its rules.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Scope {
     pub name: String,
-    pub cgroup: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cgroup: Option<String>,
+    /// A systemd unit (or a glob of units): `"orders.service"`, `"shop.slice"`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub unit: Option<String>,
+    /// Its pods' `connguard.io/max-connections` annotations set their own budgets.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub annotations: Option<bool>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub mode: Option<Mode>,
     /// What a shed connect() fails with: an errno name such as `"ECONNREFUSED"`.
@@ -170,20 +177,65 @@ pub struct Scope {
     pub errno: Option<String>,
     #[serde(flatten)]
     pub limits: Limits,
+    /// Kubernetes pods of this node (a table).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pod: Option<Pods>,
+    /// Containers of the node's Docker Engine API (a table).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub container: Option<Containers>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub rule: Vec<Rule>,
 }
 
 impl Scope {
+    /// A scope of the cgroups `cgroup` matches.
     pub fn new(name: &str, cgroup: &str) -> Scope {
         Scope {
+            cgroup: Some(cgroup.to_string()),
+            ..Scope::named(name)
+        }
+    }
+
+    /// A scope that selects nothing yet: give it `cgroup`, `pod`, `container` or `unit`.
+    pub fn named(name: &str) -> Scope {
+        Scope {
             name: name.to_string(),
-            cgroup: cgroup.to_string(),
+            cgroup: None,
+            unit: None,
+            annotations: None,
             mode: None,
             errno: None,
             limits: Limits::default(),
+            pod: None,
+            container: None,
             rule: Vec::new(),
         }
+    }
+
+    /// The cgroups a path or glob below the cgroup2 mount matches.
+    pub fn cgroup(mut self, pattern: &str) -> Scope {
+        self.cgroup = Some(pattern.to_string());
+        self
+    }
+
+    pub fn pod(mut self, pods: Pods) -> Scope {
+        self.pod = Some(pods);
+        self
+    }
+
+    pub fn container(mut self, containers: Containers) -> Scope {
+        self.container = Some(containers);
+        self
+    }
+
+    pub fn unit(mut self, name: &str) -> Scope {
+        self.unit = Some(name.to_string());
+        self
+    }
+
+    pub fn annotations(mut self, honoured: bool) -> Scope {
+        self.annotations = Some(honoured);
+        self
     }
 
     pub fn mode(mut self, mode: Mode) -> Scope {
@@ -206,6 +258,118 @@ impl Scope {
 impl Limited for Scope {
     fn limits_mut(&mut self) -> &mut Limits {
         &mut self.limits
+    }
+}
+
+/// `pod`: the Kubernetes pods of the node in a namespace (a glob; any when unset) whose
+/// labels match, with Kubernetes' label selector semantics.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Pods {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub namespace: Option<String>,
+    #[serde(flatten)]
+    pub labels: Labels,
+}
+
+impl Pods {
+    pub fn new() -> Pods {
+        Pods::default()
+    }
+
+    pub fn namespace(mut self, glob: &str) -> Pods {
+        self.namespace = Some(glob.to_string());
+        self
+    }
+}
+
+impl Labelled for Pods {
+    fn labels_mut(&mut self) -> &mut Labels {
+        &mut self.labels
+    }
+}
+
+/// `container`: the running containers of the node's Docker Engine API (Docker, Podman)
+/// whose name (a glob; any when unset) and labels match.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Containers {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    #[serde(flatten)]
+    pub labels: Labels,
+}
+
+impl Containers {
+    pub fn new() -> Containers {
+        Containers::default()
+    }
+
+    pub fn name(mut self, glob: &str) -> Containers {
+        self.name = Some(glob.to_string());
+        self
+    }
+}
+
+impl Labelled for Containers {
+    fn labels_mut(&mut self) -> &mut Labels {
+        &mut self.labels
+    }
+}
+
+/// A Kubernetes label selector: `labels` (matchLabels) and `match_expressions`, all of
+/// which must hold.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Labels {
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub labels: BTreeMap<String, String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub match_expressions: Vec<Expression>,
+}
+
+/// One of `match_expressions` (a `LabelSelectorRequirement`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Expression {
+    pub key: String,
+    pub operator: Operator,
+    /// Given with In and NotIn, never with Exists and DoesNotExist.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub values: Option<Vec<String>>,
+}
+
+/// A match expression's operator, as Kubernetes spells it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Operator {
+    In,
+    NotIn,
+    Exists,
+    DoesNotExist,
+}
+
+/// Setters of a label selector, for `pod` and `container` alike.
+pub trait Labelled: Sized {
+    fn labels_mut(&mut self) -> &mut Labels;
+
+    /// The label `key` set to `value`.
+    fn label(mut self, key: &str, value: &str) -> Self {
+        self.labels_mut()
+            .labels
+            .insert(key.to_string(), value.to_string());
+        self
+    }
+
+    /// A match expression; `values` empty for Exists and DoesNotExist.
+    fn expression<S: Into<String>>(
+        mut self,
+        key: &str,
+        operator: Operator,
+        values: impl IntoIterator<Item = S>,
+    ) -> Self {
+        let values: Vec<String> = values.into_iter().map(Into::into).collect();
+        self.labels_mut().match_expressions.push(Expression {
+            key: key.to_string(),
+            operator,
+            values: (!values.is_empty()).then_some(values),
+        });
+        self
     }
 }
 
@@ -511,5 +675,30 @@ mod tests {
              [[listener]]\nname = \"l\"\nports = [8080]\nmax_syn_recv = 3\n"
         );
         assert_eq!(toml::from_str::<Policy>(&policy.to_toml()), Ok(policy));
+    }
+
+    #[test]
+    fn workload_selectors_are_tables_of_the_scope() {
+        let policy = Policy::new().scope(
+            Scope::named("orders")
+                .pod(
+                    Pods::new()
+                        .namespace("shop")
+                        .label("app", "orders")
+                        .expression("tier", Operator::In, ["web"])
+                        .expression("canary", Operator::DoesNotExist, [] as [&str; 0]),
+                )
+                .annotations(true)
+                .max_connections(5),
+        );
+        let text = policy.to_toml();
+        assert_eq!(
+            text,
+            "[[scope]]\nname = \"orders\"\nannotations = true\nmax_connections = 5\n\n\
+             [scope.pod]\nnamespace = \"shop\"\n\n[scope.pod.labels]\napp = \"orders\"\n\n\
+             [[scope.pod.match_expressions]]\nkey = \"tier\"\noperator = \"In\"\nvalues = [\"web\"]\n\n\
+             [[scope.pod.match_expressions]]\nkey = \"canary\"\noperator = \"DoesNotExist\"\n"
+        );
+        assert_eq!(toml::from_str::<Policy>(&text), Ok(policy));
     }
 }

@@ -50,12 +50,41 @@ pub struct Snapshot {
     /// of older daemons).
     #[serde(default)]
     pub kernel: Option<Features>,
+    /// The container runtimes the daemon follows for the policy's pod and container
+    /// selectors (absent from the answers of older daemons).
+    #[serde(default)]
+    pub runtimes: Vec<RuntimeStatus>,
+}
+
+/// A container runtime the daemon follows: while it is unreachable, the workloads it
+/// last listed stay selected, and the daemon retries with a backoff (to 30 s).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct RuntimeStatus {
+    /// "containerd" (pods, through CRI) or "docker" (containers, through the Docker
+    /// Engine API of Docker or Podman).
+    pub source: String,
+    /// The socket it is reached on.
+    pub endpoint: String,
+    /// Listed its workloads and follows their events now.
+    pub connected: bool,
+    /// When `connected` last changed, or the daemon started following it: ms since the
+    /// Unix epoch.
+    pub since_unix_ms: u64,
+    /// Why the last attempt failed or the last connection ended.
+    pub last_error: Option<String>,
+    /// Failed attempts since it was last connected.
+    pub failures: u32,
 }
 
 impl Snapshot {
     /// The scope named `name`.
     pub fn scope(&self, name: &str) -> Option<&ScopeStats> {
         self.scopes.iter().find(|s| s.name == name)
+    }
+
+    /// The runtime `source` ("containerd", "docker").
+    pub fn runtime(&self, source: &str) -> Option<&RuntimeStatus> {
+        self.runtimes.iter().find(|r| r.source == source)
     }
 
     /// The listener guard named `name`.
@@ -153,12 +182,36 @@ impl From<&Counter> for Counts {
     }
 }
 
-/// A `[[scope]]` of the policy with its totals, its rules and its destinations.
+/// A `[[scope]]` of the policy with its totals, its rules and its destinations; or the
+/// scope of an annotated pod of such a scope (`parent`).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ScopeStats {
     pub name: String,
-    /// The cgroup pattern, below the cgroup2 mount ("/" for the whole host).
-    pub cgroup: String,
+    /// The cgroup pattern, below the cgroup2 mount ("/" for the whole host); null for a
+    /// scope that selects workloads only.
+    pub cgroup: Option<String>,
+    /// Its pod, container and unit selectors, written `pod namespace=shop app=orders`,
+    /// `container name=orders-* app=orders`, `unit orders.service` (absent from the
+    /// answers of older daemons, like the fields below but `mode`).
+    #[serde(default)]
+    pub selectors: Vec<String>,
+    /// Honours its pods' budget annotations (`annotations = true`).
+    #[serde(default)]
+    pub annotations: bool,
+    /// The scope of one annotated pod (named `SCOPE/NAMESPACE/POD`): the scope whose
+    /// selector selected the pod. Its counts are its own; its scope's leave it out.
+    #[serde(default)]
+    pub parent: Option<String>,
+    /// The cgroups it selects (each governs its descendants), by path, with the
+    /// workload each is the cgroup of: at most [`MEMBERS_LISTED`], `member_count` in all.
+    #[serde(default)]
+    pub members: Vec<Member>,
+    #[serde(default)]
+    pub member_count: u64,
+    /// Selectors that match nothing on this node, budget annotations that cannot be
+    /// honoured.
+    #[serde(default)]
+    pub warnings: Vec<String>,
     /// "enforce" or "observe".
     pub mode: String,
     #[serde(flatten)]
@@ -179,6 +232,19 @@ pub struct ScopeStats {
     /// counts only when the scope itself sets max_connecting. Not part of the JSON.
     #[serde(skip)]
     pub unlisted_connecting: u64,
+}
+
+/// The members a scope's stats list; the rest are counted in `member_count`.
+pub const MEMBERS_LISTED: usize = 50;
+
+/// A cgroup a scope selects.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Member {
+    /// Below the cgroup2 mount.
+    pub cgroup: String,
+    /// The workload it is the cgroup of (`pod shop/orders-7d9f`, `container orders`,
+    /// `unit orders.service`); null for a cgroup the scope's `cgroup` pattern selects.
+    pub workload: Option<String>,
 }
 
 impl ScopeStats {

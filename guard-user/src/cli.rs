@@ -8,6 +8,24 @@ pub mod manual;
 
 pub const DEFAULT_SOCKET: &str = "/run/connguard/connguard.sock";
 
+/// Where `connguard run` reaches the container runtimes, which it follows only for a
+/// policy that selects pods or containers.
+#[derive(Args, Debug, Clone)]
+pub struct RuntimeSockets {
+    /// containerd's socket: followed (CRI and containerd's events) when a scope selects
+    /// pods (`pod = {...}`).
+    #[arg(
+        long,
+        value_name = "PATH",
+        default_value = "/run/containerd/containerd.sock"
+    )]
+    pub containerd_socket: PathBuf,
+    /// The Docker Engine API's socket (Docker's, or Podman's `podman system service`):
+    /// followed when a scope selects containers (`container = {...}`).
+    #[arg(long, value_name = "PATH", default_value = "/run/docker.sock")]
+    pub docker_socket: PathBuf,
+}
+
 /// The FILES entry of the control socket, for the commands that ask the daemon.
 macro_rules! socket_file {
     () => {
@@ -203,6 +221,8 @@ See also:
         /// Layout version of the pinned state, for tests of an upgrade that changes it.
         #[arg(long, hide = true, default_value_t = guard_common::STATE_LAYOUT)]
         state_layout: u32,
+        #[command(flatten)]
+        runtimes: RuntimeSockets,
     },
     /// Validate a policy file.
     ///

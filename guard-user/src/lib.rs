@@ -1,11 +1,11 @@
 //! connguard: the daemon and its command-line tools, as a library that the `connguard`
 //! binary (src/main.rs) runs and that tests and examples drive.
 //!
-//! The modules are layers, each using only those listed before it: `policy` and `host`
-//! (on guard-common and crates alone), then `workload`, `kernel`, `enforce`, `fleet`,
-//! `listen`, `diagnose`, `report`, `control`, `cli`. `daemon` wires them into the
-//! daemon; the binary wires them into the other commands. The data of connguard's JSON
-//! and control protocol are the `connguard-api` crate's.
+//! The modules are layers, each using only those listed before it: `workload` (on
+//! crates alone), then `policy`, `host`, `kernel`, `enforce`, `fleet`, `listen`,
+//! `diagnose`, `report`, `control`, `cli`. `daemon` wires them into the daemon; the
+//! binary wires them into the other commands. The data of connguard's JSON and control
+//! protocol are the `connguard-api` crate's.
 pub mod cli;
 pub mod control;
 pub mod daemon;
@@ -26,12 +26,12 @@ mod layering {
     use std::path::Path;
 
     /// The layers, lowest first; a file may use its own layer and those before it, but
-    /// the first FOUNDATION (policy, host) use only themselves.
-    const FOUNDATION: usize = 2;
+    /// the first FOUNDATION (workload) use only themselves.
+    const FOUNDATION: usize = 1;
     const LAYERS: &[&str] = &[
+        "workload",
         "policy",
         "host",
-        "workload",
         "kernel",
         "enforce",
         "fleet",

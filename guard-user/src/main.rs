@@ -49,6 +49,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             detach_on_exit,
             state_layout,
             audit,
+            runtimes,
         } => {
             let metrics = (metrics != "off").then_some(metrics);
             let forget_idle = std::time::Duration::from_secs(forget_idle.max(1));
@@ -62,6 +63,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 detach_on_exit,
                 state_layout,
                 audit: std::time::Duration::from_secs(audit),
+                runtimes,
                 watch_policy: !no_watch_policy,
             })?;
         }

@@ -230,6 +230,18 @@ state = "{d}/state"
         command: &[&str],
         mounts: &[(&str, &str)],
     ) -> String {
+        let mounts: Vec<(&str, &str, bool)> = mounts.iter().map(|(h, c)| (*h, *c, false)).collect();
+        self.run_container_with(pod, name, command, &mounts)
+    }
+
+    /// `run_container` with `mounts` (host path, container path, writable).
+    pub fn run_container_with(
+        &self,
+        pod: &Sandbox,
+        name: &str,
+        command: &[&str],
+        mounts: &[(&str, &str, bool)],
+    ) -> String {
         let config = ContainerConfig {
             metadata: Some(ContainerMetadata {
                 name: name.into(),
@@ -242,10 +254,10 @@ state = "{d}/state"
             command: command.iter().map(|s| s.to_string()).collect(),
             mounts: mounts
                 .iter()
-                .map(|(host, inside)| Mount {
+                .map(|(host, inside, writable)| Mount {
                     container_path: inside.to_string(),
                     host_path: host.to_string(),
-                    readonly: true,
+                    readonly: !writable,
                     ..Default::default()
                 })
                 .collect(),

@@ -147,41 +147,19 @@ impl Cgroup {
 
     /// A command that starts inside this cgroup.
     pub fn command(&self, program: impl AsRef<std::ffi::OsStr>) -> Command {
-        let procs = self.path.join("cgroup.procs");
-        let mut cmd = Command::new(program);
-        unsafe {
-            cmd.pre_exec(move || std::fs::write(&procs, std::process::id().to_string()));
-        }
-        cmd
+        command_in(&self.path, program)
     }
 
     /// guard-probe running `probe` inside this cgroup, to its end; its outcome.
     pub fn probe(&self, probe: Probe) -> Outcome {
-        let out = self
-            .command(probe_bin())
-            .args(probe.args())
-            .output()
-            .expect("run guard-probe");
-        parse_probe(&out, &probe)
+        probe_in(&self.path, probe)
     }
 
     /// guard-probe running a mode that prints its outcome, then holds its sockets
     /// (`Probe::Hold`, `Listen`, `Serve`, ...), inside this cgroup: they stay open until
     /// the returned Holder is dropped (which SIGKILLs the probe).
     pub fn hold(&self, probe: Probe) -> Holder {
-        let mut child = self
-            .command(probe_bin())
-            .args(probe.args())
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("run guard-probe");
-        let mut line = String::new();
-        BufReader::new(child.stdout.as_mut().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let outcome = serde_json::from_str(&line)
-            .unwrap_or_else(|e| panic!("guard-probe hold printed {line:?}: {e}"));
-        Holder { child, outcome }
+        hold_in(&self.path, probe)
     }
 }
 
@@ -195,6 +173,42 @@ impl Drop for Cgroup {
             thread::sleep(Duration::from_millis(20));
         }
     }
+}
+
+/// A command that starts inside the cgroup at `dir` (one a runtime made, say).
+pub fn command_in(dir: &Path, program: impl AsRef<std::ffi::OsStr>) -> Command {
+    let procs = dir.join("cgroup.procs");
+    let mut cmd = Command::new(program);
+    unsafe {
+        cmd.pre_exec(move || std::fs::write(&procs, std::process::id().to_string()));
+    }
+    cmd
+}
+
+/// guard-probe running `probe` inside the cgroup at `dir`, to its end; its outcome.
+pub fn probe_in(dir: &Path, probe: Probe) -> Outcome {
+    let out = command_in(dir, probe_bin())
+        .args(probe.args())
+        .output()
+        .expect("run guard-probe");
+    parse_probe(&out, &probe)
+}
+
+/// guard-probe running a mode that holds its sockets (see `Cgroup::hold`) inside the
+/// cgroup at `dir`.
+pub fn hold_in(dir: &Path, probe: Probe) -> Holder {
+    let mut child = command_in(dir, probe_bin())
+        .args(probe.args())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("run guard-probe");
+    let mut line = String::new();
+    BufReader::new(child.stdout.as_mut().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let outcome = serde_json::from_str(&line)
+        .unwrap_or_else(|e| panic!("guard-probe hold printed {line:?}: {e}"));
+    Holder { child, outcome }
 }
 
 /// guard-probe: beside the test binaries (target/*/deps/..), or the release build that
@@ -419,11 +433,13 @@ impl<'a> DaemonBuilder<'a> {
         let log2 = log.clone();
         thread::spawn(move || {
             for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                // The daemon's line, not any word that ends in "ready" ("already").
-                if line.contains(" ready: ") {
+                // The daemon's line, not any word that ends in "ready" ("already"); in
+                // the log before `start` returns.
+                let ready = line.contains(" ready: ");
+                log2.lock().unwrap().push_str(&(line + "\n"));
+                if ready {
                     let _ = tx.send(());
                 }
-                log2.lock().unwrap().push_str(&(line + "\n"));
             }
         });
         let mut d = Daemon {

@@ -1,9 +1,9 @@
 //! The manifests of packaging/kubernetes/, checked: each against Kubernetes' schemas
 //! (kubernetes-validate, offline, which `cargo xtask setup` installs), and against what
-//! they name: the ConfigMap's policy, the flags of the binary, the image `cargo xtask
-//! image` tags, the systemd unit's capabilities, the ports, paths and labels of the
-//! probes and the scrape. Then the image, run by podman as the DaemonSet runs it,
-//! governs a cgroup of the host.
+//! they name: the ConfigMap's policy, the flags of the binary, containerd's socket, the
+//! image `cargo xtask image` tags, the systemd unit's capabilities, the ports, paths and
+//! labels of the probes and the scrape. Then the image, run by podman as the DaemonSet
+//! runs it, governs a cgroup of the host.
 //!
 //! The last test starts a daemon, which pins its state in /sys/fs/bpf/connguard: run it
 //! alone, as `cargo xtask test` does, or under the integration tests' lock.
@@ -249,6 +249,42 @@ fn the_manifests_name_what_exists() {
         out.status.success(),
         "connguard check of the ConfigMap's policy: {}",
         String::from_utf8_lossy(&out.stderr)
+    );
+
+    // containerd's socket where the daemon reads it (--containerd-socket, else its
+    // default), from the node's same path; the directory mounted, not the socket, so
+    // that the socket a restarted containerd makes is seen.
+    let socket = match args.iter().position(|a| a == "--containerd-socket") {
+        Some(i) => args[i + 1].clone(),
+        None => {
+            let help = output(Command::new(&bin).args(["run", "--help"]));
+            help.split_once("--containerd-socket")
+                .and_then(|(_, h)| h.split_once("[default: "))
+                .and_then(|(_, d)| d.split_once(']'))
+                .expect("--containerd-socket's default in `connguard run --help`")
+                .0
+                .to_string()
+        }
+    };
+    let mount = c["volumeMounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|m| Path::new(&socket).starts_with(str_of(&m["mountPath"])))
+        .max_by_key(|m| str_of(&m["mountPath"]).len())
+        .unwrap_or_else(|| panic!("no volume mounted above {socket}"));
+    assert!(mount.get("subPath").is_none(), "{mount}");
+    let volume = pod["spec"]["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == mount["name"])
+        .unwrap();
+    assert_eq!(volume["hostPath"]["path"], mount["mountPath"], "{volume}");
+    assert_eq!(
+        Path::new(&socket).parent().unwrap(),
+        Path::new(str_of(&mount["mountPath"])),
+        "the socket's directory mounted"
     );
 
     assert_eq!(str_of(&c["image"]), image::reference(&root).unwrap());

@@ -22,23 +22,26 @@ impl Daemon {
         let _turn = lock(&self.reloads);
         let result = read_policy(self.policy_path.as_deref())
             .map_err(|e| e.to_string())
-            .and_then(|p| {
-                let missing = policy::controls(&p) & !self.controls;
+            .and_then(|base| {
+                let missing = policy::controls(&base) & !self.controls;
                 if missing != 0 {
                     return Err(format!(
                         "{}: the policy uses {}, whose code the connect programs were loaded \
                          without (the daemon loads what its first policy uses); restart the \
                          daemon to load them",
-                        p.source,
+                        base.source,
                         policy::control_names(missing)
                     ));
                 }
-                let what = policy::describe(&p);
-                let listeners = p.listeners.clone();
+                let what = policy::describe(&base);
+                let listeners = base.listeners.clone();
+                self.workloads.follow(&base);
+                let p = self.workloads.resolve(&base);
                 // The walk is made without the lock that `stats` and the jobs need.
                 let root = self.programs.generations().cgroup_root();
                 let tree = scopes::walk(&root, &p).map_err(|e| format!("{e:#}"))?;
                 self.apply(p, tree).map_err(|e| format!("{e:#}"))?;
+                self.workloads.set_base(base);
                 Ok((what, listeners))
             });
         let mut status = lock(&self.status);

@@ -38,6 +38,7 @@ mod scrape;
 mod serve;
 mod start;
 mod tasks;
+mod workloads;
 
 use std::{
     path::{Path, PathBuf},
@@ -45,7 +46,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use self::{jobs::Jobs, programs::Programs, scrape::Scrapes};
+use self::{jobs::Jobs, programs::Programs, scrape::Scrapes, workloads::Workloads};
 use connguard_api::{
     control::{Request, StopReply},
     kernel::Features,
@@ -53,6 +54,7 @@ use connguard_api::{
 };
 
 use crate::{
+    cli::RuntimeSockets,
     control::{self},
     diagnose::attribution::TimeWaitRates,
     enforce::{audit::Audit, counters::Counters, lease::Lease, port_watch::PortWatch},
@@ -90,6 +92,8 @@ pub struct Options {
     pub state_layout: u32,
     /// How often the counters are audited against the live sockets.
     pub audit: Duration,
+    /// Where the runtimes are, for pod and container selectors.
+    pub runtimes: RuntimeSockets,
     /// Reload when the policy file changes (policy_watch).
     pub watch_policy: bool,
 }
@@ -108,6 +112,9 @@ struct Daemon {
     audit: Audit,
     /// Creations of cgroups where a new one may be selected.
     cgroup_watch: CgroupWatch,
+    /// The runtimes followed for the policy's workload selectors, and the policy file's
+    /// policy in force, which they resolve.
+    workloads: Workloads,
     jobs: Jobs,
     /// Notified by a `stop` request.
     stop: tokio::sync::Notify,

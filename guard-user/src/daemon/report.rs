@@ -21,10 +21,13 @@ impl Daemon {
     /// after.
     pub(super) fn snapshot(&self, top: Option<usize>) -> Snapshot {
         let status = lock(&self.status).clone();
-        let (policy, ids, programs) = {
+        let (policy, ids, programs, members) = {
             let mut g = self.programs.generations();
             let (policy, ids) = (g.policy(), g.ids());
-            (policy, ids, object::program_costs(&g.ebpf().1))
+            let members = policy.as_ref().map_or_else(Vec::new, |p| {
+                snapshot::members(p, g.governed().0, &g.cgroup_root())
+            });
+            (policy, ids, object::program_costs(&g.ebpf().1), members)
         };
         let dump = lock(&self.counts).counters.dump(ids.counts());
         let watched_ports = lock(&self.port_watch).watched();
@@ -36,7 +39,8 @@ impl Daemon {
         let audit_corrections = self.audit.corrections();
         Snapshot {
             policy: status,
-            scopes: policy.map_or_else(Vec::new, |p| snapshot::scopes(&p, &ids, dump, top)),
+            scopes: policy
+                .map_or_else(Vec::new, |p| snapshot::scopes(&p, &ids, dump, top, members)),
             internal_errors,
             lost_events,
             lease_expired,
@@ -48,6 +52,7 @@ impl Daemon {
             caller_tables,
             jobs: self.jobs.stats(),
             kernel: Some(self.features.clone()),
+            runtimes: self.workloads.runtimes(),
         }
     }
 

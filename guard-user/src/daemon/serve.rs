@@ -79,9 +79,10 @@ pub fn serve(
             what,
             governed,
             attached,
+            runtimes,
         } = ready;
         log::info!(
-            "ready: programs attached to {}, policy {source} ({what}) governs {governed} cgroup(s), control socket {}",
+            "ready: programs attached to {}, policy {source} ({what}) governs {governed} cgroup(s), control socket {}{runtimes}",
             attached_list(&attached),
             opts.socket.display()
         );

@@ -20,7 +20,7 @@ use guard_common::PortUseKey;
 
 use super::{
     Counts, Daemon, LISTENER_POLL, Options, jobs::Jobs, lock, programs::Programs, read_policy,
-    scrape::Scrapes,
+    scrape::Scrapes, workloads::Workloads,
 };
 use connguard_api::{kernel::Features, stats::PolicyStatus};
 
@@ -239,18 +239,22 @@ pub struct First {
     adopted_links: usize,
 }
 
-/// Adopts the pinned links of a daemon before this one (if any), walks the cgroups for
-/// the first policy, and takes the baseline of the TIME_WAIT rates: the daemon's state,
-/// with nothing of the first policy applied yet.
+/// Adopts the pinned links of a daemon before this one (if any), follows the runtimes
+/// the first policy's workload selectors need, walks the cgroups for the first policy
+/// resolved against them, and takes the baseline of the TIME_WAIT rates: the daemon's
+/// state, with nothing of the first policy applied yet.
 pub fn adopt(opts: &Options, host: Host, loaded: Loaded) -> anyhow::Result<(Arc<Daemon>, First)> {
     let Host {
-        policy,
+        policy: base,
         features,
         state,
         root,
     } = host;
     let generations = Generations::new(loaded.policy_maps, root.clone(), state.links_dir())?;
     let adopted_links = generations.adopted_links();
+    let controls = policy::controls(&base);
+    let workloads = Workloads::start(opts.runtimes.clone(), &root, base)?;
+    let policy = workloads.resolve(&workloads.base());
     let tree = scopes::walk(&root, &policy)?;
     let counters = Counters::new(loaded.counter_maps);
     // The first sample, taken before "ready", is the baseline of the first rates.
@@ -262,13 +266,14 @@ pub fn adopt(opts: &Options, host: Host, loaded: Loaded) -> anyhow::Result<(Arc<
         loaded.per_syn,
     )?;
     let daemon = Arc::new(Daemon {
-        controls: policy::controls(&policy),
+        controls,
         policy_path: opts.policy.clone(),
         features,
         state,
         tracepoints: loaded.tracepoints,
         audit: loaded.audit,
         cgroup_watch: CgroupWatch::new(),
+        workloads,
         jobs: Jobs::default(),
         stop: tokio::sync::Notify::new(),
         reloads: Mutex::new(()),
@@ -305,6 +310,8 @@ pub struct Ready {
     /// How many cgroups it governs, and those the programs are attached to.
     pub governed: usize,
     pub attached: Vec<PathBuf>,
+    /// The runtimes followed, for the "ready" line ("" for none).
+    pub runtimes: String,
 }
 
 /// Applies the first policy: its entries and attachments; then the old tracepoints'
@@ -337,6 +344,7 @@ pub fn apply(daemon: &Daemon, first: First) -> anyhow::Result<Ready> {
         what,
         governed,
         attached,
+        runtimes: daemon.workloads.describe(),
     })
 }
 

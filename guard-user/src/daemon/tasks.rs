@@ -32,9 +32,18 @@ impl Daemon {
             Arc::new(move || lock(&d.lease).renew()),
         );
         let d = self.clone();
-        self.jobs
-            .spawn("cgroup_rescan", RESCAN, Arc::new(move || d.rescan()));
+        self.jobs.spawn(
+            "cgroup_rescan",
+            RESCAN,
+            Arc::new(move || {
+                d.rescan()?;
+                d.reclaim_ids();
+                Ok(())
+            }),
+        );
         self.spawn_cgroup_events();
+        let d = self.clone();
+        self.workloads.on_change(move || d.workloads_changed());
         let d = self.clone();
         self.jobs.spawn(
             "time_wait_rates",
@@ -115,6 +124,7 @@ impl Daemon {
                     if let Err(e) = d.cgroup_created(&dir) {
                         log::warn!("new cgroup {}: {e:#}", dir.display());
                     }
+                    d.workloads.cgroup_created(&dir);
                 });
                 if let Err(e) = result {
                     log::error!(
@@ -177,8 +187,15 @@ impl Daemon {
         let at_boot = events::unix_ms_at_boot();
         loop {
             let mut ready = ring.readable_mut().await?;
-            let ids = self.programs.generations().ids();
+            let (ids, policy) = {
+                let g = self.programs.generations();
+                (g.ids(), g.policy())
+            };
             let guards = self.programs.listener_names();
+            let workload = |scope: &str| {
+                let s = policy.as_ref()?.scopes.iter().find(|s| s.name == scope)?;
+                s.workload().map(ToString::to_string)
+            };
             let mut log = lock(&self.events);
             while let Some(item) = ready.get_inner_mut().next() {
                 if item.len() >= std::mem::size_of::<guard_common::Event>() {
@@ -186,7 +203,7 @@ impl Daemon {
                     let ev = unsafe {
                         std::ptr::read_unaligned(item.as_ptr().cast::<guard_common::Event>())
                     };
-                    log.push(&ev, &ids, &guards, at_boot);
+                    log.push(&ev, &ids, &guards, at_boot, workload);
                 }
             }
             ready.clear_ready();

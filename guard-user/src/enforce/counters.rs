@@ -130,6 +130,50 @@ impl Counters {
             .count()
     }
 
+    /// Clears the counters of the retired `scopes` and `rules` ids (`Ids::retire`) that
+    /// count no connection (none active, none in the handshake), so that the ids can be
+    /// given to new names: their array entries, and for a scope the entries keyed by it
+    /// (destinations, breakers, TIME_WAIT births, EADDRNOTAVAIL failures). Returns the
+    /// ids cleared.
+    pub fn clear_retired(&mut self, scopes: &[u32], rules: &[u32]) -> (Vec<u32>, Vec<u32>) {
+        let idle = |c: &Counter| c.active as i64 <= 0 && c.connecting as i64 <= 0;
+        let clear = |array: &mut aya::maps::Array<aya::maps::MapData, Counter>, ids: &[u32]| {
+            ids.iter()
+                .copied()
+                .filter(|id| {
+                    array.get(id, 0).is_ok_and(|c| idle(&c))
+                        && array.set(*id, Counter::default(), 0).is_ok()
+                })
+                .collect::<Vec<u32>>()
+        };
+        let scopes = clear(&mut self.maps.scope_counters, scopes);
+        let rules = clear(&mut self.maps.rule_counters, rules);
+        if !scopes.is_empty() {
+            for (key, _) in self.destinations() {
+                if scopes.contains(&key.scope_id) {
+                    let _ = self.maps.counters.remove(&key);
+                    let _ = self.maps.breakers.remove(&key);
+                    self.idle_seen.remove(&key);
+                }
+            }
+            for key in self.time_waits().into_keys() {
+                if scopes.contains(&key.scope_id) {
+                    let _ = self.maps.time_waits.remove(&key);
+                    self.tw_seen.remove(&key);
+                }
+            }
+            for (key, _) in self.eaddrnotavail() {
+                if scopes.contains(&key.scope_id) {
+                    let _ = self.maps.eaddrnotavail.remove(&key);
+                }
+            }
+            for id in &scopes {
+                self.tw_forgotten.remove(id);
+            }
+        }
+        (scopes, rules)
+    }
+
     /// TIME_WAIT entries born on admitted connections, by key (totals).
     pub fn time_waits(&self) -> HashMap<TimeWaitKey, u64> {
         batch::entries(&self.maps.time_waits).into_iter().collect()

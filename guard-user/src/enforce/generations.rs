@@ -31,6 +31,7 @@ use crate::{
     policy::{
         Policy,
         compile::{rule_entries, rule_ref, scope_conf},
+        workloads::{DERIVED_SEPARATOR, same_scopes},
     },
 };
 
@@ -211,11 +212,47 @@ impl Generations {
         self.tops = tops;
         self.written_levels = levels;
         self.gen_ = next;
+        self.retire_gone(&mut ids, &policy);
         self.ids = Arc::new(ids);
         self.policy = Some(Arc::new(policy));
         self.serial = serial;
         self.governed = governed;
         Ok(detached)
+    }
+
+    /// Retires the ids of the annotated pods' scopes (their names have the separator,
+    /// which no policy file's do) that `policy`, now in force, no longer has.
+    fn retire_gone(&mut self, ids: &mut Ids, policy: &Policy) {
+        let gone: Vec<String> = ids
+            .scope_names()
+            .filter(|n| {
+                n.contains(DERIVED_SEPARATOR) && !policy.scopes.iter().any(|s| s.name == *n)
+            })
+            .map(str::to_string)
+            .collect();
+        for key in ids.retire(gone.iter().map(String::as_str)) {
+            // Left in IDS, a name's id is retired again by the next daemon's first apply.
+            if let Err(e) = self.maps.ids.remove(&key) {
+                log::debug!("removing a retired name from IDS: {e}");
+            }
+        }
+    }
+
+    /// Makes `policy` the one in force in place of the one in force, which has the same
+    /// scopes (`workloads::same_scopes`) but for the cgroups they select: no new
+    /// generation. The cgroups governed stay as they are until `add` or `rescan`.
+    pub fn reselect(&mut self, policy: Policy) -> anyhow::Result<()> {
+        let current = self.policy.as_ref().context("no policy in force")?;
+        if !same_scopes(current, &policy) {
+            anyhow::bail!("the policy's scopes changed: a new generation is needed");
+        }
+        self.policy = Some(Arc::new(policy));
+        Ok(())
+    }
+
+    /// The ids, to change in place (retired ones reused).
+    pub fn ids_mut(&mut self) -> &mut Ids {
+        Arc::make_mut(&mut self.ids)
     }
 
     /// What a rescan walks: the policy in force and the cgroup2 root. The walk (a stat

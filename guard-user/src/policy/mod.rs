@@ -1,14 +1,17 @@
 //! The policy: what each scope governs and with which budgets, and the listener guards.
 //! `parse` reads it from TOML and validates it; `compile` turns it into the entries the
 //! kernel maps take.
-use std::{fmt, net::IpAddr, path::PathBuf};
+use std::{collections::BTreeMap, fmt, net::IpAddr, path::PathBuf, sync::Arc};
 
 use globset::{GlobBuilder, GlobMatcher};
 use guard_common::{MODE_ENFORCE, PortRange};
 use ipnet::IpNet;
 
+use crate::workload::{Identity, WorkloadSelector, selector::UnitSelector};
+
 pub mod compile;
 mod parse;
+pub mod workloads;
 
 pub use parse::{load_file, parse};
 
@@ -73,8 +76,18 @@ impl PerSourcePolicy {
 #[derive(Debug, Clone)]
 pub struct Scope {
     pub name: String,
-    /// Pattern below the cgroup2 mount, without leading or trailing '/'; "" = root.
-    pub cgroup: String,
+    /// Pattern below the cgroup2 mount, without leading or trailing '/'; "" = root; None
+    /// when the scope selects workloads only.
+    pub cgroup: Option<String>,
+    /// The pods, containers and units it selects besides (`pod`, `container`, `unit`).
+    pub workloads: Vec<WorkloadSelector>,
+    /// Its pods' annotations set their own budgets (`annotations = true`).
+    pub annotations: bool,
+    /// A scope of one annotated pod, made from the scope so named (see `workloads`).
+    pub parent: Option<String>,
+    /// What the workloads' resolution found wrong or empty: selectors that match nothing,
+    /// annotations that cannot be honoured.
+    pub warnings: Vec<String>,
     pub selector: Selector,
     pub mode: u32,
     pub errno: i32,
@@ -93,18 +106,29 @@ impl Scope {
     }
 }
 
-/// The cgroups a scope selects, from its `cgroup` pattern.
-#[derive(Debug, Clone)]
+/// The cgroups a scope selects: those its `cgroup` pattern matches, the cgroups of the
+/// units it names (decided from their paths, as a pattern is), and the cgroups its pod
+/// and container selectors resolve to on this node (`resolved`, kept current from the
+/// runtimes by `workloads::resolve`).
+#[derive(Debug, Clone, Default)]
 pub struct Selector {
-    /// Empty for the root.
+    pattern: Option<Pattern>,
+    units: Vec<UnitSelector>,
+    /// Path below the mount -> the workload it is the cgroup of.
+    resolved: Arc<BTreeMap<String, Identity>>,
+}
+
+/// A `cgroup` pattern.
+#[derive(Debug, Clone)]
+struct Pattern {
+    /// None for the root.
     whole: Option<GlobMatcher>,
     /// One matcher per path segment of the pattern; None for a segment with `**`.
     segments: Vec<Option<GlobMatcher>>,
 }
 
-impl Selector {
-    /// `pattern`: below the cgroup2 mount, without leading or trailing '/'.
-    pub fn new(pattern: &str) -> Result<Selector, globset::Error> {
+impl Pattern {
+    fn new(pattern: &str) -> Result<Pattern, globset::Error> {
         let glob = |p: &str| {
             GlobBuilder::new(p)
                 .literal_separator(true)
@@ -112,7 +136,7 @@ impl Selector {
                 .map(|g| g.compile_matcher())
         };
         if pattern.is_empty() {
-            return Ok(Selector {
+            return Ok(Pattern {
                 whole: None,
                 segments: Vec::new(),
             });
@@ -130,24 +154,20 @@ impl Selector {
                 }
             })
             .collect();
-        Ok(Selector {
+        Ok(Pattern {
             whole: Some(whole),
             segments,
         })
     }
 
-    /// Whether the cgroup at `rel` (its path below the mount, "" for the root) is
-    /// selected.
-    pub fn selects(&self, rel: &str) -> bool {
+    fn selects(&self, rel: &str) -> bool {
         match &self.whole {
             None => rel.is_empty(),
             Some(m) => m.is_match(rel),
         }
     }
 
-    /// Whether a cgroup below the one at `rel` may be selected: false only when none can
-    /// be, so that a creation there need not be watched for.
-    pub fn may_select_below(&self, rel: &str) -> bool {
+    fn may_select_below(&self, rel: &str) -> bool {
         let dirs: Vec<&str> = if rel.is_empty() {
             Vec::new()
         } else {
@@ -162,6 +182,71 @@ impl Selector {
             }
         }
         self.segments.len() > dirs.len()
+    }
+}
+
+impl Selector {
+    /// `pattern`: below the cgroup2 mount, without leading or trailing '/' (None: no
+    /// pattern); `units`: the units it names.
+    pub fn new(
+        pattern: Option<&str>,
+        units: Vec<UnitSelector>,
+    ) -> Result<Selector, globset::Error> {
+        Ok(Selector {
+            pattern: pattern.map(Pattern::new).transpose()?,
+            units,
+            resolved: Arc::default(),
+        })
+    }
+
+    /// This selector with `resolved` the cgroups its workload selectors resolve to now.
+    pub fn with_resolved(&self, resolved: BTreeMap<String, Identity>) -> Selector {
+        Selector {
+            resolved: Arc::new(resolved),
+            ..self.clone()
+        }
+    }
+
+    /// The cgroups its workload selectors resolved to, with their workloads.
+    pub fn resolved(&self) -> &BTreeMap<String, Identity> {
+        &self.resolved
+    }
+
+    /// Whether the cgroup at `rel` (its path below the mount, "" for the root) is
+    /// selected.
+    pub fn selects(&self, rel: &str) -> bool {
+        self.pattern.as_ref().is_some_and(|p| p.selects(rel))
+            || self.units.iter().any(|u| u.selects(rel))
+            || self.resolved.contains_key(rel)
+    }
+
+    /// The workload whose cgroup is at `rel`, when a workload selector selects it.
+    pub fn identity(&self, rel: &str) -> Option<Identity> {
+        if let Some(who) = self.resolved.get(rel) {
+            return Some(who.clone());
+        }
+        self.units
+            .iter()
+            .any(|u| u.selects(rel))
+            .then(|| Identity::unit(rel))
+    }
+
+    /// Whether a cgroup below the one at `rel` may be selected: false only when none can
+    /// be, so that a creation there need not be watched for.
+    pub fn may_select_below(&self, rel: &str) -> bool {
+        let prefix = format!("{rel}/");
+        self.pattern
+            .as_ref()
+            .is_some_and(|p| p.may_select_below(rel))
+            || self.units.iter().any(|u| u.may_select_below(rel))
+            || if rel.is_empty() {
+                !self.resolved.is_empty()
+            } else {
+                self.resolved
+                    .range(prefix.clone()..)
+                    .next()
+                    .is_some_and(|(r, _)| r.starts_with(&prefix))
+            }
     }
 }
 

@@ -1,6 +1,11 @@
 //! Policy files: TOML parsed and validated into [`Policy`]. Every error names file,
 //! line, column and reason. Unknown keys are errors.
-use std::{collections::HashSet, net::IpAddr, ops::Range, path::Path};
+use std::{
+    collections::{BTreeMap, HashSet},
+    net::IpAddr,
+    ops::Range,
+    path::Path,
+};
 
 use guard_common::{
     MAX_CANDIDATES, MAX_NAME, MAX_PORT_RANGES, MAX_RAMP_STEPS, MAX_RULE_IDS, MAX_SCOPE_IDS,
@@ -14,6 +19,12 @@ use super::{
     BreakerPolicy, ERRNOS, Limits, ListenerPolicy, PerSourcePolicy, Policy, PolicyError, Rate,
     RateUnit, Rule, Scope, Selector,
     compile::{candidates_of, rule_prefixes, unmapped_net},
+    workloads::DERIVED_SEPARATOR,
+};
+use crate::workload::{
+    WorkloadSelector,
+    labels::{LabelSelector, Operator, Requirement, SelectorError},
+    selector::{ContainerSelector, PodSelector, UnitSelector},
 };
 
 #[derive(Deserialize)]
@@ -56,7 +67,13 @@ struct RawPerSource {
 #[serde(deny_unknown_fields)]
 struct RawScope {
     name: Spanned<String>,
-    cgroup: Spanned<String>,
+    cgroup: Option<Spanned<String>>,
+    // Not Spanned: toml cannot give the span of a table only implied by a header below
+    // it (`[scope.pod.labels]` alone), and an error names the key inside it anyway.
+    pod: Option<RawPod>,
+    container: Option<RawContainer>,
+    unit: Option<Spanned<String>>,
+    annotations: Option<Spanned<bool>>,
     mode: Option<Spanned<String>>,
     errno: Option<Spanned<String>>,
     max_connections: Option<Spanned<i64>>,
@@ -67,6 +84,37 @@ struct RawScope {
     port_watermark: Option<Spanned<f64>>,
     #[serde(default)]
     rule: Vec<Spanned<RawRule>>,
+}
+
+/// `pod = { namespace = "shop", labels = { app = "orders" }, match_expressions = [...] }`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawPod {
+    namespace: Option<Spanned<String>>,
+    #[serde(default)]
+    labels: BTreeMap<Spanned<String>, Spanned<String>>,
+    #[serde(default)]
+    match_expressions: Vec<Spanned<RawRequirement>>,
+}
+
+/// `container = { name = "orders-*", labels = { app = "orders" }, match_expressions = [...] }`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawContainer {
+    name: Option<Spanned<String>>,
+    #[serde(default)]
+    labels: BTreeMap<Spanned<String>, Spanned<String>>,
+    #[serde(default)]
+    match_expressions: Vec<Spanned<RawRequirement>>,
+}
+
+/// One of `match_expressions`: Kubernetes' `LabelSelectorRequirement`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRequirement {
+    key: Spanned<String>,
+    operator: Spanned<String>,
+    values: Option<Spanned<Vec<String>>>,
 }
 
 #[derive(Deserialize)]
@@ -168,12 +216,41 @@ pub fn parse(text: &str, file: &str) -> Result<Policy, PolicyError> {
         if let Some(reason) = bad_name(&name) {
             return Err(at(s.name.span(), format!("scope name {reason}")));
         }
+        if name.contains(DERIVED_SEPARATOR) {
+            return Err(at(
+                s.name.span(),
+                format!(
+                    "scope name {name:?} has a '{DERIVED_SEPARATOR}', which names the scopes of annotated pods (SCOPE{DERIVED_SEPARATOR}NAMESPACE{DERIVED_SEPARATOR}POD)"
+                ),
+            ));
+        }
         if !names.insert(name.clone()) {
             return Err(at(s.name.span(), format!("duplicate scope name {name:?}")));
         }
-        let cgroup = s.cgroup.get_ref().trim().trim_matches('/').to_string();
-        let selector = Selector::new(&cgroup)
-            .map_err(|e| at(s.cgroup.span(), format!("bad cgroup pattern: {}", e.kind())))?;
+        let cgroup = s
+            .cgroup
+            .as_ref()
+            .map(|c| c.get_ref().trim().trim_matches('/').to_string());
+        let (workloads, units) = parse_workloads(&s, &at)?;
+        if cgroup.is_none() && workloads.is_empty() {
+            return Err(at(
+                s.name.span(),
+                format!("scope {name:?} selects nothing: give it cgroup, pod, container or unit"),
+            ));
+        }
+        let annotations = match &s.annotations {
+            Some(a) if *a.get_ref() && s.pod.is_none() => {
+                return Err(at(
+                    a.span(),
+                    "annotations = true needs a pod selector: they are pods' annotations".into(),
+                ));
+            }
+            a => a.as_ref().is_some_and(|a| *a.get_ref()),
+        };
+        let selector = Selector::new(cgroup.as_deref(), units).map_err(|e| {
+            let span = s.cgroup.as_ref().map_or(span.clone(), |c| c.span());
+            at(span, format!("bad cgroup pattern: {}", e.kind()))
+        })?;
         let mode = parse_mode(&s.mode, &at)?;
         let errno = parse_errno(&s.errno, &at)?.unwrap_or(libc::ECONNREFUSED);
         let breaker = s.breaker.map(|b| parse_breaker(b, &at)).transpose()?;
@@ -210,6 +287,10 @@ pub fn parse(text: &str, file: &str) -> Result<Policy, PolicyError> {
         scopes.push(Scope {
             name,
             cgroup,
+            workloads,
+            annotations,
+            parent: None,
+            warnings: Vec::new(),
             selector,
             mode,
             errno,
@@ -224,6 +305,84 @@ pub fn parse(text: &str, file: &str) -> Result<Policy, PolicyError> {
         scopes,
         listeners,
     })
+}
+
+/// A scope's `pod`, `container` and `unit` selectors, and the units apart (its
+/// selector decides them from the cgroups' paths).
+fn parse_workloads(
+    s: &RawScope,
+    at: &impl Fn(Range<usize>, String) -> PolicyError,
+) -> Result<(Vec<WorkloadSelector>, Vec<UnitSelector>), PolicyError> {
+    let mut out = Vec::new();
+    let mut units = Vec::new();
+    if let Some(p) = &s.pod {
+        let labels = label_selector(&p.labels, &p.match_expressions, at)?;
+        // Only a namespace or name given can be a bad glob.
+        let namespace = p.namespace.as_ref();
+        let selector = PodSelector::new(namespace.map(|n| n.get_ref().trim()), labels)
+            .map_err(|e| at(namespace.map_or(0..0, |n| n.span()), e.0))?;
+        out.push(WorkloadSelector::Pod(selector));
+    }
+    if let Some(c) = &s.container {
+        let labels = label_selector(&c.labels, &c.match_expressions, at)?;
+        let name = c.name.as_ref();
+        let selector = ContainerSelector::new(name.map(|n| n.get_ref().trim()), labels)
+            .map_err(|e| at(name.map_or(0..0, |n| n.span()), e.0))?;
+        out.push(WorkloadSelector::Container(selector));
+    }
+    if let Some(u) = &s.unit {
+        let unit = UnitSelector::new(u.get_ref().trim()).map_err(|e| at(u.span(), e.0))?;
+        units.push(unit.clone());
+        out.push(WorkloadSelector::Unit(unit));
+    }
+    Ok((out, units))
+}
+
+/// `labels` and `match_expressions` as a Kubernetes label selector, each bad key,
+/// value or operator named where it is written.
+fn label_selector(
+    labels: &BTreeMap<Spanned<String>, Spanned<String>>,
+    expressions: &[Spanned<RawRequirement>],
+    at: &impl Fn(Range<usize>, String) -> PolicyError,
+) -> Result<LabelSelector, PolicyError> {
+    let alone = |labels: BTreeMap<String, String>, exprs: Vec<Requirement>| {
+        LabelSelector::new(labels, exprs).map_err(|e| e.0)
+    };
+    let mut match_labels = BTreeMap::new();
+    for (k, v) in labels {
+        let (key, value) = (k.get_ref().clone(), v.get_ref().clone());
+        alone(BTreeMap::from([(key.clone(), String::new())]), Vec::new())
+            .map_err(|why| at(k.span(), why))?;
+        alone(BTreeMap::from([(key.clone(), value.clone())]), Vec::new())
+            .map_err(|why| at(v.span(), why))?;
+        match_labels.insert(key, value);
+    }
+    let mut match_expressions = Vec::new();
+    for r in expressions {
+        let r = r.get_ref();
+        let key = r.key.get_ref().clone();
+        alone(BTreeMap::from([(key.clone(), String::new())]), Vec::new())
+            .map_err(|why| at(r.key.span(), why))?;
+        let operator: Operator = r
+            .operator
+            .get_ref()
+            .parse()
+            .map_err(|e: SelectorError| at(r.operator.span(), e.0))?;
+        let requirement = Requirement {
+            key,
+            operator,
+            values: r
+                .values
+                .as_ref()
+                .map(|v| v.get_ref().clone())
+                .unwrap_or_default(),
+        };
+        let span = r.values.as_ref().map_or(r.operator.span(), |v| v.span());
+        alone(BTreeMap::new(), vec![requirement.clone()]).map_err(|why| at(span, why))?;
+        match_expressions.push(requirement);
+    }
+    Ok(LabelSelector::new(match_labels, match_expressions)
+        .expect("each label and expression checked above"))
 }
 
 fn parse_mode(
@@ -833,10 +992,10 @@ per = "rule"
         let p = parse(GOOD, "p.toml").unwrap();
         let s = &p.scopes[0];
         assert_eq!(
-            (s.name.as_str(), s.cgroup.as_str(), s.mode, s.errno),
+            (s.name.as_str(), s.cgroup.as_deref(), s.mode, s.errno),
             (
                 "orders",
-                "system.slice/orders.service",
+                Some("system.slice/orders.service"),
                 MODE_ENFORCE,
                 libc::ECONNREFUSED
             )
@@ -873,11 +1032,11 @@ per = "rule"
         assert_eq!(p.scopes.len(), 1);
         assert_eq!(
             (
-                p.scopes[0].cgroup.as_str(),
+                p.scopes[0].cgroup.as_deref(),
                 p.scopes[0].mode,
                 p.scopes[0].limits.max_connections
             ),
-            ("", MODE_OBSERVE, None)
+            (Some(""), MODE_OBSERVE, None)
         );
     }
 
@@ -928,6 +1087,114 @@ per = "rule"
         assert_eq!(
             err("[[scope]]\nname = \"a\"\ncgroup = \"x[\"\n"),
             "p.toml:3:10: bad cgroup pattern: unclosed character class; missing ']'"
+        );
+    }
+
+    #[test]
+    fn workload_selectors_parse_and_name_their_errors() {
+        let p = parse(
+            "[[scope]]\nname = \"orders\"\n\
+             pod = { namespace = \"shop\", labels = { app = \"orders\" }, match_expressions = [{ key = \"tier\", operator = \"In\", values = [\"web\"] }] }\n\
+             annotations = true\n\
+             [[scope]]\nname = \"web\"\ncgroup = \"x\"\ncontainer = { name = \"web-*\" }\nunit = \"web.service\"\n",
+            "p.toml",
+        )
+        .unwrap();
+        let (orders, web) = (&p.scopes[0], &p.scopes[1]);
+        assert_eq!(orders.cgroup, None);
+        assert!(orders.annotations);
+        assert_eq!(
+            orders.workloads[0].to_string(),
+            "pod namespace=shop app=orders,tier in (web)"
+        );
+        assert!(web.selector.selects("x"));
+        assert!(web.selector.selects("system.slice/web.service"));
+        assert!(!web.selector.selects("system.slice/db.service"));
+        assert_eq!(web.workloads.len(), 2);
+        // A selector table implied by the header of its labels, or by dotted keys, as
+        // connguard-api's builder writes a selector without a namespace or name.
+        for text in [
+            "[[scope]]\nname = \"a\"\n[scope.pod.labels]\napp = \"orders\"\n",
+            "[[scope]]\nname = \"a\"\ncontainer.labels.app = \"orders\"\n",
+        ] {
+            let p = parse(text, "p.toml").unwrap_or_else(|e| panic!("{text}: {e}"));
+            assert!(
+                p.scopes[0].workloads[0]
+                    .to_string()
+                    .ends_with(" app=orders")
+            );
+        }
+        assert_eq!(
+            err("[[scope]]\nname = \"a\"\n[scope.pod.labels]\n\"-app\" = \"orders\"\n"),
+            "p.toml:4:1: label key \"-app\": the name must be 1 to 63 characters, alphanumeric at both ends, with '-', '_' and '.' inside"
+        );
+        // Each error at the token named, on line 3.
+        let head = "[[scope]]\nname = \"a\"\n";
+        for (text, at, why) in [
+            (
+                "pod = { match_expressions = [{ key = \"tier\", operator = \"Equals\", values = [\"web\"] }] }",
+                "\"Equals\"",
+                "unknown operator \"Equals\": one of In, NotIn, Exists, DoesNotExist",
+            ),
+            (
+                "pod = { match_expressions = [{ key = \"tier\", operator = \"Exists\", values = [\"web\"] }] }",
+                "[\"web\"]",
+                "\"tier\": values may not be given with operator Exists",
+            ),
+            (
+                "pod = { match_expressions = [{ key = \"tier\", operator = \"In\" }] }",
+                "\"In\"",
+                "\"tier\": values must be given with operator In",
+            ),
+            (
+                "container = { match_expressions = [{ key = \"Tier/x\", operator = \"Exists\" }] }",
+                "\"Tier/x\"",
+                "label key \"Tier/x\": the prefix must be a DNS subdomain (lower case, at most 253 characters)",
+            ),
+            (
+                "pod = { labels = { \"-app\" = \"orders\" } }",
+                "\"-app\"",
+                "label key \"-app\": the name must be 1 to 63 characters, alphanumeric at both ends, with '-', '_' and '.' inside",
+            ),
+            (
+                "pod = { labels = { app = \"orders-\" } }",
+                "\"orders-\"",
+                "label \"app\": value \"orders-\" must be at most 63 characters, alphanumeric at both ends, with '-', '_' and '.' inside",
+            ),
+            (
+                "pod = { namespace = \"shop[\" }",
+                "\"shop[\"",
+                "namespace \"shop[\": unclosed character class; missing ']'",
+            ),
+            (
+                "unit = \"orders\"",
+                "\"orders\"",
+                "unit \"orders\": a unit name ends in .service, .scope, .slice, .socket, .mount or .swap",
+            ),
+            (
+                "pod = { namespace = \"shop\", name = \"x\" }",
+                "name = ",
+                "unknown field `name`, expected one of `namespace`, `labels`, `match_expressions`",
+            ),
+        ] {
+            let col = text.find(at).unwrap() + 1;
+            assert_eq!(
+                err(&format!("{head}{text}\n")),
+                format!("p.toml:3:{col}: {why}"),
+                "{text}"
+            );
+        }
+        assert_eq!(
+            err("[[scope]]\nname = \"a\"\nmax_connections = 5\n"),
+            "p.toml:2:8: scope \"a\" selects nothing: give it cgroup, pod, container or unit"
+        );
+        assert_eq!(
+            err("[[scope]]\nname = \"a\"\ncgroup = \"x\"\nannotations = true\n"),
+            "p.toml:4:15: annotations = true needs a pod selector: they are pods' annotations"
+        );
+        assert_eq!(
+            err("[[scope]]\nname = \"a/b\"\ncgroup = \"x\"\n"),
+            "p.toml:2:8: scope name \"a/b\" has a '/', which names the scopes of annotated pods (SCOPE/NAMESPACE/POD)"
         );
     }
 
@@ -1166,7 +1433,7 @@ per = "rule"
     /// there: the builder cannot lack a key nor write one the parser refuses.
     #[test]
     fn the_api_builder_sets_exactly_the_keys_the_parser_reads() {
-        use connguard_api::policy::{self as api, Limited};
+        use connguard_api::policy::{self as api, Labelled, Limited};
         let breaker = api::Breaker::new()
             .window("2s")
             .min_samples(4)
@@ -1181,6 +1448,20 @@ per = "rule"
         let policy = api::Policy::new()
             .scope(
                 api::Scope::new("s", "x/*")
+                    .pod(
+                        api::Pods::new()
+                            .namespace("shop*")
+                            .label("app", "orders")
+                            .expression("tier", api::Operator::In, ["web"]),
+                    )
+                    .container(
+                        api::Containers::new()
+                            .name("orders-*")
+                            .label("app", "orders")
+                            .expression("canary", api::Operator::DoesNotExist, [] as [&str; 0]),
+                    )
+                    .unit("orders.service")
+                    .annotations(true)
                     .mode(api::Mode::Observe)
                     .errno("ETIMEDOUT")
                     .max_connections(10)
@@ -1270,6 +1551,25 @@ per = "rule"
         assert_eq!(keys(&doc), fields::<RawPolicy>());
         assert_eq!(keys(&scope), fields::<RawScope>());
         assert_eq!(keys(&rule), fields::<RawRule>());
+        let (pod, container) = (table(&scope["pod"]), table(&scope["container"]));
+        assert_eq!(keys(&pod), fields::<RawPod>());
+        assert_eq!(keys(&container), fields::<RawContainer>());
+        assert_eq!(
+            keys(&table(&pod["match_expressions"][0])),
+            fields::<RawRequirement>()
+        );
+        assert_eq!(
+            s.workloads
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>(),
+            [
+                "pod namespace=shop* app=orders,tier in (web)",
+                "container name=orders-* app=orders,!canary",
+                "unit orders.service"
+            ]
+        );
+        assert!(s.annotations);
         for b in [&scope["breaker"], &rule["breaker"]] {
             assert_eq!(keys(&table(b)), fields::<RawBreaker>());
         }

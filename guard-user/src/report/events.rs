@@ -23,13 +23,15 @@ pub const EVENT_LOG: usize = 4096;
 
 /// The kernel's event `ev` named by `ids` (a listener guard's caller's, by `guards`);
 /// `seq` and the clocks' difference (`unix_ms_at_boot`: the wall clock less
-/// CLOCK_MONOTONIC, ms) make the rest.
+/// CLOCK_MONOTONIC, ms) make the rest. `workload` names the workload of a scope that
+/// governs one alone.
 pub fn record(
     ev: &Event,
     ids: &Ids,
     guards: &HashMap<u32, String>,
     seq: u64,
     unix_ms_at_boot: u64,
+    workload: impl Fn(&str) -> Option<String>,
 ) -> EventRecord {
     let kind = match ev.kind {
         EVENT_BREAKER_OPENED => "breaker_opened",
@@ -76,11 +78,13 @@ pub fn record(
             ..EventRecord::default()
         };
     }
+    let scope = ids.scope_name(k.scope_id).unwrap_or("?").to_string();
     EventRecord {
         seq,
         unix_ms: unix_ms_at_boot + ev.time_ns / 1_000_000,
         kind: kind.into(),
-        scope: ids.scope_name(k.scope_id).unwrap_or("?").to_string(),
+        workload: workload(&scope),
+        scope,
         listener: None,
         caller: None,
         rule,
@@ -113,20 +117,27 @@ pub struct EventLog {
 }
 
 impl EventLog {
-    /// Adds the kernel's `ev`, named by `ids` and `guards`.
+    /// Adds the kernel's `ev`, named by `ids`, `guards` and `workload` (see `record`).
     pub fn push(
         &mut self,
         ev: &Event,
         ids: &Ids,
         guards: &HashMap<u32, String>,
         unix_ms_at_boot: u64,
+        workload: impl Fn(&str) -> Option<String>,
     ) {
         self.last_seq += 1;
         if self.events.len() == EVENT_LOG {
             self.events.pop_front();
         }
-        self.events
-            .push_back(record(ev, ids, guards, self.last_seq, unix_ms_at_boot));
+        self.events.push_back(record(
+            ev,
+            ids,
+            guards,
+            self.last_seq,
+            unix_ms_at_boot,
+            workload,
+        ));
     }
 
     /// The events after `since`, and the sequence number to ask after next.

@@ -3,6 +3,7 @@
 pub mod events;
 pub mod listener_metrics;
 pub mod prometheus;
+pub mod rollup;
 pub mod snapshot;
 pub mod table;
 pub mod top;

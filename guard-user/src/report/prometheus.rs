@@ -10,6 +10,7 @@ use std::{
 use connguard_api::stats::{Counts, ScopeStats, Snapshot};
 use guard_common::CounterKey;
 
+use crate::report::rollup::Rolled;
 use prometheus_client::{
     encoding::text::encode,
     metrics::{counter::Counter as PromCounter, family::Family, gauge::Gauge},
@@ -87,7 +88,13 @@ pub struct Exported {
     /// By scope name: what its listed series gained while listed (at the scope's first
     /// scrape, all they had), and its `other` totals as last exported.
     others: HashMap<String, (Totals, Totals)>,
-    /// The same for listener guards' callers.
+    /// The annotated pods' scopes, counted in their scopes' series.
+    rolled: Rolled,
+    /// EADDRNOTAVAIL failures by (scope, comm) as last exported: an annotated pod's go
+    /// with its scope, and the series stays where it was.
+    eaddrnotavail: HashMap<(String, String), u64>,
+    /// What listener guards' callers' listed series gained while listed, and their
+    /// `other` totals as last exported (as `others` for scopes).
     callers: CallerTotals,
 }
 
@@ -131,10 +138,13 @@ pub fn render(snap: &Snapshot, exported: &mut Exported) -> String {
     // Families are written in the order they are registered.
     let scopes = ScopeFamilies::register(&mut reg);
     let daemon = DaemonFamilies::register(&mut reg);
-    scopes.fill(&snap.scopes, exported);
-    ports(&mut reg, snap);
+    let rolled = exported.rolled.roll(&snap.scopes);
+    scopes.fill(&rolled, exported);
+    members(&mut reg, &rolled);
+    ports(&mut reg, snap, &rolled, exported);
     listener_metrics::fill(&mut reg, snap, &mut exported.callers);
     jobs(&mut reg, snap);
+    runtimes(&mut reg, snap);
     daemon.fill(snap);
     let mut out = String::new();
     encode(&mut out, &reg).expect("writing to a String cannot fail");
@@ -405,9 +415,53 @@ impl DaemonFamilies {
     }
 }
 
-/// What the port diagnosis counts: TIME_WAIT births per scope, EADDRNOTAVAIL failures
-/// per scope and process, and the use of the watched destinations' ports.
-fn ports(reg: &mut Registry, snap: &Snapshot) {
+/// Each scope's members: how many cgroups it selects, and the workloads of the first
+/// MEMBERS_LISTED (an info series each).
+fn members(reg: &mut Registry, scopes: &[ScopeStats]) {
+    let count = gauge(
+        reg,
+        "scope_members",
+        "Cgroups the scope selects (its pattern's, its workloads', its annotated pods'), each governing its descendants",
+    );
+    let info = gauge(
+        reg,
+        "scope_workload_info",
+        "1 for each workload (pod, container, unit) among the first 50 members of the scope, by cgroup path",
+    );
+    for s in scopes {
+        count
+            .get_or_create(&vec![("scope", s.name.clone())])
+            .set(s.member_count as i64);
+        for w in s.members.iter().filter_map(|m| m.workload.clone()) {
+            info.get_or_create(&vec![("scope", s.name.clone()), ("workload", w)])
+                .set(1);
+        }
+    }
+}
+
+/// The container runtimes followed for the policy's pod and container selectors.
+fn runtimes(reg: &mut Registry, snap: &Snapshot) {
+    let connected = gauge(
+        reg,
+        "runtime_connected",
+        "1 while the runtime (containerd, docker) is followed; 0 while unreachable: its workloads last listed stay selected",
+    );
+    let failures = gauge(
+        reg,
+        "runtime_failures",
+        "Failed attempts to reach the runtime since it was last connected",
+    );
+    for r in &snap.runtimes {
+        let l = vec![("source", r.source.clone())];
+        connected.get_or_create(&l).set(r.connected as i64);
+        failures.get_or_create(&l).set(r.failures as i64);
+    }
+}
+
+/// What the port diagnosis counts: TIME_WAIT births per scope (`scopes`, rolled up),
+/// EADDRNOTAVAIL failures per scope and process, and the use of the watched
+/// destinations' ports.
+fn ports(reg: &mut Registry, snap: &Snapshot, scopes: &[ScopeStats], exported: &mut Exported) {
     let tw = counter(
         reg,
         "scope_time_wait_created",
@@ -424,15 +478,34 @@ fn ports(reg: &mut Registry, snap: &Snapshot) {
         "Ports held toward a destination near a watermark / ephemeral ports",
         port_use.clone(),
     );
-    for s in &snap.scopes {
+    for s in scopes {
         tw.get_or_create(&vec![("scope", s.name.clone())])
             .inc_by(s.time_wait_created);
     }
+    // An annotated pod's failures count in its scope's series.
+    let rolled_into = |name: &str| -> String {
+        let parent = snap.scope(name).and_then(|s| s.parent.as_deref());
+        match parent.filter(|p| scopes.iter().any(|s| s.name == *p)) {
+            Some(p) => p.to_string(),
+            None => name.to_string(),
+        }
+    };
+    let mut failures: HashMap<(String, String), u64> = HashMap::new();
     for e in &snap.eaddrnotavail {
-        eaddr
-            .get_or_create(&vec![("scope", e.scope.clone()), ("comm", e.comm.clone())])
-            .inc_by(e.count);
+        *failures
+            .entry((rolled_into(&e.scope), e.comm.clone()))
+            .or_default() += e.count;
     }
+    for (key, last) in &exported.eaddrnotavail {
+        let now = failures.entry(key.clone()).or_default();
+        *now = (*now).max(*last);
+    }
+    for ((scope, comm), n) in &failures {
+        eaddr
+            .get_or_create(&vec![("scope", scope.clone()), ("comm", comm.clone())])
+            .inc_by(*n);
+    }
+    exported.eaddrnotavail = failures;
     for w in &snap.watched_ports {
         port_use
             .get_or_create(&vec![
@@ -528,7 +601,13 @@ mod tests {
             policy: PolicyStatus::default(),
             scopes: vec![ScopeStats {
                 name: "api".into(),
-                cgroup: "/".into(),
+                cgroup: Some("/".into()),
+                selectors: Vec::new(),
+                annotations: false,
+                parent: None,
+                members: Vec::new(),
+                member_count: 0,
+                warnings: Vec::new(),
                 mode: "enforce".into(),
                 limits: Default::default(),
                 counts: scope,
@@ -549,6 +628,7 @@ mod tests {
             caller_tables: Default::default(),
             jobs: Vec::new(),
             kernel: None,
+            runtimes: Vec::new(),
         }
     }
 

@@ -1,9 +1,15 @@
 //! The snapshot the daemon reports (`connguard stats --json`, connguard_api::stats),
 //! built from raw counter dumps without any of the daemon's locks held.
-use std::{cmp::Reverse, collections::HashMap, sync::Arc};
+use std::{
+    cmp::Reverse,
+    collections::{BTreeMap, HashMap},
+    path::Path,
+    sync::Arc,
+};
 
 use connguard_api::stats::{
-    BreakerStats, Counts, DestStats, LimitStats, OpenBreaker, RuleStats, ScopeStats,
+    BreakerStats, Counts, DestStats, LimitStats, MEMBERS_LISTED, Member, OpenBreaker, RuleStats,
+    ScopeStats,
 };
 use guard_common::{
     BREAKER_HALF_OPEN, BREAKER_OPEN, BREAKER_SLOTS, Breaker, Counter, NO_RULE,
@@ -11,9 +17,48 @@ use guard_common::{
 };
 
 use crate::{
-    enforce::{breakers::BreakerRamps, counters::CounterDump, ids::Ids},
+    enforce::{breakers::BreakerRamps, counters::CounterDump, ids::Ids, scopes::Governed},
     policy::{Limits, Policy, mode_name},
 };
+
+/// The cgroups a scope selects: the first MEMBERS_LISTED by path, and how many in all.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Members {
+    pub listed: Vec<Member>,
+    pub count: u64,
+}
+
+/// Each scope's members (by its index in `policy`), from `governed` (a walk of the
+/// cgroups below `root` for `policy`).
+pub fn members(policy: &Policy, governed: &BTreeMap<u64, Governed>, root: &Path) -> Vec<Members> {
+    let mut paths: Vec<Vec<String>> = vec![Vec::new(); policy.scopes.len()];
+    for g in governed.values().filter(|g| g.selected) {
+        let rel = g.dir.strip_prefix(root).unwrap_or(&g.dir);
+        if let Some(p) = paths.get_mut(g.scope) {
+            p.push(rel.to_string_lossy().into_owned());
+        }
+    }
+    paths
+        .into_iter()
+        .zip(&policy.scopes)
+        .map(|(mut p, scope)| {
+            let count = p.len() as u64;
+            if p.len() > MEMBERS_LISTED {
+                p.select_nth_unstable(MEMBERS_LISTED);
+                p.truncate(MEMBERS_LISTED);
+            }
+            p.sort_unstable();
+            let listed = p
+                .into_iter()
+                .map(|cgroup| Member {
+                    workload: scope.selector.identity(&cgroup).map(|w| w.to_string()),
+                    cgroup,
+                })
+                .collect();
+            Members { listed, count }
+        })
+        .collect()
+}
 
 /// A scope's or rule's limits as `stats` shows them.
 pub fn limit_stats(l: &Limits) -> LimitStats {
@@ -67,7 +112,9 @@ pub fn scopes(
     ids: &Ids,
     dump: CounterDump,
     top: Option<usize>,
+    mut members: Vec<Members>,
 ) -> Vec<ScopeStats> {
+    members.resize(policy.scopes.len(), Members::default());
     // Ids (assigned when the policy was applied), then one reverse map of rule names.
     let scope_ids: Vec<(Option<u32>, Vec<Option<u32>>)> = policy
         .scopes
@@ -131,7 +178,7 @@ pub fn scopes(
     }
     let time_waits = dump.time_wait_created;
     let mut out = Vec::new();
-    for (s, (scope_id, rule_ids)) in policy.scopes.iter().zip(scope_ids) {
+    for ((s, (scope_id, rule_ids)), members) in policy.scopes.iter().zip(scope_ids).zip(members) {
         let rules = s
             .rules
             .iter()
@@ -168,11 +215,16 @@ pub fn scopes(
         let unlisted_connecting = all_connecting - connecting(&destinations);
         out.push(ScopeStats {
             name: s.name.clone(),
-            cgroup: if s.cgroup.is_empty() {
-                "/".into()
-            } else {
-                s.cgroup.clone()
-            },
+            cgroup: s
+                .cgroup
+                .as_ref()
+                .map(|c| if c.is_empty() { "/".into() } else { c.clone() }),
+            selectors: s.workloads.iter().map(ToString::to_string).collect(),
+            annotations: s.annotations,
+            parent: s.parent.clone(),
+            members: members.listed,
+            member_count: members.count,
+            warnings: s.warnings.clone(),
             mode: mode_name(s.mode).into(),
             limits: limit_stats(&s.limits),
             counts: total(&scope_totals, scope_id),

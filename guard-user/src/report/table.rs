@@ -1,7 +1,7 @@
 //! The readable form of `connguard stats`.
 use std::fmt::Write;
 
-use connguard_api::stats::Snapshot;
+use connguard_api::stats::{ScopeStats, Snapshot};
 
 /// The readable form of `connguard stats`.
 pub fn stats(snap: &Snapshot) -> String {
@@ -36,6 +36,14 @@ pub fn stats(snap: &Snapshot) -> String {
             snap.lease_expired
         );
     }
+    for r in &snap.runtimes {
+        let state = match (&r.last_error, r.connected) {
+            (_, true) => "connected".to_string(),
+            (Some(e), false) => format!("UNREACHABLE ({} failed attempt(s)): {e}", r.failures),
+            (None, false) => "connecting".to_string(),
+        };
+        let _ = writeln!(out, "runtime {} at {}: {state}", r.source, r.endpoint);
+    }
     for s in &snap.scopes {
         let l = &s.limits;
         let budget = l
@@ -48,11 +56,27 @@ pub fn stats(snap: &Snapshot) -> String {
         if let (Some(rate), Some(burst)) = (&l.rate, l.burst) {
             let _ = write!(limits, "  rate {rate} burst {burst}");
         }
+        let mut selects: Vec<String> = s.cgroup.iter().map(|c| format!("cgroup {c}")).collect();
+        selects.extend(s.selectors.iter().cloned());
+        if s.annotations {
+            selects.push("honouring annotations".into());
+        }
+        if let Some(p) = &s.parent {
+            selects.push(format!("an annotated pod of scope {p}"));
+        }
         let _ = writeln!(
             out,
-            "\nscope {} [{}] cgroup {}  {limits}",
-            s.name, s.mode, s.cgroup
+            "\nscope {} [{}] {}  {limits}",
+            s.name,
+            s.mode,
+            selects.join(", ")
         );
+        let listed = member_summary(s, 5);
+        let sep = if listed.is_empty() { "" } else { ": " };
+        let _ = writeln!(out, "  members {}{sep}{listed}", s.member_count);
+        for w in &s.warnings {
+            let _ = writeln!(out, "  WARNING: {w}");
+        }
         let c = &s.counts;
         let _ = writeln!(
             out,
@@ -101,4 +125,21 @@ pub fn stats(snap: &Snapshot) -> String {
         }
     }
     out
+}
+
+/// The first `shown` members of a scope, by workload (else cgroup):
+/// `pod shop/orders-1, pod shop/orders-2 and 3 more`; "" for none.
+pub fn member_summary(s: &ScopeStats, shown: usize) -> String {
+    let names: Vec<&str> = s
+        .members
+        .iter()
+        .take(shown)
+        .map(|m| m.workload.as_deref().unwrap_or(&m.cgroup))
+        .collect();
+    let more = s.member_count.saturating_sub(names.len() as u64);
+    match (names.is_empty(), more) {
+        (true, _) => String::new(),
+        (false, 0) => names.join(", "),
+        (false, more) => format!("{} and {more} more", names.join(", ")),
+    }
 }

@@ -14,7 +14,7 @@ use ratatui::{
     widgets::{Block, Paragraph, Row, Table, Wrap},
 };
 
-use crate::diagnose::ports::near_exhaustion;
+use crate::{diagnose::ports::near_exhaustion, report::table::member_summary};
 
 const REFRESH: Duration = Duration::from_secs(1);
 const BAR_WIDTH: usize = 20;
@@ -229,6 +229,7 @@ fn draw(f: &mut Frame, netns: &str, v: &View, at: &str) {
                         c.admitted.to_string(),
                         c.shed.to_string(),
                         c.would_shed.to_string(),
+                        member_summary(s, 2),
                     ])
                 })
                 .collect()
@@ -249,6 +250,7 @@ fn draw(f: &mut Frame, netns: &str, v: &View, at: &str) {
             Constraint::Length(10),
             Constraint::Length(8),
             Constraint::Length(10),
+            Constraint::Min(20),
         ],
     )
     .header(
@@ -260,6 +262,7 @@ fn draw(f: &mut Frame, netns: &str, v: &View, at: &str) {
             "ADMITTED",
             "SHED",
             "WOULD_SHED",
+            "MEMBERS",
         ])
         .style(bold),
     )
@@ -273,7 +276,20 @@ fn draw(f: &mut Frame, netns: &str, v: &View, at: &str) {
         Ok(r) => r.warnings.iter().map(|w| Line::from(w.as_str())).collect(),
         Err(e) => vec![Line::from(e.as_str())],
     };
+    for r in v.stats.iter().flat_map(|s| &s.runtimes) {
+        if !r.connected {
+            lines.push(Line::from(format!(
+                "runtime {} at {} unreachable: {}",
+                r.source,
+                r.endpoint,
+                r.last_error.as_deref().unwrap_or("connecting")
+            )));
+        }
+    }
     for s in v.stats.iter().flat_map(|s| &s.scopes) {
+        for w in &s.warnings {
+            lines.push(Line::from(format!("scope {}: {w}", s.name)));
+        }
         for b in &s.open_breakers {
             lines.push(Line::from(format!(
                 "breaker {} ({}% let through): scope {} rule {} dst {}",

@@ -107,6 +107,21 @@ impl LabelSelector {
     }
 }
 
+impl fmt::Display for LabelSelector {
+    /// Kubernetes' string form (`app=orders,tier in (web,api),!canary`); "" for the empty
+    /// selector, which matches everything.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let labels = self.match_labels.iter().map(|(k, v)| format!("{k}={v}"));
+        let exprs = self.match_expressions.iter().map(|r| match r.operator {
+            Operator::In => format!("{} in ({})", r.key, r.values.join(",")),
+            Operator::NotIn => format!("{} notin ({})", r.key, r.values.join(",")),
+            Operator::Exists => r.key.clone(),
+            Operator::DoesNotExist => format!("!{}", r.key),
+        });
+        f.write_str(&labels.chain(exprs).collect::<Vec<_>>().join(","))
+    }
+}
+
 impl Requirement {
     fn matches(&self, labels: &BTreeMap<String, String>) -> bool {
         let value = labels.get(&self.key);
@@ -235,6 +250,25 @@ mod tests {
         assert!(!s.matches(&labels(&[("track", "stable")])));
         assert!(LabelSelector::default().matches(&labels(&[])));
         assert!(LabelSelector::default().matches(&labels(&[("any", "thing")])));
+    }
+
+    #[test]
+    fn selectors_are_written_as_kubernetes_writes_them() {
+        let s = LabelSelector::new(
+            labels(&[("app", "orders")]),
+            vec![
+                req("tier", Operator::In, &["web", "api"]),
+                req("track", Operator::NotIn, &["canary"]),
+                req("team", Operator::Exists, &[]),
+                req("legacy", Operator::DoesNotExist, &[]),
+            ],
+        )
+        .unwrap();
+        assert_eq!(
+            s.to_string(),
+            "app=orders,tier in (web,api),track notin (canary),team,!legacy"
+        );
+        assert_eq!(LabelSelector::default().to_string(), "");
     }
 
     #[test]

@@ -95,8 +95,9 @@ impl Registry {
         }
     }
 
-    /// Every pod, replacing those held (a full list after a (re)connection).
-    pub(super) fn set_pods(&self, pods: Vec<Pod>) {
+    /// Every pod, replacing those held (a source's full list after a (re)connection; a
+    /// test's pods).
+    pub fn set_pods(&self, pods: Vec<Pod>) {
         let pods = pods.into_iter().map(|p| (p.sandbox.clone(), p)).collect();
         self.change(|s| std::mem::replace(&mut s.pods, pods) != s.pods);
     }

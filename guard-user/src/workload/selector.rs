@@ -45,6 +45,15 @@ pub enum Identity {
     Unit { name: String },
 }
 
+impl Identity {
+    /// The unit whose cgroup is at `rel`, by its directory's name.
+    pub fn unit(rel: &str) -> Identity {
+        Identity::Unit {
+            name: rel.rsplit('/').next().unwrap_or_default().to_string(),
+        }
+    }
+}
+
 impl fmt::Display for Identity {
     /// `pod shop/orders-5d9f`, `container orders`, `unit orders.service`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -52,6 +61,40 @@ impl fmt::Display for Identity {
             Identity::Pod { namespace, name } => write!(f, "pod {namespace}/{name}"),
             Identity::Container { name } => write!(f, "container {name}"),
             Identity::Unit { name } => write!(f, "unit {name}"),
+        }
+    }
+}
+
+impl fmt::Display for WorkloadSelector {
+    /// What it selects, for stats and logs: `pod namespace=shop app=orders`,
+    /// `container name=orders-* app=orders`, `unit orders.service`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let named = |kind: &str, key: &str, name: &Option<GlobMatcher>, labels: &LabelSelector| {
+            let mut parts = vec![kind.to_string()];
+            if let Some(n) = name {
+                parts.push(format!("{key}={}", n.glob().glob()));
+            }
+            let labels = labels.to_string();
+            if !labels.is_empty() {
+                parts.push(labels);
+            }
+            parts.join(" ")
+        };
+        f.write_str(&match self {
+            WorkloadSelector::Pod(p) => named("pod", "namespace", &p.namespace, &p.labels),
+            WorkloadSelector::Container(c) => named("container", "name", &c.name, &c.labels),
+            WorkloadSelector::Unit(u) => format!("unit {}", u.name.glob().glob()),
+        })
+    }
+}
+
+impl WorkloadSelector {
+    /// The kind of workload it selects, as messages name it: "pod", "container", "unit".
+    pub fn kind(&self) -> &'static str {
+        match self {
+            WorkloadSelector::Pod(_) => "pod",
+            WorkloadSelector::Container(_) => "container",
+            WorkloadSelector::Unit(_) => "unit",
         }
     }
 }
@@ -106,6 +149,18 @@ impl UnitSelector {
         Ok(UnitSelector {
             name: glob(name, "unit")?,
         })
+    }
+
+    /// Whether the cgroup at `rel` (below the mount) is the cgroup of a unit this names,
+    /// where systemd puts units: what [`Registry::select`](super::Registry::select)
+    /// finds, decided from the path alone.
+    pub fn selects(&self, rel: &str) -> bool {
+        systemd::is_unit_place(rel) && self.name.is_match(rel.rsplit('/').next().unwrap_or(rel))
+    }
+
+    /// Whether a cgroup below the one at `rel` may be one this names.
+    pub fn may_select_below(&self, rel: &str) -> bool {
+        systemd::holds_units_below(rel)
     }
 }
 
@@ -273,6 +328,42 @@ mod tests {
             ["container orders-a"]
         );
         assert!(select(Some("cart"), &[]).is_empty());
+    }
+
+    #[test]
+    fn units_are_selected_by_path_where_systemd_puts_them() {
+        let s = UnitSelector::new("orders*.service").unwrap();
+        assert!(s.selects("system.slice/orders.service"));
+        assert!(s.selects("shop.slice/shop-web.slice/orders-v2.service"));
+        assert!(s.selects("orders.service"));
+        assert!(!s.selects("system.slice/cron.service/orders.service"));
+        assert!(!s.selects("system.slice/web.service"));
+        assert!(s.may_select_below("shop.slice"));
+        assert!(!s.may_select_below("system.slice/cron.service"));
+        assert_eq!(
+            Identity::unit("system.slice/orders.service").to_string(),
+            "unit orders.service"
+        );
+    }
+
+    #[test]
+    fn selectors_say_what_they_select() {
+        let labels = LabelSelector::new(map(&[("app", "orders")]), Vec::new()).unwrap();
+        let pod = WorkloadSelector::Pod(PodSelector::new(Some("shop"), labels.clone()).unwrap());
+        let any = WorkloadSelector::Pod(PodSelector::new(None, LabelSelector::default()).unwrap());
+        let c =
+            WorkloadSelector::Container(ContainerSelector::new(Some("orders-*"), labels).unwrap());
+        let u = WorkloadSelector::Unit(UnitSelector::new("orders.service").unwrap());
+        let text = [&pod, &any, &c, &u].map(ToString::to_string);
+        assert_eq!(
+            text,
+            [
+                "pod namespace=shop app=orders",
+                "pod",
+                "container name=orders-* app=orders",
+                "unit orders.service"
+            ]
+        );
     }
 
     #[test]

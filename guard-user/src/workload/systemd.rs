@@ -72,6 +72,27 @@ pub fn is_cgroup_unit(name: &str) -> bool {
         .any(|s| name.len() > s.len() && name.ends_with(s))
 }
 
+/// Whether systemd puts units in the directory named `name`: a slice, or a user
+/// manager's `user@UID.service`.
+fn holds_units(name: &str) -> bool {
+    name.ends_with(".slice") || (name.starts_with("user@") && name.ends_with(".service"))
+}
+
+/// Whether the cgroup at `rel` (below the mount, "" for the root) lies where systemd
+/// puts units: each directory above it holds units.
+pub fn is_unit_place(rel: &str) -> bool {
+    match rel.rsplit_once('/') {
+        None => !rel.is_empty(),
+        Some((parent, _)) => holds_units_below(parent),
+    }
+}
+
+/// Whether a unit may lie below the cgroup at `rel`: the root, or a directory that
+/// holds units, in one that does.
+pub fn holds_units_below(rel: &str) -> bool {
+    rel.is_empty() || rel.split('/').all(holds_units)
+}
+
 /// The cgroups below `mount` of the units whose names `unit` matches: the directories so
 /// named in the root's slices, their slices, and so on (and in user managers'
 /// `user@UID.service`), as systemd lays them out.
@@ -95,8 +116,7 @@ pub fn find_units(mount: &Path, unit: &GlobMatcher) -> Vec<String> {
             if unit.is_match(&name) {
                 out.push(child.clone());
             }
-            let manager = name.starts_with("user@") && name.ends_with(".service");
-            if name.ends_with(".slice") || manager {
+            if holds_units(&name) {
                 stack.push(child);
             }
         }
@@ -203,5 +223,16 @@ mod tests {
         );
         assert_eq!(slice, ["shop.slice/shop-web.slice"]);
         assert_eq!(any.len(), 6, "{any:?}");
+        // Where find_units looks, and only there.
+        for path in found.iter().chain(&slice).chain(&any) {
+            assert!(is_unit_place(path), "{path}");
+        }
+        assert!(!is_unit_place("system.slice/cron.service/orders.service"));
+        assert!(!is_unit_place(""));
+        assert!(holds_units_below(""));
+        assert!(holds_units_below(
+            "user.slice/user-1000.slice/user@1000.service"
+        ));
+        assert!(!holds_units_below("system.slice/cron.service"));
     }
 }
