@@ -256,19 +256,19 @@ mod tests {
     use super::*;
     use crate::policy::parse;
 
+    /// A policy of one scope per name, each with a rule "r".
+    fn policy(names: &[&str]) -> crate::policy::Policy {
+        let text: String = names
+            .iter()
+            .map(|n| {
+                format!("[[scope]]\nname = \"{n}\"\ncgroup = \"x\"\n[[scope.rule]]\nname = \"r\"\n")
+            })
+            .collect();
+        parse(&text, "t").unwrap()
+    }
+
     #[test]
     fn ids_follow_names_and_stop_at_the_array_sizes() {
-        let policy = |names: &[&str]| {
-            let text: String = names
-                .iter()
-                .map(|n| {
-                    format!(
-                        "[[scope]]\nname = \"{n}\"\ncgroup = \"x\"\n[[scope.rule]]\nname = \"r\"\n"
-                    )
-                })
-                .collect();
-            parse(&text, "t").unwrap()
-        };
         let mut ids = Ids::default();
         ids.assign(&policy(&["a", "b"])).unwrap();
         ids.assign(&policy(&["b"])).unwrap();
@@ -297,17 +297,6 @@ mod tests {
 
     #[test]
     fn retired_ids_are_given_again_only_once_reused() {
-        let policy = |names: &[&str]| {
-            let text: String = names
-                .iter()
-                .map(|n| {
-                    format!(
-                        "[[scope]]\nname = \"{n}\"\ncgroup = \"x\"\n[[scope.rule]]\nname = \"r\"\n"
-                    )
-                })
-                .collect();
-            parse(&text, "t").unwrap()
-        };
         let mut ids = Ids::default();
         ids.assign(&policy(&["a", "b", "c"])).unwrap();
         let keys = ids.retire(["b", "none"]);
