@@ -940,7 +940,7 @@ pub fn listener_policy(ns: &Netns, mode: Mode) -> Policy {
     Policy::new().listener(listener_guard(ns, mode))
 }
 
-/// The variable that sets the restart churn test's length in seconds (default 300), which
+/// The variable that sets the restart churn test's length in seconds (default 120), which
 /// the kernel matrix's runner sets in each guest.
 pub const CHURN_SECONDS_VAR: &str = "CONNGUARD_CHURN_SECONDS";
 
@@ -950,6 +950,15 @@ pub fn churn_length() -> Duration {
         s.parse()
             .unwrap_or_else(|_| panic!("{CHURN_SECONDS_VAR}={s}: not a number of seconds"))
     }))
+}
+
+/// The variable the kernel matrix's runner sets in its guests, whose CPUs qemu emulates
+/// (TCG): a test whose bound is a latency allows for a CPU many times slower.
+pub const EMULATED_CPU_VAR: &str = "CONNGUARD_EMULATED_CPU";
+
+/// True in the kernel matrix's guests (EMULATED_CPU_VAR set).
+pub fn emulated_cpu() -> bool {
+    std::env::var_os(EMULATED_CPU_VAR).is_some()
 }
 
 /// A free TCP port on 127.0.0.1 (bound, then released for a server to take).

@@ -17,7 +17,7 @@ use std::{
 
 use anyhow::{Context, bail, ensure};
 use connguard_api::kernel::Features;
-use connguard_tests::CHURN_SECONDS_VAR;
+use connguard_tests::{CHURN_SECONDS_VAR, EMULATED_CPU_VAR};
 use serde::{Deserialize, Serialize};
 
 /// The restart churn test's length in the guests, in seconds.
@@ -289,7 +289,7 @@ fn prepare(
     let connguard = root.join("target/release/connguard");
     let mut text = format!(
         "cd {}\nK=$({} kernel --json) && FILTER='{}' || {{ FILTER='{filters}'; echo BELOW_MINIMUM; }}\n\
-         echo \"FEATURES $K\"\nstatus=0\nexport {CHURN_SECONDS_VAR}={GUEST_CHURN_SECONDS}\n",
+         echo \"FEATURES $K\"\nstatus=0\nexport {CHURN_SECONDS_VAR}={GUEST_CHURN_SECONDS} {EMULATED_CPU_VAR}=1\n",
         root.display(),
         connguard.display(),
         args.join(" "),
