@@ -666,6 +666,16 @@ fn a_saturated_namespace_does_not_shed_another() {
     );
 }
 
+/// Whether the daemon's log says a listener guard was attached to `iface`: its line
+/// names every interface of one rescan ("attached to vc, vs in netns ..."), as a veth
+/// pair's two ends when the rescan comes before one end moves to its namespace.
+fn attached_to(log: &str, iface: &str) -> bool {
+    log.lines()
+        .filter_map(|l| l.split_once("listener guard attached to "))
+        .filter_map(|(_, rest)| rest.split_once(" in netns "))
+        .any(|(ifaces, _)| ifaces.split(", ").any(|i| i == iface))
+}
+
 /// A veth created in a guarded namespace after the daemon started (a new pod's) is
 /// guarded within the rescan (every second).
 #[test]
@@ -680,17 +690,12 @@ fn a_veth_added_after_start_is_guarded() {
     wait_listed(&d, 0, 1);
     // Room for a TCG guest, slow to rescan the namespace's interfaces.
     let until = Instant::now() + Duration::from_secs(30);
-    while !d
-        .log
-        .lock()
-        .unwrap()
-        .contains("listener guard attached to vs")
-    {
-        assert!(
-            Instant::now() < until,
-            "vs never attached:\n{}",
-            d.log.lock().unwrap()
-        );
+    loop {
+        let log = d.log.lock().unwrap().clone();
+        if attached_to(&log, "vs") {
+            break;
+        }
+        assert!(Instant::now() < until, "vs never attached:\n{log}");
         std::thread::sleep(Duration::from_millis(50));
     }
     let b = cg.hold(Probe::Open {

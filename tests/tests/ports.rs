@@ -522,11 +522,14 @@ fn port_watermark_sheds_one_scope_and_keeps_headroom_for_others() {
     );
     assert_eq!(out.ok + out.errors("ECONNREFUSED"), 120, "{out:?}");
     let r = ports_json(&ns);
-    let held = destination(&r, "127.0.0.1:8080").in_use;
-    assert_eq!(
-        u64::from(held),
-        out.ok,
-        "one TIME_WAIT entry per admitted connection, the rest is headroom"
+    let held = u64::from(destination(&r, "127.0.0.1:8080").in_use);
+    // One TIME_WAIT entry per admitted connection, the rest is headroom. One fewer is
+    // allowed: sock_diag dumps the table in parts, not atomically, and the last
+    // connections' server sockets can still be leaving it, as a slow guest shows.
+    assert!(
+        (out.ok - 1..=out.ok).contains(&held),
+        "{held} ports held after {} admitted connections: {out:?}",
+        out.ok
     );
     let o = other.probe(Probe::churn(ns.path(), TO_8080, 3));
     assert_eq!(o.ok, 3, "another scope still connects: {o:?}");

@@ -139,10 +139,12 @@ impl Client {
             "/tasks/start" => {
                 let id = TaskStart::decode(body)?.container_id;
                 if self.is_sandbox(&id).await? {
+                    // Unfiled past FILING: the session ends, and the next one lists every
+                    // sandbox again, so that the pod is selected once CRI files it.
                     match self.filed(&id).await? {
                         Some(pod) => registry.put_pod(pod),
-                        None => log::warn!(
-                            "containerd: sandbox {id} started but CRI has not filed it after {FILING:?}"
+                        None => bail!(
+                            "sandbox {id} started but CRI has not filed it after {FILING:?}; listing the pods again"
                         ),
                     }
                 }
