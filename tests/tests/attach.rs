@@ -59,7 +59,6 @@ fn ungoverned_connections_run_no_connection_program() {
                 "the tracepoint runs for every socket: {before:?} {after:?}"
             );
         } else if name == "caller_destroy" {
-            // Host-wide: any other TCP socket the machine destroys meanwhile runs it too.
             assert!(
                 (2 * 1000..2 * 1000 + HOST_SLACK).contains(&(a - b)),
                 "the destruction tracepoint runs once per socket: {before:?} {after:?}"
