@@ -5,7 +5,8 @@
 //! Requests: `stats` (everything), `stats N` (at most N destinations per scope, the rest
 //! summed), `reload`, `ports NETNS_COOKIE`, `scope CGROUP_ID`, `events SEQ` (the events
 //! after sequence number SEQ), `stop` (detach, unpin and exit; answered
-//! `{"stopping": true}` before the daemon does).
+//! `{"stopping": true}` before the daemon does), `fleet` (every host's record of the
+//! fleet budgets, listed from etcd).
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
@@ -30,6 +31,8 @@ pub enum Request {
     Events { since: u64 },
     /// Detach, unpin and exit.
     Stop,
+    /// The fleet as etcd holds it.
+    Fleet,
 }
 
 impl Request {
@@ -46,6 +49,7 @@ impl Request {
             }),
             ["reload"] => Ok(Request::Reload),
             ["stop"] => Ok(Request::Stop),
+            ["fleet"] => Ok(Request::Fleet),
             ["ports", n] => Ok(Request::Ports { netns: number(n)? }),
             ["scope", n] => Ok(Request::Scope {
                 cgroup_id: number(n)?,
@@ -63,6 +67,7 @@ impl fmt::Display for Request {
             Request::Stats { top: Some(n) } => write!(f, "stats {n}"),
             Request::Reload => write!(f, "reload"),
             Request::Stop => write!(f, "stop"),
+            Request::Fleet => write!(f, "fleet"),
             Request::Ports { netns } => write!(f, "ports {netns}"),
             Request::Scope { cgroup_id } => write!(f, "scope {cgroup_id}"),
             Request::Events { since } => write!(f, "events {since}"),
@@ -80,6 +85,7 @@ pub enum Reply {
     Scope(ScopeReply),
     Events(EventsReply),
     Stop(StopReply),
+    Fleet(crate::fleet::FleetView),
     Error(ErrorReply),
 }
 
@@ -135,6 +141,7 @@ mod tests {
             Request::Scope { cgroup_id: 1 },
             Request::Events { since: 7 },
             Request::Stop,
+            Request::Fleet,
         ] {
             assert_eq!(Request::parse(&format!("{r}\n")), Ok(r));
         }

@@ -8,6 +8,7 @@
 //! eBPF toolchain, on any machine.
 pub mod control;
 pub mod events;
+pub mod fleet;
 pub mod kernel;
 pub mod listeners;
 pub mod policy;

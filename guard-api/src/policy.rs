@@ -19,13 +19,144 @@ use std::{collections::BTreeMap, fmt, ops::RangeInclusive};
 
 use serde::{Deserialize, Serialize};
 
-/// A policy file: its `[[scope]]` and `[[listener]]` tables.
+/// A policy file: its `[[scope]]`, `[[listener]]`, `[fleet]` and `[[fleet_budget]]`
+/// tables.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Policy {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub scope: Vec<Scope>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub listener: Vec<Listener>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fleet: Option<Fleet>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub fleet_budget: Vec<FleetBudget>,
+}
+
+/// `[fleet]`: the etcd that the fleet budgets are shared through, and this host's part.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Fleet {
+    pub endpoints: Vec<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub identity: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefix: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ttl: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub refresh: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub password_file: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ca: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cert: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub key: Option<String>,
+}
+
+impl Fleet {
+    pub fn new<S: Into<String>>(endpoints: impl IntoIterator<Item = S>) -> Fleet {
+        Fleet {
+            endpoints: endpoints.into_iter().map(Into::into).collect(),
+            ..Fleet::default()
+        }
+    }
+
+    pub fn identity(mut self, identity: &str) -> Fleet {
+        self.identity = Some(identity.into());
+        self
+    }
+
+    pub fn prefix(mut self, prefix: &str) -> Fleet {
+        self.prefix = Some(prefix.into());
+        self
+    }
+
+    /// The lease's TTL, a duration in whole seconds (`"10s"`).
+    pub fn ttl(mut self, duration: &str) -> Fleet {
+        self.ttl = Some(duration.into());
+        self
+    }
+
+    pub fn refresh(mut self, duration: &str) -> Fleet {
+        self.refresh = Some(duration.into());
+        self
+    }
+
+    /// An etcd user, and the file whose first line is its password.
+    pub fn user(mut self, user: &str, password_file: &str) -> Fleet {
+        self.user = Some(user.into());
+        self.password_file = Some(password_file.into());
+        self
+    }
+
+    /// The CA of etcd's certificate (PEM file).
+    pub fn ca(mut self, file: &str) -> Fleet {
+        self.ca = Some(file.into());
+        self
+    }
+
+    /// A client certificate and its key (PEM files).
+    pub fn client_certificate(mut self, cert: &str, key: &str) -> Fleet {
+        self.cert = Some(cert.into());
+        self.key = Some(key.into());
+        self
+    }
+}
+
+/// A `[[fleet_budget]]`: a total of active connections toward `dst` (and `ports`),
+/// shared by every host; one rule of each host draws from it (`Rule::fleet`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct FleetBudget {
+    pub name: String,
+    pub dst: Vec<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ports: Option<Vec<Port>>,
+    pub max_connections: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub weight: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub floor: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub safe_share: Option<u64>,
+}
+
+impl FleetBudget {
+    pub fn new<S: Into<String>>(
+        name: &str,
+        dst: impl IntoIterator<Item = S>,
+        max_connections: u64,
+    ) -> FleetBudget {
+        FleetBudget {
+            name: name.into(),
+            dst: dst.into_iter().map(Into::into).collect(),
+            max_connections,
+            ..FleetBudget::default()
+        }
+    }
+
+    pub fn ports<P: Into<Port>>(mut self, ports: impl IntoIterator<Item = P>) -> FleetBudget {
+        self.ports = Some(ports.into_iter().map(Into::into).collect());
+        self
+    }
+
+    pub fn weight(mut self, weight: u32) -> FleetBudget {
+        self.weight = Some(weight);
+        self
+    }
+
+    pub fn floor(mut self, floor: u64) -> FleetBudget {
+        self.floor = Some(floor);
+        self
+    }
+
+    pub fn safe_share(mut self, share: u64) -> FleetBudget {
+        self.safe_share = Some(share);
+        self
+    }
 }
 
 impl Policy {
@@ -42,6 +173,18 @@ impl Policy {
     /// Adds a `[[listener]]`.
     pub fn listener(mut self, listener: Listener) -> Policy {
         self.listener.push(listener);
+        self
+    }
+
+    /// Sets `[fleet]`.
+    pub fn fleet(mut self, fleet: Fleet) -> Policy {
+        self.fleet = Some(fleet);
+        self
+    }
+
+    /// Adds a `[[fleet_budget]]`.
+    pub fn fleet_budget(mut self, budget: FleetBudget) -> Policy {
+        self.fleet_budget.push(budget);
         self
     }
 
@@ -386,6 +529,10 @@ pub struct Rule {
     pub ports: Option<Vec<Port>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub per: Option<Per>,
+    /// The `[[fleet_budget]]` the rule draws from (then without dst, ports, per and
+    /// max_connections: the budget's, and this host's share).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fleet: Option<String>,
     #[serde(flatten)]
     pub limits: Limits,
 }
@@ -410,6 +557,11 @@ impl Rule {
 
     pub fn per(mut self, per: Per) -> Rule {
         self.per = Some(per);
+        self
+    }
+
+    pub fn fleet(mut self, budget: &str) -> Rule {
+        self.fleet = Some(budget.into());
         self
     }
 }

@@ -54,6 +54,9 @@ pub struct Snapshot {
     /// selectors (absent from the answers of older daemons).
     #[serde(default)]
     pub runtimes: Vec<RuntimeStatus>,
+    /// This host's part in the policy's fleet budgets; null without any.
+    #[serde(default)]
+    pub fleet: Option<crate::fleet::Status>,
 }
 
 /// A container runtime the daemon follows: while it is unreachable, the workloads it
@@ -278,6 +281,10 @@ pub struct RuleStats {
     pub limits: LimitStats,
     /// "endpoint" or "rule".
     pub per: String,
+    /// The fleet budget the rule draws from: its `max_connections` is this host's
+    /// share (absent from the answers of older daemons).
+    #[serde(default)]
+    pub fleet: Option<String>,
     #[serde(flatten)]
     pub counts: Counts,
 }

@@ -191,7 +191,8 @@ pub struct PortRange {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Limits {
-    /// Budget of active connections (admitted, not yet in TCP_CLOSE).
+    /// Budget of active connections (admitted, not yet in TCP_CLOSE); `BUDGET_OF_NONE`
+    /// admits none.
     pub max_connections: u64,
     /// The new-connection rate, as ns between two tokens of its bucket (1e9 / attempts
     /// per second, rounded).
@@ -202,6 +203,10 @@ pub struct Limits {
     /// closed) at once.
     pub max_connecting: u32,
 }
+
+/// `Limits::max_connections` of a budget that admits nothing (a fleet share of 0): the
+/// programs compare counts signed, and every count is at least -1.
+pub const BUDGET_OF_NONE: u64 = u64::MAX;
 
 /// A circuit breaker's policy, per destination endpoint, on connect outcomes.
 #[repr(C)]

@@ -198,6 +198,12 @@ See also:
         /// Control socket, which the other commands ask.
         #[arg(long, value_name = "PATH", default_value = DEFAULT_SOCKET)]
         socket: PathBuf,
+        /// Directory in bpffs of the pinned state, locked for the daemon's life. Two
+        /// daemons on one host, each with its own directory, control socket, metrics
+        /// address and policy, govern disjoint cgroup trees side by side (a fleet's
+        /// hosts on one machine, or separate instances).
+        #[arg(long, value_name = "DIR", default_value = crate::kernel::state::ROOT)]
+        state_dir: PathBuf,
         /// Enable the kernel's bpf_stats (run_time_ns / run_cnt per program) while the
         /// daemon runs, so `stats` shows each program's average cost. Costs a few ns per
         /// program run, for every eBPF program on the host.
@@ -398,6 +404,27 @@ See also:
         #[arg(long, value_name = "PATH", default_value = DEFAULT_SOCKET)]
         socket: PathBuf,
     },
+    /// Show the fleet budgets as etcd holds them: every host's share and demand.
+    ///
+    /// The daemon lists the records under its policy's fleet prefix in etcd (with the
+    /// policy's endpoints and credentials) and prints, per budget, each host's share
+    /// (`has`), active connections, demand (`wants`), weight and floor, as those hosts
+    /// last wrote them, with the etcd revision of the listing.
+    #[command(after_long_help = concat!(asking_exit_status!(), "  A daemon whose policy has no fleet budgets, or that cannot reach etcd, refuses the request.
+
+Files:
+", socket_file!(), "
+See also:
+  connguard-stats(8), connguard-run(8)
+"))]
+    Fleet {
+        /// Print JSON: {"revision": N, "budgets": [{"name": "...", "hosts": [RECORD, ...]}]}.
+        #[arg(long)]
+        json: bool,
+        /// The daemon's control socket.
+        #[arg(long, value_name = "PATH", default_value = DEFAULT_SOCKET)]
+        socket: PathBuf,
+    },
     /// Ask the running daemon to re-read its policy file.
     ///
     /// The daemon reads the whole file first: a bad file is rejected and the policy in
@@ -444,6 +471,9 @@ See also:
         /// The daemon's control socket.
         #[arg(long, value_name = "PATH", default_value = DEFAULT_SOCKET)]
         socket: PathBuf,
+        /// The daemon's state directory in bpffs (as given to `connguard run`).
+        #[arg(long, value_name = "DIR", default_value = crate::kernel::state::ROOT)]
+        state_dir: PathBuf,
     },
     /// Print the shell completion script for SHELL.
     ///

@@ -19,6 +19,7 @@ use connguard::{
 };
 use connguard_api::{
     control::{EventsReply, ReloadReply, Request, ScopeReply},
+    fleet::FleetView,
     kernel::Features,
     listeners::ListenersReport,
     ports::PortsReport,
@@ -43,6 +44,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             no_watch_policy,
             metrics,
             socket,
+            state_dir,
             bpf_stats,
             forget_idle,
             lease,
@@ -57,6 +59,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 policy,
                 metrics,
                 socket,
+                state_dir,
                 bpf_stats,
                 forget_idle,
                 lease: std::time::Duration::from_secs(lease),
@@ -100,6 +103,14 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 json,
                 listeners::table,
             )?;
+        }
+        Command::Fleet { json, socket } => {
+            let view: FleetView = client::ask(&socket, Request::Fleet)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&view)?);
+            } else {
+                print!("{}", table::fleet(&view));
+            }
         }
         Command::Events { json, once, socket } => {
             let mut since = 0;
@@ -162,7 +173,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 }
             }
         }
-        Command::Stop { socket } => daemon::stop(&socket)?,
+        Command::Stop { socket, state_dir } => daemon::stop(&socket, &state_dir)?,
         Command::Completions { shell } => cli::manual::print_completions(shell),
         Command::Man { dir } => {
             for page in cli::manual::write_pages(&dir)? {

@@ -7,6 +7,7 @@
 #[cfg(feature = "runtimes")]
 pub mod containerd;
 pub mod etcd;
+pub mod fleet;
 #[cfg(feature = "runtimes")]
 pub mod podman;
 #[cfg(feature = "runtimes")]
@@ -269,6 +270,8 @@ impl Drop for Holder {
 /// stopped with `exit_keeping_state`. Each daemon starts from no pinned state but one
 /// started `adopting`. Started by `Daemon::builder(policy)...start()`.
 pub struct Daemon {
+    /// `--state-dir`, when not the default.
+    state_dir: Option<PathBuf>,
     keep_state: bool,
     /// Audit corrections the test makes happen; any other is a failure, checked on drop
     /// (every daemon audits every second).
@@ -294,9 +297,17 @@ pub struct DaemonBuilder<'a> {
     cgroup_namespace: Option<&'a Cgroup>,
     watch_policy: bool,
     policy_at: Option<PathBuf>,
+    state_dir: Option<PathBuf>,
 }
 
 impl<'a> DaemonBuilder<'a> {
+    /// A state directory in bpffs of its own (`--state-dir`), so that it runs beside
+    /// other daemons (each on its own cgroups); it starts from none there.
+    pub fn own_state(mut self) -> Self {
+        self.state_dir = Some(Path::new("/sys/fs/bpf").join(unique("connguard-test")));
+        self
+    }
+
     /// Lets the daemon reload by itself when its policy file changes; others run with
     /// --no-watch-policy, so that a test's rewrite and reload is one reload.
     pub fn watching_policy(mut self) -> Self {
@@ -364,7 +375,7 @@ impl<'a> DaemonBuilder<'a> {
     pub fn start(self) -> Daemon {
         require_prerequisites();
         if !self.adopt {
-            remove_pinned_state();
+            remove_state(self.state_dir.as_deref());
         }
         let mut command = match self.cgroup_namespace {
             None => Command::new(connguard_bin()),
@@ -413,6 +424,9 @@ impl<'a> DaemonBuilder<'a> {
         if !self.watch_policy {
             defaults.push("--no-watch-policy".into());
         }
+        if let Some(dir) = &self.state_dir {
+            defaults.extend(["--state-dir".into(), dir.display().to_string()]);
+        }
         let mut child = command
             .arg("run")
             .arg("--policy")
@@ -443,6 +457,7 @@ impl<'a> DaemonBuilder<'a> {
             }
         });
         let mut d = Daemon {
+            state_dir: self.state_dir,
             keep_state: false,
             expected_corrections: 0,
             child,
@@ -480,6 +495,7 @@ impl Daemon {
             cgroup_namespace: None,
             watch_policy: false,
             policy_at: None,
+            state_dir: None,
         }
     }
 
@@ -643,7 +659,7 @@ impl Drop for Daemon {
         self.kill();
         let _ = std::fs::remove_dir_all(&self.dir);
         if !self.keep_state {
-            remove_pinned_state();
+            remove_state(self.state_dir.as_deref());
         }
         if let Some(e) = audit {
             panic!("{e}");
@@ -653,10 +669,17 @@ impl Drop for Daemon {
 
 /// `connguard stop` with no daemon: removes the programs and state a daemon pinned.
 pub fn remove_pinned_state() {
-    let out = Command::new(connguard_bin())
-        .args(["stop", "--socket", "/nonexistent/connguard.sock"])
-        .output()
-        .expect("run connguard stop");
+    remove_state(None)
+}
+
+/// `remove_pinned_state` for the state directory `dir` (None: the default one).
+fn remove_state(dir: Option<&Path>) {
+    let mut stop = Command::new(connguard_bin());
+    stop.args(["stop", "--socket", "/nonexistent/connguard.sock"]);
+    if let Some(dir) = dir {
+        stop.arg("--state-dir").arg(dir);
+    }
+    let out = stop.output().expect("run connguard stop");
     assert!(
         out.status.success(),
         "connguard stop: {}",

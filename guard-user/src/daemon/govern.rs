@@ -33,6 +33,9 @@ impl Daemon {
                         policy::control_names(missing)
                     ));
                 }
+                if let Some(why) = self.fleet.refuses(&base) {
+                    return Err(why);
+                }
                 let what = policy::describe(&base);
                 let listeners = base.listeners.clone();
                 self.workloads.follow(&base);
@@ -73,6 +76,7 @@ impl Daemon {
 
     /// Makes `policy` the one in force, with `tree` a walk of the cgroups for it.
     pub(super) fn apply(&self, policy: Policy, tree: Tree) -> anyhow::Result<()> {
+        let policy = self.fleet.shape(policy);
         match clock::tick_ns() {
             Ok(tick_ns) => policy::coarse_controls(&policy, tick_ns)
                 .iter()

@@ -28,6 +28,7 @@
 //! next; it is built and sent with none held (but `scrapes`). The walks of the cgroup
 //! tree, seconds on hosts with tens of thousands of cgroups, are made holding none of
 //! the locks `stats` needs.
+mod fleet;
 mod govern;
 mod health;
 mod jobs;
@@ -81,6 +82,8 @@ pub struct Options {
     pub policy: Option<PathBuf>,
     pub metrics: Option<String>,
     pub socket: PathBuf,
+    /// The bpffs directory of the pinned state (state::ROOT by default).
+    pub state_dir: PathBuf,
     pub bpf_stats: bool,
     /// Destination entries idle this long (to twice as long) are forgotten.
     pub forget_idle: Duration,
@@ -128,6 +131,8 @@ struct Daemon {
     events: Mutex<EventLog>,
     lease: Mutex<Lease>,
     scrapes: Scrapes,
+    /// The policy's fleet budgets: this host's shares, and the sync with etcd.
+    fleet: fleet::FleetPart,
 }
 
 /// The counters, and the TIME_WAIT rates sampled from their TIME_WAIT births.
@@ -188,7 +193,7 @@ fn policy_watch(opts: &Options) -> Option<policy_watch::PolicyWatch> {
 
 /// `connguard stop`: asks the daemon at `socket` to detach, unpin and exit, and waits
 /// for it; with no daemon there, removes the pins one left.
-pub fn stop(socket: &Path) -> anyhow::Result<()> {
+pub fn stop(socket: &Path, state_dir: &Path) -> anyhow::Result<()> {
     if socket.exists()
         && let Ok(StopReply { stopping: true }) = control::client::ask(socket, Request::Stop)
     {
@@ -205,12 +210,12 @@ pub fn stop(socket: &Path) -> anyhow::Result<()> {
         println!("stopped: the daemon detached its programs, unpinned its state and exited");
         return Ok(());
     }
-    match state::remove_left()? {
+    match state::remove_left(state_dir)? {
         0 => println!("no daemon at {} and nothing pinned", socket.display()),
         n => println!(
             "no daemon at {}: removed the {n} pin(s) one left in {} (its programs are detached)",
             socket.display(),
-            state::ROOT
+            state_dir.display()
         ),
     }
     Ok(())

@@ -53,6 +53,7 @@ impl Daemon {
             jobs: self.jobs.stats(),
             kernel: Some(self.features.clone()),
             runtimes: self.workloads.runtimes(),
+            fleet: self.fleet.status(),
         }
     }
 
@@ -87,6 +88,10 @@ impl Handler for Daemon {
                     |id| ids.scope_name(id).unwrap_or("?").to_string(),
                 ))
             }
+            Request::Fleet => match self.fleet_hosts() {
+                Ok(view) => Reply::Fleet(view),
+                Err(e) => Reply::error(e),
+            },
             Request::Stop => {
                 self.stop.notify_one();
                 Reply::Stop(StopReply { stopping: true })

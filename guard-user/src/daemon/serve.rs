@@ -11,10 +11,7 @@ use super::{
     policy_watch::PolicyWatch,
     start::{Listeners, Ready},
 };
-use crate::{
-    control::{self, server::Handler},
-    kernel::state,
-};
+use crate::control::{self, server::Handler};
 
 /// Serves the control socket and the HTTP listener, runs the jobs and reads the kernel's
 /// events from `events`; reloads on SIGHUP and, with `watch`, when the policy file
@@ -52,6 +49,7 @@ pub fn serve(
             });
         }
         daemon.spawn_jobs(opts.forget_idle, opts.audit);
+        daemon.start_fleet(&opts.socket)?;
         if let Some(watch) = watch {
             let d = daemon.clone();
             tokio::spawn(async move {
@@ -130,7 +128,7 @@ pub fn shut_down(
     } else {
         log::info!(
             "exiting with the programs attached and the state pinned in {}: the next start adopts them, with their counts; they shed nothing once the lease runs out, {} s after its last renewal (`connguard stop` removes them)",
-            state::ROOT,
+            daemon.state.root().display(),
             opts.lease.as_secs()
         );
         // Dropping the daemon would remove its pins, which must outlive it.

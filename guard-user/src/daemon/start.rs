@@ -19,8 +19,8 @@ use aya::{
 use guard_common::PortUseKey;
 
 use super::{
-    Counts, Daemon, LISTENER_POLL, Options, jobs::Jobs, lock, programs::Programs, read_policy,
-    scrape::Scrapes, workloads::Workloads,
+    Counts, Daemon, LISTENER_POLL, Options, fleet::FleetPart, jobs::Jobs, lock, programs::Programs,
+    read_policy, scrape::Scrapes, workloads::Workloads,
 };
 use connguard_api::{kernel::Features, stats::PolicyStatus};
 
@@ -119,7 +119,7 @@ pub fn probe(opts: &Options) -> anyhow::Result<Probed> {
     log::info!("{}", features.summary());
     batch::use_batch_lookups(features.has(Feature::BatchLookup));
     mounts::ensure_bpffs()?;
-    let state = State::open(opts.state_layout)?;
+    let state = State::open(&opts.state_dir, opts.state_layout)?;
     let root = mounts::cgroup2_mount()?;
     let metrics = match &opts.metrics {
         Some(addr) => Some(
@@ -256,6 +256,8 @@ pub fn adopt(opts: &Options, host: Host, loaded: Loaded) -> anyhow::Result<(Arc<
     let workloads = Workloads::start(opts.runtimes.clone(), &root, base)?;
     let policy = workloads.resolve(&workloads.base());
     let tree = scopes::walk(&root, &policy)?;
+    let fleet = FleetPart::default();
+    fleet.settle(&policy);
     let counters = Counters::new(loaded.counter_maps);
     // The first sample, taken before "ready", is the baseline of the first rates.
     let mut time_wait_rates = TimeWaitRates::default();
@@ -291,6 +293,7 @@ pub fn adopt(opts: &Options, host: Host, loaded: Loaded) -> anyhow::Result<(Arc<
         events: Mutex::default(),
         lease: Mutex::new(loaded.lease),
         scrapes: Scrapes::default(),
+        fleet,
     });
     Ok((
         daemon,
@@ -377,7 +380,7 @@ impl Daemon {
         } else {
             log::info!(
                 "no pinned state of this layout: new state pinned in {}",
-                state::ROOT
+                self.state.root().display()
             );
         }
     }

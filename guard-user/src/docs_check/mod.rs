@@ -32,8 +32,8 @@ use clap::CommandFactory;
 use regex::Regex;
 
 use connguard_api::{
-    events::EventRecord, kernel::Features, listeners::ListenersReport, ports::PortsReport,
-    stats::Snapshot,
+    events::EventRecord, fleet::FleetView, kernel::Features, listeners::ListenersReport,
+    ports::PortsReport, stats::Snapshot,
 };
 
 use crate::{cli::Cli, policy, report::prometheus};
@@ -455,6 +455,7 @@ fn json_outputs() -> Vec<(&'static str, BTreeSet<String>)> {
         ),
         ("events", fullest::fields(&fullest::value::<EventRecord>())),
         ("kernel", fullest::fields(&fullest::value::<Features>())),
+        ("fleet", fullest::fields(&fullest::value::<FleetView>())),
     ]
 }
 

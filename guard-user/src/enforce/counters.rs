@@ -62,6 +62,11 @@ impl Counters {
         }
     }
 
+    /// The counter of rule `id`, all its connections together.
+    pub fn rule_counter(&self, id: u32) -> Option<Counter> {
+        self.maps.rule_counters.get(&id, 0).ok()
+    }
+
     /// Every destination counter in the kernel.
     pub fn destinations(&self) -> Vec<(CounterKey, Counter)> {
         batch::entries(&self.maps.counters)

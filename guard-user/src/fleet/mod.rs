@@ -92,9 +92,9 @@ use std::{
     time::{Duration, Instant},
 };
 
-use serde::Serialize;
 use tokio::task::JoinHandle;
 
+pub use connguard_api::fleet::{BudgetStatus, Status};
 pub use share::{Claimant, fair_shares};
 
 /// How long a host's records outlive its last keep-alive.
@@ -333,38 +333,28 @@ pub trait Local: Send + Sync + 'static {
     fn demand(&self, budget: &str) -> Demand;
 }
 
-/// The fleet as this host sees it.
-#[derive(Debug, Clone, Serialize)]
-pub struct Status {
-    pub identity: String,
-    pub lease: Option<i64>,
-    /// Since the last acknowledged keep-alive (none yet: null).
-    pub last_sync_ms: Option<u64>,
-    pub store_errors: u64,
-    pub last_error: Option<String>,
-    /// Transactions that wrote (creates, publishes, raises).
-    pub writes: u64,
-    /// Raises refused because another claim grew meanwhile.
-    pub conflicts: u64,
-    pub keepalives: u64,
-    pub budgets: Vec<BudgetStatus>,
-}
-
-#[derive(Debug, Clone, Serialize)]
-pub struct BudgetStatus {
-    pub name: String,
-    /// The total split (the smallest a live record names).
-    pub total: u64,
-    /// What the kernel enforces (null until the fleet first applied one).
-    pub share: Option<u64>,
-    /// This host's record: its share and what it wants.
-    pub has: u64,
-    pub wants: u64,
-    pub active: u64,
-    /// Live records, this host's included.
-    pub hosts: usize,
-    /// The safe share is in force: no live lease to show.
-    pub safe: bool,
+/// Every host's record of every budget under `store`'s prefix, as etcd holds them.
+pub async fn hosts(store: &StoreConfig) -> Result<connguard_api::fleet::FleetView, FleetError> {
+    let mut s = store::Store::connect(store, Duration::from_secs(5)).await?;
+    let (revision, listed) = s.list().await?;
+    let mut budgets: std::collections::BTreeMap<String, Vec<record::Record>> = Default::default();
+    for l in listed {
+        if let Some(record::Key::Host { budget, identity }) = s.keys.parse(&l.key) {
+            let r = serde_json::from_slice(&l.value).map_err(|e| {
+                FleetError::Store(format!(
+                    "the record of host {identity:?} cannot be read: {e}"
+                ))
+            })?;
+            budgets.entry(budget.to_string()).or_default().push(r);
+        }
+    }
+    Ok(connguard_api::fleet::FleetView {
+        revision,
+        budgets: budgets
+            .into_iter()
+            .map(|(name, hosts)| connguard_api::fleet::BudgetView { name, hosts })
+            .collect(),
+    })
 }
 
 /// This host's part in the fleet: a task that keeps its records and shares.

@@ -5,48 +5,8 @@
 //!   host's lease, so that etcd deletes it when the host stops renewing;
 //! - `<prefix><budget>/raise`: no value; its mod_revision changes with every write that
 //!   raises a claim on the budget (see the module's correctness argument).
-use serde::{Deserialize, Serialize};
 
-/// One host's record for one budget.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Record {
-    pub identity: String,
-    /// The etcd lease the record is attached to: two live hosts with one identity hold
-    /// two leases, and each one sees the other's.
-    pub lease: i64,
-    /// The share the host holds: it never enforces more.
-    pub has: u64,
-    /// Its active connections when it wrote the record.
-    pub active: u64,
-    /// Its demand: active plus recently shed, with headroom.
-    pub wants: u64,
-    pub weight: u32,
-    pub floor: u64,
-    /// The total this host is configured with: every host splits the smallest total any
-    /// live record names.
-    pub total: u64,
-    /// The destinations the host counts against the budget, as its policy writes them.
-    pub destinations: Vec<String>,
-    /// The store revision of the view the record was computed from.
-    pub based_on: i64,
-}
-
-impl Record {
-    /// What the record takes from the total: its share, or its active connections
-    /// where they are above it (a lowered share releases only what has closed).
-    pub fn claim(&self) -> u64 {
-        self.has.max(self.active)
-    }
-
-    /// Whether writing `self` over `old` may take capacity that another host's raise
-    /// computed as free, so that the write must invalidate raises in flight.
-    pub fn takes_more_than(&self, old: Option<&Record>) -> bool {
-        match old {
-            None => self.claim() > 0,
-            Some(old) => self.claim() > old.claim() || self.total < old.total,
-        }
-    }
-}
+pub use connguard_api::fleet::{Record, valid_segment};
 
 /// The store's key layout for one fleet.
 #[derive(Debug, Clone)]
@@ -99,11 +59,6 @@ impl Keys {
             _ => None,
         }
     }
-}
-
-/// Whether `name` can be a budget name or a host identity: one non-empty key segment.
-pub fn valid_segment(name: &str) -> bool {
-    !name.is_empty() && !name.contains('/') && !name.chars().any(char::is_control)
 }
 
 #[cfg(test)]

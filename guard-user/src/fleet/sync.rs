@@ -291,6 +291,11 @@ struct View {
     last_shed: u64,
     /// What the host wanted over the last refresh (published or not).
     last_wants: u64,
+    /// Since when the host has wanted more than its entitlement (its split were every
+    /// host to want everything): it borrows above it only a refresh later.
+    over_since: Option<Instant>,
+    /// A raise was held to the entitlement until `over_since` is a refresh old.
+    borrow_pending: bool,
     dirty: bool,
 }
 
@@ -323,6 +328,8 @@ impl<'a> Session<'a> {
                     revision,
                     last_shed: 0,
                     last_wants: 0,
+                    over_since: None,
+                    borrow_pending: false,
                     dirty: false,
                 })
                 .collect(),
@@ -359,7 +366,7 @@ impl<'a> Session<'a> {
                 }
                 _ = sample.tick() => {
                     for i in 0..session.views.len() {
-                        if session.jumped(i) {
+                        if session.jumped(i) || session.may_borrow(i) {
                             session.recompute(i, false).await?;
                         }
                     }
@@ -534,8 +541,21 @@ impl<'a> Session<'a> {
         now > mine.wants + (mine.wants / 10).max(1)
     }
 
+    /// Whether budget `i` holds a raise back that it may now make (see `View::over_since`).
+    fn may_borrow(&self, i: usize) -> bool {
+        let view = &self.views[i];
+        view.borrow_pending
+            && view
+                .over_since
+                .is_some_and(|t| t.elapsed() >= self.shared.config.refresh)
+    }
+
     /// Moves budget `i`'s share toward its fair target: lowers at once, raises through
-    /// the raise transaction, publishes a changed demand.
+    /// the raise transaction, publishes a changed demand. Above its entitlement (its
+    /// split were every host to want everything) a host raises only once it has wanted
+    /// more for a whole refresh: hosts whose demand rises together all publish it
+    /// before one of them borrows what the others want, and connections are never cut,
+    /// so a share lent out comes back only as they close.
     async fn recompute(&mut self, i: usize, at_refresh: bool) -> Result<(), FleetError> {
         let shared = self.shared;
         let spec = &shared.config.budgets[i];
@@ -574,11 +594,27 @@ impl<'a> Session<'a> {
             })
             .collect();
         claimants.insert(at, me);
-        let target = fair_shares(total, &claimants)[at];
+        let fair = fair_shares(total, &claimants)[at];
         // What the host would get wanting everything: the others' shares depend on its
         // wants only up to that level.
         claimants[at].wants = total;
         let level = fair_shares(total, &claimants)[at];
+        let everyone: Vec<Claimant> = claimants
+            .iter()
+            .map(|c| Claimant { wants: total, ..*c })
+            .collect();
+        let entitled = fair_shares(total, &everyone)[at];
+        if wants <= entitled {
+            view.over_since = None;
+        } else if view.over_since.is_none() {
+            view.over_since = Some(Instant::now());
+        }
+        let patient = view
+            .over_since
+            .is_some_and(|t| t.elapsed() >= shared.config.refresh);
+        let held_to = entitled.max(mine.has);
+        let target = if patient { fair } else { fair.min(held_to) };
+        view.borrow_pending = target < fair;
         let mut next = Record {
             active: d.active,
             wants,

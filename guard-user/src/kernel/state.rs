@@ -19,13 +19,16 @@ use aya::programs::links::FdLink;
 
 use super::syscall::{link_update, obj_get};
 
-/// Where every layout's state directory is.
+/// Where every layout's state directory is, by default: one daemon's state. Daemons
+/// that govern disjoint cgroup trees of one host each take a root of their own
+/// (`connguard run --state-dir`).
 pub const ROOT: &str = "/sys/fs/bpf/connguard";
 
 /// This daemon's state directory, locked for its life.
 pub struct State {
+    root: PathBuf,
     dir: PathBuf,
-    /// flock(LOCK_EX) on `ROOT`, so that one daemon at a time owns the pins.
+    /// flock(LOCK_EX) on the root, so that one daemon at a time owns its pins.
     _lock: File,
     /// Whether the maps were pinned already, by a daemon before this one.
     pub adopted: bool,
@@ -34,22 +37,24 @@ pub struct State {
 impl State {
     /// Opens (creating) the directory of state `layout` and takes its lock: an error
     /// when another daemon holds it. bpffs must be mounted.
-    pub fn open(layout: u32) -> anyhow::Result<State> {
-        let root = Path::new(ROOT);
+    pub fn open(root: &Path, layout: u32) -> anyhow::Result<State> {
         let dir = root.join(format!("v{layout}"));
         for d in [dir.join("maps"), dir.join("links")] {
             std::fs::create_dir_all(&d).with_context(|| format!("creating {}", d.display()))?;
         }
-        let lock = File::open(root).with_context(|| format!("opening {ROOT}"))?;
+        let lock = File::open(root).with_context(|| format!("opening {}", root.display()))?;
         // SAFETY: flock on an fd we own.
         if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
             bail!(
-                "another connguard daemon holds {ROOT} ({}); one daemon runs per host",
+                "another connguard daemon holds {} ({}); one daemon runs per state \
+                 directory (--state-dir)",
+                root.display(),
                 io::Error::last_os_error()
             );
         }
         let adopted = std::fs::read_dir(dir.join("maps"))?.next().is_some();
         Ok(State {
+            root: root.to_path_buf(),
             dir,
             _lock: lock,
             adopted,
@@ -66,7 +71,7 @@ impl State {
 
     /// The state directories of other layouts (left by a daemon of another version).
     pub fn other_layouts(&self) -> Vec<PathBuf> {
-        std::fs::read_dir(ROOT)
+        std::fs::read_dir(&self.root)
             .into_iter()
             .flatten()
             .flatten()
@@ -79,15 +84,19 @@ impl State {
     /// program does.
     pub fn remove(&self) -> io::Result<usize> {
         let n = remove_pins(&self.dir)?;
-        remove_root()?;
+        remove_root(&self.root)?;
         Ok(n)
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
     }
 }
 
-/// Removes ROOT once nothing is pinned below it, so that a clean stop leaves nothing in
-/// bpffs; a daemon that started meanwhile keeps it (it is not empty then).
-fn remove_root() -> io::Result<()> {
-    match std::fs::remove_dir(ROOT) {
+/// Removes the root once nothing is pinned below it, so that a clean stop leaves
+/// nothing in bpffs; a daemon that started meanwhile keeps it (it is not empty then).
+fn remove_root(root: &Path) -> io::Result<()> {
+    match std::fs::remove_dir(root) {
         Err(e)
             if !matches!(
                 e.kind(),
@@ -102,21 +111,23 @@ fn remove_root() -> io::Result<()> {
 
 /// Removes the pins of every layout, when no daemon holds them (`connguard stop` with
 /// no daemon running); returns how many.
-pub fn remove_left() -> anyhow::Result<usize> {
-    let root = Path::new(ROOT);
+pub fn remove_left(root: &Path) -> anyhow::Result<usize> {
     if !root.exists() {
         return Ok(0);
     }
-    let lock = File::open(root).with_context(|| format!("opening {ROOT}"))?;
+    let lock = File::open(root).with_context(|| format!("opening {}", root.display()))?;
     // SAFETY: flock on an fd we own.
     if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-        bail!("a connguard daemon holds {ROOT} but did not answer: stop it with its --socket");
+        bail!(
+            "a connguard daemon holds {} but did not answer: stop it with its --socket",
+            root.display()
+        );
     }
     let mut n = 0;
     for dir in std::fs::read_dir(root)? {
         n += remove_pins(&dir?.path())?;
     }
-    remove_root()?;
+    remove_root(root)?;
     Ok(n)
 }
 

@@ -60,10 +60,15 @@ pub fn rule_ref(rule: &Rule, rule_id: u32) -> RuleRef {
     r
 }
 
-/// Limits as the kernel takes them: 0 for none.
+/// Limits as the kernel takes them: 0 for none, and a budget of 0 (a fleet share of
+/// nothing) as `BUDGET_OF_NONE`.
 fn limits(l: &Limits) -> guard_common::Limits {
     guard_common::Limits {
-        max_connections: l.max_connections.unwrap_or(0),
+        max_connections: match l.max_connections {
+            None => 0,
+            Some(0) => guard_common::BUDGET_OF_NONE,
+            Some(n) => n,
+        },
         rate_interval_ns: l.rate.as_ref().map_or(0, Rate::interval_ns),
         rate_burst: l.rate.as_ref().map_or(0, |r| r.burst),
         max_connecting: l.max_connecting.unwrap_or(0),

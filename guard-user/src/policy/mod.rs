@@ -25,6 +25,42 @@ pub struct Policy {
     pub source: String,
     pub scopes: Vec<Scope>,
     pub listeners: Vec<ListenerPolicy>,
+    /// Where the fleet budgets are shared (`[fleet]`); Some exactly when there are some.
+    pub fleet: Option<FleetPolicy>,
+    pub fleet_budgets: Vec<FleetBudget>,
+}
+
+/// `[fleet]`: the etcd the fleet budgets are shared through, and this host's part.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FleetPolicy {
+    /// etcd v3 client URLs (`http://` or `https://`).
+    pub endpoints: Vec<String>,
+    /// This host's identity in the fleet; None = the host name.
+    pub identity: Option<String>,
+    pub prefix: Option<String>,
+    pub ttl_secs: Option<u64>,
+    pub refresh_ms: Option<u64>,
+    pub user: Option<String>,
+    /// A file holding the etcd user's password (first line).
+    pub password_file: Option<PathBuf>,
+    pub ca: Option<PathBuf>,
+    pub cert: Option<PathBuf>,
+    pub key: Option<PathBuf>,
+}
+
+/// `[[fleet_budget]]`: one destination set's budget of active connections, shared by
+/// the fleet; the one rule that says `fleet = NAME` draws from it on this host.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FleetBudget {
+    pub name: String,
+    pub dst: Vec<IpNet>,
+    /// Empty = every port.
+    pub ports: Vec<PortRange>,
+    /// The fleet's total (`max_connections`).
+    pub total: u64,
+    pub weight: u32,
+    pub floor: u64,
+    pub safe_share: u64,
 }
 
 /// A listener guard: shed SYNs with RSTs while the accept queue is past a watermark,
@@ -265,6 +301,9 @@ pub struct Rule {
     pub per_endpoint: bool,
     /// Port watermark in thousandths of the ephemeral range; None = the scope's.
     pub port_watermark: Option<u32>,
+    /// The fleet budget the rule draws from: its `max_connections` is this host's share
+    /// of it (set by the daemon), for the whole rule.
+    pub fleet: Option<String>,
 }
 
 /// The limits of a scope or a rule; None = no such limit.

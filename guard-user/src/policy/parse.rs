@@ -16,8 +16,8 @@ use serde::Deserialize;
 use toml::Spanned;
 
 use super::{
-    BreakerPolicy, ERRNOS, Limits, ListenerPolicy, PerSourcePolicy, Policy, PolicyError, Rate,
-    RateUnit, Rule, Scope, Selector,
+    BreakerPolicy, ERRNOS, FleetBudget, FleetPolicy, Limits, ListenerPolicy, PerSourcePolicy,
+    Policy, PolicyError, Rate, RateUnit, Rule, Scope, Selector,
     compile::{candidates_of, rule_prefixes, unmapped_net},
     workloads::DERIVED_SEPARATOR,
 };
@@ -34,6 +34,36 @@ struct RawPolicy {
     scope: Vec<Spanned<RawScope>>,
     #[serde(default)]
     listener: Vec<Spanned<RawListener>>,
+    fleet: Option<Spanned<RawFleet>>,
+    #[serde(default)]
+    fleet_budget: Vec<Spanned<RawFleetBudget>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawFleet {
+    endpoints: Spanned<Vec<String>>,
+    identity: Option<Spanned<String>>,
+    prefix: Option<Spanned<String>>,
+    ttl: Option<Spanned<String>>,
+    refresh: Option<Spanned<String>>,
+    user: Option<String>,
+    password_file: Option<String>,
+    ca: Option<String>,
+    cert: Option<String>,
+    key: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawFleetBudget {
+    name: Spanned<String>,
+    dst: Vec<Spanned<String>>,
+    ports: Option<Vec<Spanned<PortSpec>>>,
+    max_connections: Spanned<i64>,
+    weight: Option<Spanned<i64>>,
+    floor: Option<Spanned<i64>>,
+    safe_share: Option<Spanned<i64>>,
 }
 
 #[derive(Deserialize)]
@@ -130,6 +160,7 @@ struct RawRule {
     breaker: Option<Spanned<RawBreaker>>,
     per: Option<Spanned<String>>,
     port_watermark: Option<Spanned<f64>>,
+    fleet: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize)]
@@ -197,6 +228,8 @@ pub fn parse(text: &str, file: &str) -> Result<Policy, PolicyError> {
     let mut names = HashSet::new();
     let mut scopes = Vec::new();
     let mut n_rules = 0;
+    // The spans of the rules that draw from a fleet budget, in policy order.
+    let mut fleet_spans = Vec::new();
     for s in raw.scope {
         let span = s.span();
         if scopes.len() == MAX_SCOPE_IDS as usize {
@@ -275,6 +308,9 @@ pub fn parse(text: &str, file: &str) -> Result<Policy, PolicyError> {
                 ));
             }
             let rule = parse_rule(r.into_inner(), i, rule_span.clone(), &at)?;
+            if rule.fleet.is_some() {
+                fleet_spans.push(rule_span.clone());
+            }
             if !rule_names.insert(rule.name.clone()) {
                 return Err(at(
                     rule_span,
@@ -300,11 +336,228 @@ pub fn parse(text: &str, file: &str) -> Result<Policy, PolicyError> {
             rules,
         });
     }
+    let (fleet, fleet_budgets) =
+        parse_fleet(raw.fleet, raw.fleet_budget, &mut scopes, &fleet_spans, &at)?;
     Ok(Policy {
         source: file.to_string(),
         scopes,
         listeners,
+        fleet,
+        fleet_budgets,
     })
+}
+
+/// `[fleet]` and the `[[fleet_budget]]`s, each drawn from by exactly one rule, whose
+/// destinations become the budget's.
+fn parse_fleet(
+    raw: Option<Spanned<RawFleet>>,
+    raw_budgets: Vec<Spanned<RawFleetBudget>>,
+    scopes: &mut [Scope],
+    rule_spans: &[Range<usize>],
+    at: &impl Fn(Range<usize>, String) -> PolicyError,
+) -> Result<(Option<FleetPolicy>, Vec<FleetBudget>), PolicyError> {
+    let mut rule_spans = rule_spans.iter();
+    let mut budgets: Vec<FleetBudget> = Vec::new();
+    let mut spans = Vec::new();
+    for b in raw_budgets {
+        let span = b.span();
+        let b = b.into_inner();
+        let name = b.name.get_ref().trim().to_string();
+        if !connguard_api::fleet::valid_segment(&name) {
+            return Err(at(
+                b.name.span(),
+                format!("fleet budget name {name:?}: must be non-empty, without '/'"),
+            ));
+        }
+        if budgets.iter().any(|o| o.name == name) {
+            return Err(at(
+                b.name.span(),
+                format!("duplicate fleet budget {name:?}"),
+            ));
+        }
+        let mut dst = Vec::new();
+        for d in &b.dst {
+            dst.push(parse_net(d.get_ref()).map_err(|reason| at(d.span(), reason))?);
+        }
+        if dst.is_empty() {
+            return Err(at(span, format!("fleet budget {name:?}: dst is empty")));
+        }
+        let mut ports = Vec::new();
+        for p in b.ports.unwrap_or_default() {
+            ports.push(parse_ports(p.get_ref()).map_err(|reason| at(p.span(), reason))?);
+        }
+        if ports.len() > MAX_PORT_RANGES {
+            return Err(at(
+                span,
+                format!("fleet budget {name:?}: at most {MAX_PORT_RANGES} port ranges"),
+            ));
+        }
+        let count = |v: &Option<Spanned<i64>>, key: &str, min: i64| match v {
+            None => Ok(None),
+            Some(n) if *n.get_ref() >= min => Ok(Some(*n.get_ref() as u64)),
+            Some(n) => Err(at(
+                n.span(),
+                format!("{key} must be at least {min} (got {})", n.get_ref()),
+            )),
+        };
+        let total = count(&Some(b.max_connections), "max_connections", 1)?.unwrap_or(1);
+        let weight = count(&b.weight, "weight", 1)?.unwrap_or(1);
+        if weight > u32::MAX as u64 {
+            return Err(at(span, format!("weight must be at most {}", u32::MAX)));
+        }
+        budgets.push(FleetBudget {
+            name,
+            dst,
+            ports,
+            total,
+            weight: weight as u32,
+            floor: count(&b.floor, "floor", 0)?.unwrap_or(0),
+            safe_share: count(&b.safe_share, "safe_share", 0)?.unwrap_or(0),
+        });
+        spans.push(b.name.span());
+    }
+    // Each budget's one rule takes its destinations.
+    let mut drawn: Vec<Option<String>> = vec![None; budgets.len()];
+    for scope in scopes.iter_mut() {
+        for rule in &mut scope.rules {
+            let Some(f) = &rule.fleet else { continue };
+            let rule_span = rule_spans.next().cloned().unwrap_or(0..0);
+            let Some(i) = budgets.iter().position(|b| &b.name == f) else {
+                return Err(at(
+                    rule_span.clone(),
+                    format!(
+                        "rule {:?} of scope {:?} draws from fleet budget {f:?}, which no \
+                         [[fleet_budget]] declares",
+                        rule.name, scope.name
+                    ),
+                ));
+            };
+            let this = format!("rule {:?} of scope {:?}", rule.name, scope.name);
+            if scope.annotations {
+                return Err(at(
+                    rule_span.clone(),
+                    format!(
+                        "{this} draws from fleet budget {f:?}, and its scope takes \
+                         annotations: the scopes of annotated pods copy its rules, and one \
+                         rule a host draws from a fleet budget"
+                    ),
+                ));
+            }
+            if let Some(other) = drawn[i].replace(this.clone()) {
+                return Err(at(
+                    spans[i].clone(),
+                    format!(
+                        "fleet budget {f:?} is drawn from by {other} and by {this}: one rule \
+                         a host draws from a fleet budget"
+                    ),
+                ));
+            }
+            rule.dst = budgets[i].dst.clone();
+            rule.ports = budgets[i].ports.clone();
+        }
+        check_overlap(&scope.rules).map_err(|reason| at(0..0, reason))?;
+    }
+    if let Some(i) = drawn.iter().position(Option::is_none) {
+        return Err(at(
+            spans[i].clone(),
+            format!(
+                "fleet budget {:?}: no rule draws from it (give one rule fleet = {:?})",
+                budgets[i].name, budgets[i].name
+            ),
+        ));
+    }
+    let fleet = match raw {
+        None if budgets.is_empty() => None,
+        None => {
+            return Err(at(
+                spans[0].clone(),
+                "fleet budgets need a [fleet] table with the etcd endpoints".into(),
+            ));
+        }
+        Some(f) => {
+            let span = f.span();
+            let f = f.into_inner();
+            if budgets.is_empty() {
+                return Err(at(span, "[fleet] without a [[fleet_budget]]".into()));
+            }
+            let endpoints_span = f.endpoints.span();
+            let endpoints = f.endpoints.into_inner();
+            if endpoints.is_empty() {
+                return Err(at(endpoints_span, "endpoints is empty".into()));
+            }
+            for e in &endpoints {
+                if !(e.starts_with("http://") || e.starts_with("https://")) {
+                    return Err(at(
+                        endpoints_span.clone(),
+                        format!("etcd endpoint {e:?}: not an http:// or https:// URL"),
+                    ));
+                }
+            }
+            let secs = |v: &Option<Spanned<String>>| {
+                v.as_ref()
+                    .map(|d| {
+                        parse_duration(d.get_ref())
+                            .map(|ns| ns / 1_000_000)
+                            .map_err(|reason| at(d.span(), reason))
+                    })
+                    .transpose()
+            };
+            let ttl_ms = secs(&f.ttl)?;
+            if let (Some(ms), Some(t)) = (ttl_ms, &f.ttl)
+                && (ms < 2000 || ms % 1000 != 0)
+            {
+                return Err(at(
+                    t.span(),
+                    "ttl: whole seconds, at least 2s (etcd's lease granularity)".into(),
+                ));
+            }
+            let refresh_ms = secs(&f.refresh)?;
+            if let Some(r) = &f.refresh
+                && (refresh_ms == Some(0) || refresh_ms.unwrap_or(0) * 3 > ttl_ms.unwrap_or(10_000))
+            {
+                return Err(at(
+                    r.span(),
+                    "refresh: above 0 and at most a third of the ttl".into(),
+                ));
+            }
+            if let Some(id) = &f.identity
+                && !connguard_api::fleet::valid_segment(id.get_ref())
+            {
+                return Err(at(
+                    id.span(),
+                    "identity: must be non-empty, without '/'".into(),
+                ));
+            }
+            if f.user.is_some() != f.password_file.is_some() {
+                return Err(at(span, "user and password_file go together".into()));
+            }
+            if f.cert.is_some() != f.key.is_some() {
+                return Err(at(span, "cert and key go together".into()));
+            }
+            if let Some(e) = endpoints.iter().find(|e| e.starts_with("https://"))
+                && f.ca.is_none()
+                && f.cert.is_none()
+            {
+                return Err(at(
+                    endpoints_span,
+                    format!("etcd endpoint {e:?}: https needs ca (or cert and key)"),
+                ));
+            }
+            Some(FleetPolicy {
+                endpoints,
+                identity: f.identity.map(Spanned::into_inner),
+                prefix: f.prefix.map(Spanned::into_inner),
+                ttl_secs: ttl_ms.map(|ms| ms / 1000),
+                refresh_ms,
+                user: f.user,
+                password_file: f.password_file.map(Into::into),
+                ca: f.ca.map(Into::into),
+                cert: f.cert.map(Into::into),
+                key: f.key.map(Into::into),
+            })
+        }
+    };
+    Ok((fleet, budgets))
 }
 
 /// A scope's `pod`, `container` and `unit` selectors, and the units apart (its
@@ -560,11 +813,11 @@ fn parse_rule(
         None => format!("rule{}", index + 1),
     };
     let mut dst = Vec::new();
-    for d in r.dst.unwrap_or_default() {
+    for d in r.dst.iter().flatten() {
         dst.push(parse_net(d.get_ref()).map_err(|reason| at(d.span(), reason))?);
     }
     let mut ports = Vec::new();
-    for p in r.ports.unwrap_or_default() {
+    for p in r.ports.iter().flatten() {
         ports.push(parse_ports(p.get_ref()).map_err(|reason| at(p.span(), reason))?);
     }
     if ports.len() > MAX_PORT_RANGES {
@@ -597,14 +850,47 @@ fn parse_rule(
         at,
     )?;
     let breaker = r.breaker.map(|b| parse_breaker(b, at)).transpose()?;
+    let fleet = match &r.fleet {
+        None => None,
+        Some(f) => {
+            let clash = [
+                (
+                    r.max_connections.as_ref().map(Spanned::span),
+                    "max_connections",
+                ),
+                (r.per.as_ref().map(Spanned::span), "per"),
+                (
+                    r.dst.as_ref().and_then(|d| d.first()).map(Spanned::span),
+                    "dst",
+                ),
+                (
+                    r.ports.as_ref().and_then(|p| p.first()).map(Spanned::span),
+                    "ports",
+                ),
+            ];
+            if let Some((Some(span), key)) = clash.into_iter().find(|(s, _)| s.is_some()) {
+                return Err(at(
+                    span,
+                    format!(
+                        "rule {name:?} draws from fleet budget {:?}: its {key} is the \
+                         budget's (dst, ports), or this host's share of it \
+                         (max_connections, for the whole rule)",
+                        f.get_ref()
+                    ),
+                ));
+            }
+            Some(f.get_ref().trim().to_string())
+        }
+    };
     Ok(Rule {
         name,
         dst,
         ports,
         limits,
         breaker,
-        per_endpoint,
+        per_endpoint: per_endpoint && fleet.is_none(),
         port_watermark,
+        fleet,
     })
 }
 
@@ -1500,6 +1786,24 @@ per = "rule"
                             .action(api::Refusal::Drop),
                     )
                     .mode(api::Mode::Enforce),
+            )
+            .scope(api::Scope::new("f", "y").rule(api::Rule::new("db").fleet("db")))
+            .fleet(
+                api::Fleet::new(["https://127.0.0.1:2379"])
+                    .identity("node-1")
+                    .prefix("/fleet/")
+                    .ttl("6s")
+                    .refresh("1s")
+                    .user("connguard", "/etc/connguard/etcd-password")
+                    .ca("/etc/connguard/etcd-ca.pem")
+                    .client_certificate("/etc/connguard/c.pem", "/etc/connguard/c.key"),
+            )
+            .fleet_budget(
+                api::FleetBudget::new("db", ["10.20.0.5"], 3000)
+                    .ports([3306])
+                    .weight(2)
+                    .floor(5)
+                    .safe_share(1),
             );
         let text = policy.to_toml();
         let p = parse(&text, "p.toml").unwrap_or_else(|e| panic!("{e}\n{text}"));
@@ -1550,7 +1854,24 @@ per = "rule"
         );
         assert_eq!(keys(&doc), fields::<RawPolicy>());
         assert_eq!(keys(&scope), fields::<RawScope>());
-        assert_eq!(keys(&rule), fields::<RawRule>());
+        let fleet_rule = table(&table(&doc["scope"][1])["rule"][0]);
+        assert_eq!(&keys(&rule) | &keys(&fleet_rule), fields::<RawRule>());
+        assert_eq!(keys(&table(&doc["fleet"])), fields::<RawFleet>());
+        assert_eq!(
+            keys(&table(&doc["fleet_budget"][0])),
+            fields::<RawFleetBudget>()
+        );
+        let f = p.fleet.as_ref().expect("[fleet]");
+        assert_eq!(
+            (
+                f.ttl_secs,
+                f.refresh_ms,
+                p.fleet_budgets[0].weight,
+                p.fleet_budgets[0].total
+            ),
+            (Some(6), Some(1000), 2, 3000)
+        );
+        assert_eq!(p.scopes[1].rules[0].dst, p.fleet_budgets[0].dst);
         let (pod, container) = (table(&scope["pod"]), table(&scope["container"]));
         assert_eq!(keys(&pod), fields::<RawPod>());
         assert_eq!(keys(&container), fields::<RawContainer>());
@@ -1577,6 +1898,54 @@ per = "rule"
         let mut listener_keys = fields::<RawListener>();
         listener_keys.remove("scope");
         assert_eq!(keys(&listener), listener_keys);
+    }
+
+    #[test]
+    fn fleet_budgets_are_refused_with_the_reason() {
+        let fleet = "[fleet]\nendpoints = [\"http://127.0.0.1:2379\"]\n";
+        let budget =
+            "[[fleet_budget]]\nname = \"db\"\ndst = [\"10.0.0.5\"]\nmax_connections = 30\n";
+        let scope = "[[scope]]\nname = \"s\"\ncgroup = \"x\"\n";
+        let draws = "[[scope.rule]]\nname = \"r\"\nfleet = \"db\"\n";
+        let ok = format!("{fleet}{budget}{scope}{draws}");
+        let p = parse(&ok, "p.toml").unwrap();
+        let r = &p.scopes[0].rules[0];
+        assert_eq!(
+            (r.fleet.as_deref(), r.per_endpoint, r.dst.len()),
+            (Some("db"), false, 1)
+        );
+        assert_eq!(
+            err(&format!("{fleet}{budget}{scope}")),
+            "p.toml:4:8: fleet budget \"db\": no rule draws from it (give one rule fleet = \"db\")"
+        );
+        assert_eq!(
+            err(&format!("{budget}{scope}{draws}")),
+            "p.toml:2:8: fleet budgets need a [fleet] table with the etcd endpoints"
+        );
+        assert_eq!(
+            err(&format!("{fleet}{scope}{draws}")),
+            "p.toml:6:1: rule \"r\" of scope \"s\" draws from fleet budget \"db\", which no [[fleet_budget]] declares"
+        );
+        assert!(
+            err(&format!(
+                "{fleet}{budget}{scope}{draws}[[scope.rule]]\nname = \"r2\"\nfleet = \"db\"\n"
+            ))
+            .ends_with("one rule a host draws from a fleet budget"),
+        );
+        assert!(
+            err(&format!(
+                "{fleet}{budget}{scope}{draws}dst = [\"10.0.0.6\"]\n"
+            ))
+            .contains("its dst is the budget's"),
+        );
+        assert!(
+            err(&ok.replace("http://", "https://")).contains("https needs ca (or cert and key)"),
+        );
+        assert!(err(&ok.replace("30", "0")).contains("max_connections must be at least 1"));
+        assert!(
+            err(&format!("{ok}[fleet_budget.x]\n")).contains("unknown field"),
+            "a typo is an error"
+        );
     }
 
     #[test]

@@ -90,6 +90,8 @@ pub fn resolve(base: &Policy, registry: &Registry) -> Policy {
         source: base.source.clone(),
         scopes,
         listeners: base.listeners.clone(),
+        fleet: base.fleet.clone(),
+        fleet_budgets: base.fleet_budgets.clone(),
     }
 }
 

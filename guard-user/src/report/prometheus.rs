@@ -145,6 +145,7 @@ pub fn render(snap: &Snapshot, exported: &mut Exported) -> String {
     listener_metrics::fill(&mut reg, snap, &mut exported.callers);
     jobs(&mut reg, snap);
     runtimes(&mut reg, snap);
+    fleet(&mut reg, snap);
     daemon.fill(snap);
     let mut out = String::new();
     encode(&mut out, &reg).expect("writing to a String cannot fail");
@@ -458,6 +459,58 @@ fn runtimes(reg: &mut Registry, snap: &Snapshot) {
     }
 }
 
+/// This host's part in the fleet budgets: one series per budget (a few per policy).
+fn fleet(reg: &mut Registry, snap: &Snapshot) {
+    let Some(f) = &snap.fleet else { return };
+    let share = gauge(
+        reg,
+        "fleet_share",
+        "This host's share of the fleet budget: the max_connections its kernel enforces over the drawing rule (-1 before the first)",
+    );
+    let total = gauge(
+        reg,
+        "fleet_total",
+        "The fleet budget's total as split (the smallest any live host names)",
+    );
+    let wants = gauge(
+        reg,
+        "fleet_wants",
+        "This host's demand on the fleet budget: active connections plus recent sheds, with headroom",
+    );
+    let hosts = gauge(
+        reg,
+        "fleet_hosts",
+        "Hosts with a live record for the fleet budget",
+    );
+    let safe = gauge(
+        reg,
+        "fleet_safe_share_in_force",
+        "1 while this host enforces the budget's safe share (no live lease in etcd to show)",
+    );
+    for b in &f.budgets {
+        let l = vec![("budget", b.name.clone())];
+        share
+            .get_or_create(&l)
+            .set(b.share.map_or(-1, |s| s as i64));
+        total.get_or_create(&l).set(b.total as i64);
+        wants.get_or_create(&l).set(b.wants as i64);
+        hosts.get_or_create(&l).set(b.hosts as i64);
+        safe.get_or_create(&l).set(b.safe as i64);
+    }
+    let sync = Family::<Labels, Gauge<f64, AtomicU64>>::default();
+    reg.register(
+        "fleet_last_sync_seconds",
+        "Seconds since etcd last acknowledged this host's lease (NaN before the first)",
+        sync.clone(),
+    );
+    sync.get_or_create(&vec![("identity", f.identity.clone())])
+        .set(f.last_sync_ms.map_or(f64::NAN, |ms| ms as f64 / 1000.0));
+    let errors = counter(reg, "fleet_store_errors", "Failed requests to etcd");
+    errors
+        .get_or_create(&vec![("identity", f.identity.clone())])
+        .inc_by(f.store_errors);
+}
+
 /// What the port diagnosis counts: TIME_WAIT births per scope (`scopes`, rolled up),
 /// EADDRNOTAVAIL failures per scope and process, and the use of the watched
 /// destinations' ports.
@@ -629,6 +682,7 @@ mod tests {
             jobs: Vec::new(),
             kernel: None,
             runtimes: Vec::new(),
+            fleet: None,
         }
     }
 

@@ -187,6 +187,7 @@ pub fn scopes(
                 name: r.name.clone(),
                 limits: limit_stats(&r.limits),
                 per: if r.per_endpoint { "endpoint" } else { "rule" }.into(),
+                fleet: r.fleet.clone(),
                 counts: total(&rule_totals, id),
             })
             .collect();

@@ -1,7 +1,10 @@
 //! The readable form of `connguard stats`.
 use std::fmt::Write;
 
-use connguard_api::stats::{ScopeStats, Snapshot};
+use connguard_api::{
+    fleet::FleetView,
+    stats::{ScopeStats, Snapshot},
+};
 
 /// The readable form of `connguard stats`.
 pub fn stats(snap: &Snapshot) -> String {
@@ -43,6 +46,33 @@ pub fn stats(snap: &Snapshot) -> String {
             (None, false) => "connecting".to_string(),
         };
         let _ = writeln!(out, "runtime {} at {}: {state}", r.source, r.endpoint);
+    }
+    if let Some(f) = &snap.fleet {
+        let sync = f.last_sync_ms.map_or("never".to_string(), |ms| {
+            format!("{:.1} s ago", ms as f64 / 1000.0)
+        });
+        let _ = writeln!(
+            out,
+            "fleet as {:?}: last sync {sync}, {} store error(s){}",
+            f.identity,
+            f.store_errors,
+            f.last_error
+                .as_ref()
+                .map_or(String::new(), |e| format!(", last: {e}"))
+        );
+        for b in &f.budgets {
+            let share = b.share.map_or("none yet".to_string(), |s| s.to_string());
+            let _ = writeln!(
+                out,
+                "  fleet budget {}: total {}  share {share}{}  active {}  wants {}  hosts {}",
+                b.name,
+                b.total,
+                if b.safe { " (safe share)" } else { "" },
+                b.active,
+                b.wants,
+                b.hosts
+            );
+        }
     }
     for s in &snap.scopes {
         let l = &s.limits;
@@ -142,4 +172,32 @@ pub fn member_summary(s: &ScopeStats, shown: usize) -> String {
         (false, 0) => names.join(", "),
         (false, more) => format!("{} and {more} more", names.join(", ")),
     }
+}
+
+/// `connguard fleet`: each budget's hosts, as etcd holds their records.
+pub fn fleet(view: &FleetView) -> String {
+    let mut out = format!("etcd revision {}\n", view.revision);
+    for b in &view.budgets {
+        let has: u64 = b.hosts.iter().map(|h| h.has).sum();
+        let total = b.hosts.iter().map(|h| h.total).min().unwrap_or(0);
+        let _ = writeln!(
+            out,
+            "fleet budget {}: total {total}, {} host(s) holding {has}",
+            b.name,
+            b.hosts.len()
+        );
+        let _ = writeln!(
+            out,
+            "  {:<24} {:>8} {:>8} {:>8} {:>6} {:>6}",
+            "HOST", "HAS", "ACTIVE", "WANTS", "WEIGHT", "FLOOR"
+        );
+        for h in &b.hosts {
+            let _ = writeln!(
+                out,
+                "  {:<24} {:>8} {:>8} {:>8} {:>6} {:>6}",
+                h.identity, h.has, h.active, h.wants, h.weight, h.floor
+            );
+        }
+    }
+    out
 }

@@ -4,7 +4,7 @@
 //! SYNs come from spoofed sources (raw segments from the client's namespace), so that
 //! each is a caller of its own; the server's namespace routes their SYN-ACKs back to the
 //! client's, which drops them: no handshake completes, and every SYN is a new one.
-use std::net::SocketAddr;
+use std::net::{Ipv4Addr, SocketAddr};
 
 use anyhow::Context;
 use connguard_api::{
@@ -19,13 +19,17 @@ use super::{Sizes, report::PerSourceSyn, rounds::BpfStats, testbed::wait_guarded
 const ROUNDS: usize = 3;
 /// The spoofed sources: a /15 of addresses (131,071 after the first).
 const SPOOFED: &str = "10.200.0.0/15";
+const SPOOFED_BASE: Ipv4Addr = Ipv4Addr::new(10, 200, 0, 0);
+const SPOOFED_SIZE: u64 = (1 << 17) - 1;
 /// The per-SYN program whose cost is read.
 const PROGRAM: &str = "listener_shed";
 
 /// Per round: the guard with queue limits alone (`max_syn_recv`, never reached), then
-/// the same guard with `per_source` budgets (never reached) after `sizes.sources`
-/// spoofed callers filled `SOURCES`; each timed over `sizes.syns` SYNs from callers
-/// already in it, with bpf_stats on.
+/// the same guard with `per_source` budgets (never reached) after spoofed callers
+/// filled `SOURCES` to at least `sizes.per_source_callers` (an LRU table evicts before
+/// it is full: distinct callers are added a tenth at a time until it holds as many);
+/// each timed over `sizes.per_source_syns` SYNs from the callers added last, which it
+/// holds, with bpf_stats on.
 pub fn run(sizes: &Sizes) -> anyhow::Result<PerSourceSyn> {
     let mut report = PerSourceSyn {
         sources: sizes.per_source_callers,
@@ -39,10 +43,12 @@ pub fn run(sizes: &Sizes) -> anyhow::Result<PerSourceSyn> {
     let cg = Cgroup::new("bench-per-source");
     let target: SocketAddr = "192.0.2.1:8080".parse()?;
     let _listener = cg.hold(Probe::listen(server.path(), target, 4096));
-    let spoof = |count| {
+    // `count` SYNs from the callers after the first `skip` of SPOOFED.
+    let spoof = |skip: u64, count| {
+        let first = Ipv4Addr::from(u32::from(SPOOFED_BASE) + skip as u32);
         let out = cg.probe(Probe::Segments {
             netns: client.path(),
-            from: SPOOFED.into(),
+            from: format!("{first}/15"),
             addr: target,
             count,
             sport: 0,
@@ -68,20 +74,31 @@ pub fn run(sizes: &Sizes) -> anyhow::Result<PerSourceSyn> {
             }
             let d = Daemon::builder(Policy::new().listener(guard)).start();
             wait_guarded(&d)?;
+            // Callers sent so far: the timed SYNs come from the last of them.
+            let mut sent = sizes.per_source_syns;
             if per_source {
-                spoof(sizes.per_source_callers)?;
-                let held = d.stats().caller_tables.sources;
-                anyhow::ensure!(
-                    held >= sizes.per_source_callers,
-                    "SOURCES holds {held} callers, {} meant",
-                    sizes.per_source_callers
-                );
-                report.sources_held.push(held);
+                sent = sizes.per_source_callers;
+                spoof(0, sent)?;
+                loop {
+                    let held = d.stats().caller_tables.sources;
+                    if held >= sizes.per_source_callers {
+                        report.sources_held.push(held);
+                        break;
+                    }
+                    let more = (sizes.per_source_callers / 10).min(SPOOFED_SIZE - sent);
+                    anyhow::ensure!(
+                        more > 0,
+                        "SOURCES holds {held} callers after {sent} distinct ones, {} meant",
+                        sizes.per_source_callers
+                    );
+                    spoof(sent, more)?;
+                    sent += more;
+                }
             }
             let ns = {
                 let _stats_on = BpfStats::set(true)?;
                 let before = d.stats();
-                spoof(sizes.per_source_syns)?;
+                spoof(sent - sizes.per_source_syns, sizes.per_source_syns)?;
                 ns_per_run(&before, &d.stats())?
             };
             eprintln!(

@@ -1,6 +1,9 @@
 //! `cargo xtask demo`: wrk with 300 connections against nginx, without and with a
 //! connguard budget of 50; then a retry storm against a failing dependency, without and
-//! with a circuit breaker, and its recovery through the ramp: told as a short story.
+//! with a circuit breaker, and its recovery through the ramp; then three hosts sharing
+//! one database's budget through etcd (`fleet`): told as a short story.
+mod fleet;
+
 use std::{
     io::{BufRead, BufReader},
     net::{IpAddr, Ipv4Addr, SocketAddr},
@@ -160,7 +163,7 @@ fn retry_storm(connguard: &Path, client: &Cgroup) -> anyhow::Result<()> {
     );
     stop(connguard, &socket, daemon)?;
     let _ = std::fs::remove_dir_all(&dir);
-    Ok(())
+    fleet::run(connguard)
 }
 
 /// Waits (10 s at most) until the dependency's breaker is past its open time: the
@@ -211,6 +214,16 @@ fn storm(client: &Cgroup, ns: &Netns) -> anyhow::Result<u64> {
 
 /// `connguard run` on `policy`, once it says it is ready.
 fn start(connguard: &Path, policy: &Path, socket: &Path) -> anyhow::Result<Child> {
+    start_with(connguard, policy, socket, &[])
+}
+
+/// `start` with more arguments for `connguard run`.
+fn start_with(
+    connguard: &Path,
+    policy: &Path,
+    socket: &Path,
+    args: &[&str],
+) -> anyhow::Result<Child> {
     let mut daemon = Command::new(connguard)
         .arg("run")
         .arg("--policy")
@@ -218,6 +231,7 @@ fn start(connguard: &Path, policy: &Path, socket: &Path) -> anyhow::Result<Child
         .arg("--socket")
         .arg(socket)
         .args(["--metrics", "off"])
+        .args(args)
         .stderr(Stdio::piped())
         .spawn()
         .context("starting connguard")?;
@@ -240,12 +254,23 @@ fn indent(text: &str) -> String {
 /// `connguard stop` of the daemon on `socket`: it detaches its programs, unpins its
 /// state and exits, and leaves nothing of connguard in the kernel (SIGTERM would leave
 /// its programs attached for the next start).
-fn stop(connguard: &Path, socket: &Path, mut daemon: Child) -> anyhow::Result<()> {
+fn stop(connguard: &Path, socket: &Path, daemon: Child) -> anyhow::Result<()> {
+    stop_with(connguard, socket, daemon, &[])
+}
+
+/// `stop` with more arguments for `connguard stop`.
+fn stop_with(
+    connguard: &Path,
+    socket: &Path,
+    mut daemon: Child,
+    args: &[&str],
+) -> anyhow::Result<()> {
     // Its own line is left out: the story says what it did.
     let out = Command::new(connguard)
         .arg("stop")
         .arg("--socket")
         .arg(socket)
+        .args(args)
         .output()
         .context("running connguard stop")?;
     if !out.status.success() {
