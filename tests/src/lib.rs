@@ -303,8 +303,14 @@ pub struct DaemonBuilder<'a> {
 impl<'a> DaemonBuilder<'a> {
     /// A state directory in bpffs of its own (`--state-dir`), so that it runs beside
     /// other daemons (each on its own cgroups); it starts from none there.
-    pub fn own_state(mut self) -> Self {
-        self.state_dir = Some(Path::new("/sys/fs/bpf").join(unique("connguard-test")));
+    pub fn own_state(self) -> Self {
+        self.state_dir(Path::new("/sys/fs/bpf").join(unique("connguard-test")))
+    }
+
+    /// The state directory `dir` (`--state-dir`): with `adopting`, the one a daemon
+    /// before it left with `exit_keeping_state`.
+    pub fn state_dir(mut self, dir: PathBuf) -> Self {
+        self.state_dir = Some(dir);
         self
     }
 

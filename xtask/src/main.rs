@@ -89,6 +89,10 @@ enum Task {
         /// Render the last run's target/bench.json instead of measuring.
         #[arg(long)]
         render: bool,
+        /// Measure only the fleet chaos (5 minutes; --quick: 30 s), into the last run's
+        /// target/bench.json, and render that.
+        #[arg(long)]
+        fleet_chaos: bool,
     },
 }
 
@@ -156,6 +160,7 @@ fn main() -> anyhow::Result<()> {
             quick,
             write,
             render,
+            fleet_chaos,
         } => {
             if !render {
                 build()?;
@@ -164,6 +169,7 @@ fn main() -> anyhow::Result<()> {
                 quick,
                 write,
                 render,
+                fleet_chaos,
             })
         }
         Task::Demo => {

@@ -183,6 +183,23 @@ impl Store {
         })?))
     }
 
+    /// Writes the host's record, under its new lease, over its record under the lease
+    /// `old`; false when the key no longer holds that lease.
+    pub async fn take_over(
+        &mut self,
+        budget: &str,
+        record: &Record,
+        old: i64,
+        bump: bool,
+    ) -> Result<bool, FleetError> {
+        let key = self.keys.host(budget, &record.identity);
+        let txn = Txn::new()
+            .when([Compare::lease(key, CompareOp::Equal, old)])
+            .and_then(self.writes(budget, record, bump)?);
+        let r = self.txn("taking over the host's record", txn).await?;
+        Ok(r.succeeded())
+    }
+
     /// Writes the host's record over its own (same lease); a record of another lease
     /// or none at all comes back as the error.
     pub async fn publish(

@@ -303,6 +303,9 @@ struct Session<'a> {
     shared: &'a Shared,
     store: Store,
     lease: i64,
+    /// The lease this host held before `lease` (its previous session's, or the lease
+    /// file's), found expired: a record of its under that lease is its own.
+    previous: Option<i64>,
     views: Vec<View>,
 }
 
@@ -311,13 +314,14 @@ impl<'a> Session<'a> {
         let config = &shared.config;
         let timeout = config.ttl / 3;
         let mut store = Store::connect(&config.store, timeout).await?;
-        let lease = Self::lease(shared, &mut store).await?;
+        let (lease, previous) = Self::lease(shared, &mut store).await?;
         let (mut keeper, mut acks) = store.keep_alive(lease).await?;
         let (revision, listed) = store.list().await?;
         let mut session = Session {
             shared,
             store,
             lease,
+            previous,
             views: config
                 .budgets
                 .iter()
@@ -423,21 +427,21 @@ impl<'a> Session<'a> {
     }
 
     /// The lease: the one the process holds if etcd still has it, else a new one (and
-    /// the safe shares, since what the old one covered is gone).
-    async fn lease(shared: &Shared, store: &mut Store) -> Result<i64, FleetError> {
+    /// the safe shares, since what the old one covered is gone), with the expired one.
+    async fn lease(shared: &Shared, store: &mut Store) -> Result<(i64, Option<i64>), FleetError> {
         let held = *shared.lease.lock().unwrap();
         let sent = Instant::now();
         if let Some(lease) = held {
             if let Some(ttl) = store.lease_ttl(lease).await? {
                 shared.extend(lease, sent, ttl);
-                return Ok(lease);
+                return Ok((lease, None));
             }
             shared.fall("the lease expired in etcd");
         }
         let (lease, ttl) = store.grant(shared.config.ttl).await?;
         *shared.lease.lock().unwrap() = Some(lease);
         shared.extend(lease, sent, ttl);
-        Ok(lease)
+        Ok((lease, held))
     }
 
     /// Adopts the host's record of budget `i` (same lease), or creates it at zero.
@@ -468,6 +472,32 @@ impl<'a> Session<'a> {
                 there.unwrap_or(record)
             }
         };
+        if there.lease != self.lease && Some(there.lease) == self.previous {
+            // The host's own record, under its expired lease that etcd has not revoked
+            // yet: taken over under the new lease with its claim, so that what it claims
+            // (the connections this host still holds) is never free for the others.
+            let record = Record {
+                lease: self.lease,
+                active: demand.active,
+                based_on: view.revision,
+                ..there.clone()
+            };
+            let bump = record.takes_more_than(Some(&there));
+            self.shared.count(|c| c.writes += 1);
+            if self
+                .store
+                .take_over(&spec.name, &record, there.lease, bump)
+                .await?
+            {
+                log::info!(
+                    "fleet budget {:?}: took over this host's record from its expired lease {:x}",
+                    spec.name,
+                    there.lease
+                );
+                view.mine = Some(record);
+                return Ok(());
+            }
+        }
         if there.lease != self.lease {
             return Err(FleetError::IdentityTaken {
                 identity: there.identity,

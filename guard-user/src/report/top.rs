@@ -286,6 +286,24 @@ fn draw(f: &mut Frame, netns: &str, v: &View, at: &str) {
             )));
         }
     }
+    if let Some(f) = v.stats.as_ref().and_then(|s| s.fleet.as_ref()) {
+        let sync = f.last_sync_ms.map_or("never".to_string(), |ms| {
+            format!("{:.1} s ago", ms as f64 / 1000.0)
+        });
+        for b in &f.budgets {
+            lines.push(Line::from(format!(
+                "fleet budget {}: share {}{} of {}  active {}  wants {}  hosts {}  synced {sync}  store errors {}",
+                b.name,
+                b.share.map_or("-".to_string(), |s| s.to_string()),
+                if b.safe { " (safe)" } else { "" },
+                b.total,
+                b.active,
+                b.wants,
+                b.hosts,
+                f.store_errors
+            )));
+        }
+    }
     for s in v.stats.iter().flat_map(|s| &s.scopes) {
         for w in &s.warnings {
             lines.push(Line::from(format!("scope {}: {w}", s.name)));

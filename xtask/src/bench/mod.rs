@@ -5,6 +5,7 @@
 //! into docs/performance.md (a `--quick` run only when asked).
 mod daemon;
 mod figures;
+mod fleet;
 mod listener_cpu;
 mod per_source;
 mod refusal;
@@ -28,6 +29,8 @@ pub struct Options {
     pub write: bool,
     /// Render the last run's target/bench.json instead of measuring.
     pub render: bool,
+    /// Measure the fleet chaos alone, into the last run's target/bench.json.
+    pub fleet_chaos: bool,
 }
 
 /// The page that holds the report, between its markers.
@@ -37,14 +40,21 @@ const END: &str = "<!-- bench-report end -->";
 
 pub fn run(opts: &Options) -> anyhow::Result<()> {
     let path = json_path();
-    let report = match opts.render {
-        true => {
-            let text = std::fs::read_to_string(&path)
-                .with_context(|| format!("reading {}", path.display()))?;
-            serde_json::from_str::<Report>(&text)
-                .with_context(|| format!("{} is not a bench report", path.display()))?
+    let last = || -> anyhow::Result<Report> {
+        let text = std::fs::read_to_string(&path)
+            .with_context(|| format!("reading {}", path.display()))?;
+        serde_json::from_str::<Report>(&text)
+            .with_context(|| format!("{} is not a bench report", path.display()))
+    };
+    let report = match (opts.render, opts.fleet_chaos) {
+        (true, _) => last()?,
+        (false, true) => {
+            let mut report = last()?;
+            report.fleet_chaos = fleet::chaos(Sizes::new(opts.quick).fleet_chaos)?;
+            std::fs::write(&path, serde_json::to_string_pretty(&report)?)?;
+            report
         }
-        false => {
+        (false, false) => {
             let report = measure(opts.quick)?;
             std::fs::write(&path, serde_json::to_string_pretty(&report)?)?;
             eprintln!("bench: JSON in {}", path.display());
@@ -87,6 +97,8 @@ pub struct Sizes {
     per_source_syns: u64,
     listener_cpu_window: Duration,
     usage_window: Duration,
+    /// How long the fleet chaos runs.
+    fleet_chaos: Duration,
 }
 
 impl Sizes {
@@ -104,6 +116,7 @@ impl Sizes {
                 per_source_syns: 20_000,
                 listener_cpu_window: Duration::from_secs(20),
                 usage_window: Duration::from_secs(5),
+                fleet_chaos: Duration::from_secs(300),
             },
             true => Sizes {
                 rounds: modes,
@@ -116,6 +129,7 @@ impl Sizes {
                 per_source_syns: 5_000,
                 listener_cpu_window: Duration::from_secs(5),
                 usage_window: Duration::from_secs(2),
+                fleet_chaos: Duration::from_secs(30),
             },
         }
     }
@@ -140,6 +154,7 @@ fn measure(quick: bool) -> anyhow::Result<Report> {
     let monitoring = daemon::monitoring(&tb, &sizes)?;
     let ports = daemon::ports(&tb, &sizes)?;
     let daemon = daemon::usage(&tb, &sizes)?;
+    let fleet_chaos = fleet::chaos(sizes.fleet_chaos)?;
     Ok(Report {
         run,
         churn,
@@ -151,6 +166,7 @@ fn measure(quick: bool) -> anyhow::Result<Report> {
         ports,
         daemon,
         listener_guard_cpu,
+        fleet_chaos,
     })
 }
 

@@ -23,8 +23,23 @@ impl Report {
             self.listener_period_table().to_string(),
             self.daemon_table().to_string(),
             self.listener_cpu_table().to_string(),
+            self.fleet_chaos(),
         ]
         .join("\n")
+    }
+
+    /// The fleet chaos run, in a sentence (none in a run without it).
+    fn fleet_chaos(&self) -> String {
+        let f = &self.fleet_chaos;
+        if f.seconds == 0 {
+            return String::new();
+        }
+        format!(
+            "Fleet chaos, {} s: three daemons sharing a budget of 60 through etcd, 50 clients each, \
+             with {} etcd kills and restarts, {} daemon SIGKILLs and restarts and {} restarts of a \
+             host's clients (seed {}): the server held at most {} connections at once.\n",
+            f.seconds, f.etcd_restarts, f.daemon_kills, f.client_restarts, f.seed, f.server_peak
+        )
     }
 
     fn heading(&self) -> String {

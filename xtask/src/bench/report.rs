@@ -90,6 +90,23 @@ pub struct Report {
     pub ports: PortsOneShot,
     pub daemon: DaemonUsage,
     pub listener_guard_cpu: ListenerCpu,
+    /// Empty in the JSON of a run before this measurement.
+    #[serde(default)]
+    pub fleet_chaos: FleetChaos,
+}
+
+/// Fleet chaos (`bench::fleet`): three daemons sharing a budget of 60 through etcd, with
+/// 50 clients each, while etcd and the daemons are killed and restarted at random.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct FleetChaos {
+    pub seconds: u64,
+    /// The seed of the run's random choices.
+    pub seed: u64,
+    pub etcd_restarts: u64,
+    pub daemon_kills: u64,
+    pub client_restarts: u64,
+    /// The server's highest count of connections at once.
+    pub server_peak: u64,
 }
 
 /// Where and at what size the bench ran.
@@ -460,6 +477,14 @@ pub mod sample {
                 connguard: latency(16_900, 48_100, "ECONNREFUSED", 1000),
                 nftables: latency(18_000, 46_100, "ECONNREFUSED", 1000),
                 no_guard: latency(3_002_159_900, 3_002_208_300, "TIMEOUT", 3),
+            },
+            fleet_chaos: FleetChaos {
+                seconds: 300,
+                seed: 7,
+                etcd_restarts: 20,
+                daemon_kills: 19,
+                client_restarts: 21,
+                server_peak: 60,
             },
             per_source_syn: PerSourceSyn {
                 sources: 100_000,
