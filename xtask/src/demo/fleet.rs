@@ -23,6 +23,7 @@ const CLIENTS: u64 = 50;
 
 struct Host {
     name: &'static str,
+    connguard: PathBuf,
     cgroup: Cgroup,
     socket: PathBuf,
     state_dir: PathBuf,
@@ -30,15 +31,32 @@ struct Host {
     clients: Option<Child>,
 }
 
+impl Host {
+    fn kill_clients(&mut self) {
+        kill(self.clients.take());
+    }
+
+    fn kill_daemon(&mut self) {
+        kill(self.daemon.take());
+    }
+}
+
+fn kill(child: Option<Child>) {
+    if let Some(mut c) = child {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+}
+
 impl Drop for Host {
+    /// Kills what is left, and removes the state a killed daemon left pinned.
     fn drop(&mut self) {
-        for c in [self.clients.as_mut(), self.daemon.as_mut()]
-            .into_iter()
-            .flatten()
-        {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
+        self.kill_clients();
+        self.kill_daemon();
+        let _ = Command::new(&self.connguard)
+            .args(["stop", "--socket", "/nonexistent", "--state-dir"])
+            .arg(&self.state_dir)
+            .output();
     }
 }
 
@@ -84,6 +102,7 @@ pub fn run(connguard: &Path) -> anyhow::Result<()> {
         )?;
         hosts.push(Host {
             name,
+            connguard: connguard.to_path_buf(),
             cgroup,
             socket,
             state_dir,
@@ -105,7 +124,7 @@ pub fn run(connguard: &Path) -> anyhow::Result<()> {
         indent(&cli(connguard, &hosts[0].socket, &["fleet"])?)
     );
     let idle = Instant::now();
-    hosts[2].clients = None;
+    hosts[2].kill_clients();
     wait(connguard, &hosts[..2], |s| s == [30, 30])?;
     println!(
         "14. host3's clients finish. {} ms later host1 and host2 hold 30 each: what host3 released went to those \
@@ -114,14 +133,8 @@ pub fn run(connguard: &Path) -> anyhow::Result<()> {
         db.peak()
     );
     let dead = Instant::now();
-    for c in [hosts[1].clients.take(), hosts[1].daemon.take()]
-        .into_iter()
-        .flatten()
-    {
-        let mut c = c;
-        let _ = c.kill();
-        let _ = c.wait();
-    }
+    hosts[1].kill_clients();
+    hosts[1].kill_daemon();
     wait(connguard, &hosts[..1], |s| s[0] == CLIENTS)?;
     println!(
         "15. host2 dies (its daemon and clients SIGKILLed). Its lease expires in etcd, and {} ms after its death \
@@ -130,6 +143,7 @@ pub fn run(connguard: &Path) -> anyhow::Result<()> {
         db.peak()
     );
     for h in &mut hosts {
+        h.kill_clients();
         if let Some(d) = h.daemon.take() {
             stop_with(
                 connguard,
@@ -137,14 +151,10 @@ pub fn run(connguard: &Path) -> anyhow::Result<()> {
                 d,
                 &["--state-dir", &h.state_dir.display().to_string()],
             )?;
-        } else {
-            Command::new(connguard)
-                .args(["stop", "--socket", "/nonexistent", "--state-dir"])
-                .arg(&h.state_dir)
-                .output()?;
+            println!("    {}: `connguard stop`", h.name);
         }
-        println!("    {}: stopped", h.name);
     }
+    drop(hosts);
     let _ = std::fs::remove_dir_all(&dir);
     drop(etcd);
     Ok(())
