@@ -27,6 +27,8 @@ use crate::{
 pub struct FleetPart {
     /// The `[fleet]` and budgets of the first policy.
     settings: OnceLock<(Option<FleetPolicy>, Vec<FleetBudget>)>,
+    /// The library's configuration of them, when there are some.
+    config: OnceLock<FleetConfig>,
     /// Each budget's share as the fleet last applied it. A budget with none is held at
     /// its safe share: nothing in etcd covers more.
     shares: Mutex<BTreeMap<String, u64>>,
@@ -34,11 +36,20 @@ pub struct FleetPart {
 }
 
 impl FleetPart {
-    /// Takes the first policy's fleet settings; those of later policies must be equal.
-    pub fn settle(&self, policy: &Policy) {
+    /// Takes the first policy's fleet settings (those of later policies must be equal),
+    /// reading what they name (the password file, the host name) and checking them
+    /// before anything is attached. `socket` names the lease file: next to it, so that
+    /// each daemon of a host has its own.
+    pub fn settle(&self, policy: &Policy, socket: &Path) -> anyhow::Result<()> {
+        if let Some(f) = &policy.fleet {
+            let config = fleet_config(f, &policy.fleet_budgets, socket)?;
+            config.check()?;
+            let _ = self.config.set(config);
+        }
         let _ = self
             .settings
             .set((policy.fleet.clone(), policy.fleet_budgets.clone()));
+        Ok(())
     }
 
     /// Why `policy` cannot replace the one in force, if it cannot.
@@ -75,17 +86,15 @@ impl FleetPart {
 
 impl Daemon {
     /// Starts syncing the first policy's fleet budgets, if it has any (on the current
-    /// tokio runtime). `socket` names the lease file: next to it, so that each daemon
-    /// of a host has its own.
-    pub(super) fn start_fleet(self: &Arc<Self>, socket: &Path) -> anyhow::Result<()> {
-        let Some((Some(f), budgets)) = self.fleet.settings.get() else {
+    /// tokio runtime).
+    pub(super) fn start_fleet(self: &Arc<Self>) -> anyhow::Result<()> {
+        let Some(config) = self.fleet.config.get().cloned() else {
             return Ok(());
         };
-        let config = fleet_config(f, budgets, socket)?;
         log::info!(
             "fleet: sharing {} budget(s) through etcd at {} as {:?}",
-            budgets.len(),
-            f.endpoints.join(","),
+            config.budgets.len(),
+            config.store.endpoints.join(","),
             config.identity
         );
         let local: Arc<dyn fleet::Local> = Arc::new(Kernel(Arc::downgrade(self)));
@@ -97,10 +106,9 @@ impl Daemon {
     /// Every host's record, listed from etcd (`connguard fleet`); called off the
     /// runtime's workers (the control socket's blocking handler).
     pub(super) fn fleet_hosts(&self) -> Result<FleetView, String> {
-        let Some((Some(f), budgets)) = self.fleet.settings.get() else {
+        let Some(config) = self.fleet.config.get() else {
             return Err("the policy has no fleet budgets ([fleet], [[fleet_budget]])".into());
         };
-        let config = fleet_config(f, budgets, Path::new("")).map_err(|e| format!("{e:#}"))?;
         tokio::runtime::Handle::current()
             .block_on(fleet::hosts(&config.store))
             .map_err(|e| e.to_string())
@@ -110,7 +118,7 @@ impl Daemon {
     fn reshare(&self) -> anyhow::Result<()> {
         let _turn = lock(&self.reloads);
         let Some(input) = self.programs.generations().rescan_input() else {
-            return Ok(());
+            anyhow::bail!("no policy is in force yet");
         };
         let policy = Policy::clone(&input.policy);
         let tree = scopes::walk(&input.root, &policy)?;
@@ -146,15 +154,30 @@ impl Daemon {
 struct Kernel(Weak<Daemon>);
 
 impl fleet::Local for Kernel {
-    fn apply(&self, budget: &str, share: u64) {
-        let Some(d) = self.0.upgrade() else { return };
-        lock(&d.fleet.shares).insert(budget.to_string(), share);
-        match d.reshare() {
-            Ok(()) => log::info!("fleet budget {budget:?}: this host's share is {share}"),
-            Err(e) => log::error!(
-                "fleet budget {budget:?}: applying the share {share}: {e:#}; the kernel \
-                 keeps the one before"
-            ),
+    fn apply(&self, budget: &str, share: u64) -> bool {
+        let Some(d) = self.0.upgrade() else {
+            return false;
+        };
+        let before = lock(&d.fleet.shares).insert(budget.to_string(), share);
+        // A cgroup walk and a generation switch: the runtime's other tasks (keep-alives,
+        // the control socket) move to other workers meanwhile.
+        match tokio::task::block_in_place(|| d.reshare()) {
+            Ok(()) => {
+                log::info!("fleet budget {budget:?}: this host's share is {share}");
+                true
+            }
+            Err(e) => {
+                let mut shares = lock(&d.fleet.shares);
+                match before {
+                    Some(b) => shares.insert(budget.to_string(), b),
+                    None => shares.remove(budget),
+                };
+                log::error!(
+                    "fleet budget {budget:?}: applying the share {share}: {e:#}; the kernel \
+                     keeps the one before"
+                );
+                false
+            }
         }
     }
 

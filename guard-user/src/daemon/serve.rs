@@ -49,7 +49,7 @@ pub fn serve(
             });
         }
         daemon.spawn_jobs(opts.forget_idle, opts.audit);
-        daemon.start_fleet(&opts.socket)?;
+        daemon.start_fleet()?;
         if let Some(watch) = watch {
             let d = daemon.clone();
             tokio::spawn(async move {

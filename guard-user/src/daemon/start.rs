@@ -257,7 +257,7 @@ pub fn adopt(opts: &Options, host: Host, loaded: Loaded) -> anyhow::Result<(Arc<
     let policy = workloads.resolve(&workloads.base());
     let tree = scopes::walk(&root, &policy)?;
     let fleet = FleetPart::default();
-    fleet.settle(&policy);
+    fleet.settle(&policy, &opts.socket)?;
     let counters = Counters::new(loaded.counter_maps);
     // The first sample, taken before "ready", is the baseline of the first rates.
     let mut time_wait_rates = TimeWaitRates::default();

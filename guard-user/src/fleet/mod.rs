@@ -200,7 +200,8 @@ impl FleetConfig {
         }
     }
 
-    fn check(&self) -> Result<(), FleetError> {
+    /// Whether `Fleet::start` takes it.
+    pub fn check(&self) -> Result<(), FleetError> {
         let bad = |m: String| Err(FleetError::Config(m));
         if self.store.endpoints.is_empty() {
             return bad("no etcd endpoint".into());
@@ -322,8 +323,10 @@ pub struct Demand {
 /// What the fleet needs of the host it runs on.
 pub trait Local: Send + Sync + 'static {
     /// Makes the kernel enforce `share` as the budget's maximum of active connections,
-    /// and returns once it does. Called with the fleet's lock held: quick, no waiting.
-    fn apply(&self, budget: &str, share: u64);
+    /// and returns once it does: true, or false when it could not (the share before
+    /// stays in force, and a lowered record is not published). Called with the fleet's
+    /// lock held, from the runtime: as quick as it can be.
+    fn apply(&self, budget: &str, share: u64) -> bool;
     /// The shares applied stand until `until`, when the lease could expire in etcd and
     /// the others take what it covered: from then on the kernel must enforce the safe
     /// shares by itself, with or without a daemon to tell it. Called each time `until`
@@ -335,7 +338,8 @@ pub trait Local: Send + Sync + 'static {
 
 /// Every host's record of every budget under `store`'s prefix, as etcd holds them.
 pub async fn hosts(store: &StoreConfig) -> Result<connguard_api::fleet::FleetView, FleetError> {
-    let mut s = store::Store::connect(store, Duration::from_secs(5)).await?;
+    // Within the 5 s `connguard fleet` waits for the daemon's answer.
+    let mut s = store::Store::connect(store, Duration::from_secs(3)).await?;
     let (revision, listed) = s.list().await?;
     let mut budgets: std::collections::BTreeMap<String, Vec<record::Record>> = Default::default();
     for l in listed {

@@ -146,7 +146,7 @@ impl VirtualLocal {
 }
 
 impl Local for VirtualLocal {
-    fn apply(&self, _budget: &str, share: u64) {
+    fn apply(&self, _budget: &str, share: u64) -> bool {
         let mut state = self.state.lock().unwrap();
         state.shed_until_now(self.want.load(Ordering::SeqCst));
         state.share = Some(share);
@@ -154,6 +154,7 @@ impl Local for VirtualLocal {
         if let Some(r) = self.ledger.apply(&self.identity, share) {
             self.raises.lock().unwrap().push(r);
         }
+        true
     }
 
     fn shares_stand_until(&self, until: Instant) {

@@ -149,20 +149,23 @@ impl Shared {
         store.revoke(lease).await
     }
 
-    /// Makes the kernel enforce `share` for budget `i`. A raise (or a first share) is
-    /// applied only while the lease covers it; a lower always is.
-    fn enforce(&self, i: usize, share: u64) {
+    /// Makes the kernel enforce `share` for budget `i`; whether it does. A raise (or a
+    /// first share) is applied only while the lease covers it; a lower always is.
+    fn enforce(&self, i: usize, share: u64) -> bool {
         let mut held = self.held.lock().unwrap();
         if held.enforced[i] == Some(share) && !held.safe[i] {
-            return;
+            return true;
         }
         let raise = held.enforced[i].is_none_or(|e| share > e);
         if raise && Instant::now() >= held.fall_at {
-            return;
+            return false;
         }
-        self.local.apply(&self.config.budgets[i].name, share);
+        if !self.local.apply(&self.config.budgets[i].name, share) {
+            return false;
+        }
         held.enforced[i] = Some(share);
         held.safe[i] = false;
+        true
     }
 
     /// The safe shares, now; the lease no longer covers anything.
@@ -184,7 +187,13 @@ impl Shared {
                 b.name,
                 b.safe_share
             );
-            self.local.apply(&b.name, b.safe_share);
+            if !self.local.apply(&b.name, b.safe_share) {
+                log::error!(
+                    "fleet: budget {}: the kernel did not take the safe share; retried at the next check",
+                    b.name
+                );
+                continue;
+            }
             held.enforced[i] = Some(b.safe_share);
             held.safe[i] = true;
         }
@@ -497,6 +506,9 @@ impl<'a> Session<'a> {
                 view.mine = Some(record);
                 return Ok(());
             }
+            // etcd revoked the old lease meanwhile: its record is gone, and the next
+            // session creates this host's anew.
+            return Err(FleetError::LeaseLost { lease: there.lease });
         }
         if there.lease != self.lease {
             return Err(FleetError::IdentityTaken {
@@ -538,10 +550,13 @@ impl<'a> Session<'a> {
         if identity == config.identity {
             return match record {
                 // Before the session adopted or created it, a record is taken as is.
-                Some(r) if view.mine.is_none() || r.lease == lease => {
+                Some(r) if view.mine.is_none() => {
                     view.mine = Some(r);
                     Ok(())
                 }
+                // The echo of one of the host's own writes: its view already holds the
+                // newest (an echo of an older write must not replace it).
+                Some(r) if r.lease == lease => Ok(()),
                 Some(r) => Err(FleetError::IdentityTaken {
                     identity: r.identity,
                     budget: budget.to_string(),
@@ -657,13 +672,17 @@ impl<'a> Session<'a> {
         };
         if target < mine.has {
             // Lower: the kernel first, then the record, with the active count the
-            // lowered kernel budget leaves.
-            self.shared.enforce(i, target);
+            // lowered kernel budget leaves; a kernel that did not take it keeps the
+            // record as it is, and the next refresh tries again.
+            if !self.shared.enforce(i, target) {
+                self.report(i, total);
+                return Ok(());
+            }
             next.has = target;
             next.active = self.shared.local.demand(&spec.name).active;
             self.publish(i, next, &mine).await?;
         } else {
-            self.shared.enforce(i, mine.has);
+            let _ = self.shared.enforce(i, mine.has);
             let others: u64 = view.others.values().map(Record::claim).sum();
             let raised = target.min(total.saturating_sub(others));
             if raised > mine.has {
@@ -673,7 +692,9 @@ impl<'a> Session<'a> {
                 match self.store.raise(&spec.name, &next, seen).await? {
                     Raised::Yes => {
                         self.views[i].mine = Some(next);
-                        self.shared.enforce(i, raised);
+                        // A kernel that does not take it enforces less than the record
+                        // claims: the safe side.
+                        let _ = self.shared.enforce(i, raised);
                     }
                     Raised::Conflict => {
                         self.shared.count(|c| c.conflicts += 1);

@@ -419,9 +419,11 @@ fn parse_fleet(
     // Each budget's one rule takes its destinations.
     let mut drawn: Vec<Option<String>> = vec![None; budgets.len()];
     for scope in scopes.iter_mut() {
+        let mut last = None;
         for rule in &mut scope.rules {
             let Some(f) = &rule.fleet else { continue };
             let rule_span = rule_spans.next().cloned().unwrap_or(0..0);
+            last = Some(rule_span.clone());
             let Some(i) = budgets.iter().position(|b| &b.name == f) else {
                 return Err(at(
                     rule_span.clone(),
@@ -455,7 +457,9 @@ fn parse_fleet(
             rule.dst = budgets[i].dst.clone();
             rule.ports = budgets[i].ports.clone();
         }
-        check_overlap(&scope.rules).map_err(|reason| at(0..0, reason))?;
+        if let Some(span) = last {
+            check_overlap(&scope.rules).map_err(|reason| at(span, reason))?;
+        }
     }
     if let Some(i) = drawn.iter().position(Option::is_none) {
         return Err(at(
@@ -512,12 +516,16 @@ fn parse_fleet(
                 ));
             }
             let refresh_ms = secs(&f.refresh)?;
-            if let Some(r) = &f.refresh
-                && (refresh_ms == Some(0) || refresh_ms.unwrap_or(0) * 3 > ttl_ms.unwrap_or(10_000))
-            {
+            // The library's defaults: a TTL of 10 s, a refresh of 2 s.
+            let (ttl, refresh) = (ttl_ms.unwrap_or(10_000), refresh_ms.unwrap_or(2_000));
+            if refresh == 0 || refresh * 3 > ttl {
+                let given = f.refresh.as_ref().or(f.ttl.as_ref());
                 return Err(at(
-                    r.span(),
-                    "refresh: above 0 and at most a third of the ttl".into(),
+                    given.map_or(span.clone(), Spanned::span),
+                    format!(
+                        "refresh ({refresh} ms) must be above 0 and at most a third of the ttl \
+                         ({ttl} ms)"
+                    ),
                 ));
             }
             if let Some(id) = &f.identity
@@ -859,12 +867,17 @@ fn parse_rule(
                     "max_connections",
                 ),
                 (r.per.as_ref().map(Spanned::span), "per"),
+                // An empty `dst = []` has no span of its own: the rule's names it.
                 (
-                    r.dst.as_ref().and_then(|d| d.first()).map(Spanned::span),
+                    r.dst
+                        .as_ref()
+                        .map(|d| d.first().map_or(span.clone(), Spanned::span)),
                     "dst",
                 ),
                 (
-                    r.ports.as_ref().and_then(|p| p.first()).map(Spanned::span),
+                    r.ports
+                        .as_ref()
+                        .map(|p| p.first().map_or(span.clone(), Spanned::span)),
                     "ports",
                 ),
             ];
@@ -1942,6 +1955,13 @@ per = "rule"
             err(&ok.replace("http://", "https://")).contains("https needs ca (or cert and key)"),
         );
         assert!(err(&ok.replace("30", "0")).contains("max_connections must be at least 1"));
+        // The default refresh (2 s) needs a TTL of 6 s at least.
+        assert!(
+            err(&ok.replace("[fleet]\n", "[fleet]\nttl = \"3s\"\n")).contains(
+                "refresh (2000 ms) must be above 0 and at most a third of the ttl (3000 ms)"
+            ),
+        );
+        assert!(err(&format!("{ok}dst = []\n")).contains("its dst is the budget's"));
         assert!(
             err(&format!("{ok}[fleet_budget.x]\n")).contains("unknown field"),
             "a typo is an error"
