@@ -3,7 +3,6 @@
 //! clients connecting to one loopback server. Lease TTL 3 s, refresh 500 ms.
 use std::{
     net::SocketAddr,
-    process::Child,
     time::{Duration, Instant},
 };
 
@@ -11,33 +10,19 @@ use connguard_api::fleet::{BudgetStatus, FleetView, Status};
 use connguard_tests::{
     Cgroup, Daemon, Server,
     etcd::Etcd,
-    fleet::{SCOPE, clients, host_policy},
+    fleet::{Clients, REFRESH, SCOPE, TTL, clients, host_policy},
     probe::Probe,
     unique,
 };
 
 const TOTAL: u64 = 60;
 const CLIENTS: u64 = 50;
-/// connguard_tests::fleet's TTL and REFRESH.
-const REFRESH: Duration = Duration::from_millis(500);
-const TTL: Duration = Duration::from_secs(3);
 
 /// One host: its clients' cgroup, its daemon, and its clients while they run.
 struct Host {
     cgroup: Cgroup,
     daemon: Daemon,
     clients: Option<Clients>,
-}
-
-/// A guard-probe burst of CLIENTS that each keep connecting until admitted (every
-/// 100 ms, for minutes), then hold their connection; killed on drop.
-struct Clients(Child);
-
-impl Drop for Clients {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 impl Host {
@@ -61,7 +46,7 @@ impl Host {
     }
 
     fn connect(&mut self, addr: SocketAddr) {
-        self.clients = Some(Clients(clients(&self.cgroup, addr, CLIENTS)));
+        self.clients = Some(clients(&self.cgroup, addr, CLIENTS));
     }
 
     fn fleet(&self) -> Status {

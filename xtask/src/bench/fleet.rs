@@ -11,7 +11,7 @@ use anyhow::ensure;
 use connguard_tests::{
     Cgroup, Daemon, Server,
     etcd::Etcd,
-    fleet::{SCOPE, clients, host_policy},
+    fleet::{Clients, SCOPE, TTL, clients, host_policy},
     unique,
 };
 
@@ -19,8 +19,6 @@ use super::report::FleetChaos;
 
 const TOTAL: u64 = 60;
 const CLIENTS: u64 = 50;
-/// connguard_tests::fleet's TTL.
-const TTL: Duration = Duration::from_secs(3);
 
 /// One host: its clients' cgroup, its daemon (restarted on the same state directory
 /// and control socket, so that it adopts its pinned state and its fleet lease), and its
@@ -31,7 +29,7 @@ struct Host {
     state_dir: PathBuf,
     socket: PathBuf,
     daemon: Option<Daemon>,
-    clients: Option<std::process::Child>,
+    clients: Option<Clients>,
 }
 
 impl Host {
@@ -46,19 +44,6 @@ impl Host {
             b = b.adopting();
         }
         self.daemon = Some(b.start());
-    }
-
-    fn stop_clients(&mut self) {
-        if let Some(mut c) = self.clients.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-impl Drop for Host {
-    fn drop(&mut self) {
-        self.stop_clients();
     }
 }
 
@@ -170,7 +155,7 @@ pub fn chaos(length: Duration) -> anyhow::Result<FleetChaos> {
                     i + 1,
                     down.as_millis()
                 ));
-                h.stop_clients();
+                h.clients = None;
                 std::thread::sleep(down);
                 h.clients = Some(clients(&h.cgroup, server.addr, CLIENTS));
                 report.client_restarts += 1;

@@ -63,7 +63,7 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
     };
     let markdown = report.markdown();
     print!("{markdown}");
-    if opts.write || !report.run.quick {
+    if opts.write || !(report.run.quick || opts.quick) {
         crate::write_between_markers(PAGE, BEGIN, END, &markdown)?;
         eprintln!("bench: report written into {PAGE}");
     }

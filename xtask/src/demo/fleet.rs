@@ -13,7 +13,7 @@ use connguard_api::stats::Snapshot;
 use connguard_tests::{
     Cgroup, Server,
     etcd::Etcd,
-    fleet::{clients, host_policy},
+    fleet::{Clients, clients, host_policy},
 };
 
 use super::{indent, start_with, stop_with};
@@ -28,30 +28,22 @@ struct Host {
     socket: PathBuf,
     state_dir: PathBuf,
     daemon: Option<Child>,
-    clients: Option<Child>,
+    clients: Option<Clients>,
 }
 
 impl Host {
-    fn kill_clients(&mut self) {
-        kill(self.clients.take());
-    }
-
     fn kill_daemon(&mut self) {
-        kill(self.daemon.take());
-    }
-}
-
-fn kill(child: Option<Child>) {
-    if let Some(mut c) = child {
-        let _ = c.kill();
-        let _ = c.wait();
+        if let Some(mut d) = self.daemon.take() {
+            let _ = d.kill();
+            let _ = d.wait();
+        }
     }
 }
 
 impl Drop for Host {
-    /// Kills what is left, and removes the state a killed daemon left pinned.
+    /// Kills what is left (the clients go with their field), and removes the state a
+    /// killed daemon left pinned.
     fn drop(&mut self) {
-        self.kill_clients();
         self.kill_daemon();
         let _ = Command::new(&self.connguard)
             .args(["stop", "--socket", "/nonexistent", "--state-dir"])
@@ -124,7 +116,7 @@ pub fn run(connguard: &Path) -> anyhow::Result<()> {
         indent(&cli(connguard, &hosts[0].socket, &["fleet"])?)
     );
     let idle = Instant::now();
-    hosts[2].kill_clients();
+    hosts[2].clients = None;
     wait(connguard, &hosts[..2], |s| s == [30, 30])?;
     println!(
         "14. host3's clients finish. {} ms later host1 and host2 hold 30 each: what host3 released went to those \
@@ -133,7 +125,7 @@ pub fn run(connguard: &Path) -> anyhow::Result<()> {
         db.peak()
     );
     let dead = Instant::now();
-    hosts[1].kill_clients();
+    hosts[1].clients = None;
     hosts[1].kill_daemon();
     wait(connguard, &hosts[..1], |s| s[0] == CLIENTS)?;
     println!(
@@ -143,7 +135,7 @@ pub fn run(connguard: &Path) -> anyhow::Result<()> {
         db.peak()
     );
     for h in &mut hosts {
-        h.kill_clients();
+        h.clients = None;
         if let Some(d) = h.daemon.take() {
             stop_with(
                 connguard,
