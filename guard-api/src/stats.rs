@@ -9,6 +9,16 @@ use serde::{Deserialize, Serialize};
 
 use crate::{kernel::Features, ports::EaddrnotavailCount};
 
+/// The host-wide tracepoint programs (`sock_set_state`, `caller_destroy`), which run
+/// for every TCP socket of the host: attached only while a socket may need them.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HostWide {
+    /// The programs attached, by name; empty while the state callback alone releases.
+    pub attached: Vec<String>,
+    /// Why `sock_set_state` is attached, one reason each.
+    pub because: Vec<String>,
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Snapshot {
     pub policy: PolicyStatus,
@@ -32,6 +42,10 @@ pub struct Snapshot {
     pub audit_corrections: u64,
     /// Per-program cost from the kernel's bpf_stats (`connguard run --bpf-stats`).
     pub programs: Vec<ProgramCost>,
+    /// The host-wide tracepoint programs attached, and why (absent from the answers of
+    /// older daemons).
+    #[serde(default)]
+    pub host_wide: HostWide,
     /// connect() failures with EADDRNOTAVAIL, per scope and process name.
     pub eaddrnotavail: Vec<EaddrnotavailCount>,
     /// Destinations near a port watermark, as last read from the socket tables.

@@ -51,6 +51,11 @@ pub const STATE_LAYOUT: u32 = 7;
 /// the option.
 pub const SOL_CONNGUARD: i32 = 0x636e_6775;
 pub const SEED_SOCKET: i32 = 1;
+/// setsockopt(2) option (level [`SOL_CONNGUARD`]) of the daemon's probe at start: the
+/// `state_cb_probe` program, attached to the daemon's own cgroup for that moment, asks
+/// the kernel for the socket's state callback the way connect4 does, and answers 0 (the
+/// kernel takes `TCP_BPF_SOCK_OPS_CB_FLAGS` from cgroup programs) or EPERM.
+pub const PROBE_STATE_CB: i32 = 2;
 
 /// The option value of a seeding request, from the socket table (sock_diag).
 #[repr(C)]

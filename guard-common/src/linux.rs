@@ -5,6 +5,14 @@ pub const IPPROTO_TCP: u32 = 6;
 /// include/linux/socket.h
 pub const AF_INET: u32 = 2;
 
+/// include/linux/socket.h
+pub const SOL_TCP: i32 = 6;
+/// bpf_setsockopt()/bpf_getsockopt() option at SOL_TCP: a TCP socket's sock_ops callback
+/// flags (include/uapi/linux/bpf.h; net/core/filter.c, sol_tcp_sockopt; Linux 6.12).
+pub const TCP_BPF_SOCK_OPS_CB_FLAGS: i32 = 1008;
+/// BPF_SOCK_OPS_STATE_CB_FLAG, include/uapi/linux/bpf.h.
+pub const BPF_SOCK_OPS_STATE_CB_FLAG: i32 = 1 << 2;
+
 /// TCP states, include/net/tcp_states.h.
 pub const TCP_ESTABLISHED: u32 = 1;
 pub const TCP_SYN_SENT: u32 = 2;

@@ -111,6 +111,8 @@ pub mod program {
     pub const LISTENER_SHED_POLLED: &str = "listener_shed_polled";
     /// cgroup setsockopt: counts a connection that existed before the first start.
     pub const SEED: &str = "seed";
+    /// cgroup setsockopt: the daemon's probe at start (crate::PROBE_STATE_CB).
+    pub const STATE_CB_PROBE: &str = "state_cb_probe";
     /// tc, never attached: run by BPF_PROG_TEST_RUN to apply an audit's correction.
     pub const ADJUST: &str = "adjust";
     /// Every program of the object.
@@ -125,6 +127,7 @@ pub mod program {
         LISTENER_SHED,
         LISTENER_SHED_POLLED,
         SEED,
+        STATE_CB_PROBE,
         ADJUST,
     ];
 }

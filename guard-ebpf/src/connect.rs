@@ -14,6 +14,7 @@ use crate::{
     charge::{Charge, charge},
     maps::{ACTIVE_GEN, storage},
     net::{ipv4_mapped, opaque_zero, words_addr},
+    release::ask_state_callback,
     scope::{current_in_root, nearest_selected},
 };
 
@@ -104,7 +105,14 @@ fn admit(ctx: &SockAddrContext, addr: [u8; 16], port: u16) -> i32 {
             }
             DENY
         }
-        Charge::NoScope | Charge::Admitted => ALLOW,
+        Charge::Admitted => {
+            // Before the port search, whose failure only a state callback asked for now
+            // sees. Refused (before Linux 6.12): TCP_CONNECT_CB asks, and the tracepoint
+            // sees what comes before.
+            let _ = ask_state_callback(ctx.as_ptr());
+            ALLOW
+        }
+        Charge::NoScope => ALLOW,
     }
 }
 

@@ -1,9 +1,10 @@
-//! cgroup setsockopt: count a connection that existed before the daemon's first start
-//! (guard_common::SeedRequest). Attached to the governed cgroups only while the daemon
-//! seeds; every other setsockopt passes untouched.
+//! cgroup setsockopt, attached only for a moment: `seed` counts a connection that
+//! existed before the daemon's first start (guard_common::SeedRequest), attached to the
+//! governed cgroups while the daemon seeds; `state_cb_probe` is the daemon's probe of the
+//! state callback option at start. Every other setsockopt passes untouched.
 use aya_ebpf::{macros::cgroup_sockopt, programs::SockoptContext};
 use guard_common::{
-    SEED_SOCKET, SOL_CONNGUARD, STAT_INTERNAL_ERRORS, SeedRequest,
+    PROBE_STATE_CB, SEED_SOCKET, SOL_CONNGUARD, STAT_INTERNAL_ERRORS, SeedRequest,
     linux::{IPPROTO_TCP, TCP_CLOSE, TCP_LISTEN},
 };
 
@@ -11,14 +12,15 @@ use crate::{
     accounting::count_stat,
     charge::{Charge, charge},
     maps::{ACTIVE_GEN, SEED_KEY, storage},
+    release::ask_state_callback,
 };
 
 /// The kernel goes on with the option (ours: skips it, as optlen is -1).
-const PASS: i32 = 1;
+pub const PASS: i32 = 1;
 /// The most of an option value a program sees (PAGE_SIZE on x86-64 and arm64).
-const OPTVAL_SEEN: i32 = 4096;
+pub const OPTVAL_SEEN: i32 = 4096;
 /// setsockopt() fails with EPERM.
-const REFUSE: i32 = 0;
+pub const REFUSE: i32 = 0;
 
 #[cgroup_sockopt(setsockopt)]
 pub fn seed(ctx: SockoptContext) -> i32 {
@@ -62,14 +64,35 @@ pub fn seed(ctx: SockoptContext) -> i32 {
     let gen_ = ACTIVE_GEN.get(0).copied().unwrap_or(0);
     match charge(state, gen_, req.dst, req.dport, req.netns, false) {
         Charge::Admitted => {
-            // Released when it reaches TCP_CLOSE, by the state tracepoint (its state
-            // callback was never asked for).
+            // Released when it reaches TCP_CLOSE, by its state callback, asked for here
+            // (where the kernel refuses, by the state tracepoint).
             unsafe {
                 (*state).src = req.src;
                 (*state).armed = 1;
             }
+            let _ = ask_state_callback(sk.cast());
             PASS
         }
         Charge::NoScope | Charge::Shed(_) => REFUSE,
     }
+}
+
+/// The daemon's probe at start (guard_common::PROBE_STATE_CB): asks for the state
+/// callback of the probe's socket as connect4 does; setsockopt() answers 0 where the
+/// kernel takes it, else EPERM. Every other setsockopt passes untouched.
+#[cgroup_sockopt(setsockopt)]
+pub fn state_cb_probe(ctx: SockoptContext) -> i32 {
+    let so = unsafe { &mut *ctx.sockopt };
+    if so.level != SOL_CONNGUARD || so.optname != PROBE_STATE_CB {
+        if so.optlen > OPTVAL_SEEN {
+            so.optlen = 0;
+        }
+        return PASS;
+    }
+    so.optlen = -1;
+    let sk = unsafe { so.__bindgen_anon_1.sk };
+    if sk.is_null() || unsafe { (*sk).protocol } != IPPROTO_TCP {
+        return REFUSE;
+    }
+    if ask_state_callback(sk.cast()) { PASS } else { REFUSE }
 }

@@ -119,7 +119,7 @@ pub enum Command {
     /// Run the daemon in the foreground.
     ///
     /// Applies the policy, with the eBPF programs attached to the top-most cgroups it
-    /// selects (and one host-wide tracepoint), and serves the other commands on its
+    /// selects (and host-wide tracepoints only where a socket needs them), and serves the other commands on its
     /// control socket and Prometheus metrics on --metrics. It logs to standard error
     /// (the journal, under systemd), first one line `kernel RELEASE: using ...;
     /// degraded: ...` and then a line containing "ready" once the programs are attached

@@ -1,5 +1,5 @@
 //! Every admission is released exactly once, on every path.
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use connguard_api::policy::{Limited, Mode, Policy, Scope};
 use connguard_tests::{
@@ -150,9 +150,10 @@ fn idle_destinations_are_forgotten_and_scope_totals_stay() {
 }
 
 /// Another tool's sock_ops program, on the client's cgroup, that replaces every
-/// socket's callback flags with its own (connguard's state callback off): 1,000
+/// socket's callback flags with its own (connguard's state callback off): the daemon
+/// sees it loaded within its poll and attaches the state tracepoint, and 1,000
 /// connections still end with every admission released and every TIME_WAIT counted,
-/// exactly (the tracepoint releases them).
+/// exactly (the tracepoint releases them). Once it is unloaded, the reason goes.
 #[test]
 fn a_foreign_sock_ops_program_that_rewrites_callback_flags_loses_no_release() {
     let ns = Netns::new("cgforeign");
@@ -166,7 +167,24 @@ fn a_foreign_sock_ops_program_that_rewrites_callback_flags_loses_no_release() {
     let d =
         Daemon::builder(Policy::new().scope(Scope::new("foreign", &cg.rel).mode(Mode::Observe)))
             .start();
-    let _foreign = connguard_tests::ForeignSockOps::attach(&cg);
+    let foreign = connguard_tests::ForeignSockOps::attach(&cg);
+    let seen = |d: &Daemon| {
+        let hw = d.stats().host_wide;
+        let named = hw.because.iter().any(|w| w.contains("\"foreign_ops\""));
+        (
+            named && hw.attached.iter().any(|p| p == "sock_set_state"),
+            hw,
+        )
+    };
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while !seen(&d).0 {
+        assert!(
+            Instant::now() < deadline,
+            "not attached for it: {:?}",
+            seen(&d).1
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
     let out = cg.probe(Probe::churn(
         ns.path(),
         "127.0.0.1:8080".parse().unwrap(),
@@ -179,6 +197,16 @@ fn a_foreign_sock_ops_program_that_rewrites_callback_flags_loses_no_release() {
         (0, 1000, 1000),
         "{s:?}"
     );
+    drop(foreign);
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while seen(&d).1.because.iter().any(|w| w.contains("foreign_ops")) {
+        assert!(
+            Instant::now() < deadline,
+            "still attached for it: {:?}",
+            seen(&d).1
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 /// A connect that fails before leaving TCP_CLOSE (no route) holds its admission until

@@ -71,6 +71,10 @@ const RESCAN: Duration = Duration::from_millis(500);
 /// How often listener queues are read: shedding starts and stops within this (plus the
 /// read).
 const LISTENER_POLL: Duration = Duration::from_millis(50);
+/// How often the loaded programs are read for another sock_ops program, which needs the
+/// state tracepoint (kernel::backstop): the longest a socket it turns the state callback
+/// off for goes without a release path other than close() and the audit.
+const FOREIGN_POLL: Duration = Duration::from_millis(100);
 /// How often the per-SYN listener program is told the daemon lives: it sheds nothing
 /// 500 ms (LISTENER_TTL_NS) after the last time.
 const LISTENER_HEARTBEAT: Duration = Duration::from_millis(100);
@@ -109,9 +113,8 @@ struct Daemon {
     /// The controls (guard_common::CONTROL_* bits) the connect programs were loaded with.
     controls: u32,
     policy_path: Option<PathBuf>,
-    /// The pinned state, and the tracepoint programs' links in it.
+    /// The pinned state.
     state: State,
-    tracepoints: crate::kernel::object::Tracepoints,
     audit: Audit,
     /// Creations of cgroups where a new one may be selected.
     cgroup_watch: CgroupWatch,

@@ -1,6 +1,7 @@
 //! The loaded programs and where they are attached, under three locks taken in one
 //! order: the policy in force with the cgroups it governs (`Generations`), then the
-//! loaded object (`Ebpf`), then the listener guard. The object is reached only through
+//! loaded object (`Ebpf`), then the listener guard or the host-wide programs
+//! (`Backstop`, held alone to read). The object is reached only through
 //! the generations' guard (`GenerationsGuard::ebpf`), and the listener guard through
 //! the object's (`EbpfGuard::listeners`), to attach; the listener guard is also held
 //! alone, by the methods here that take no other lock, for the listener watchers, which
@@ -19,6 +20,7 @@ use connguard_api::stats::{CallerTables, ListenerStats};
 
 use crate::{
     enforce::generations::Generations,
+    kernel::backstop::{Backstop, ForeignSockOps},
     listen::{ListenerGuard, Reading},
     policy::ListenerPolicy,
 };
@@ -27,6 +29,9 @@ pub struct Programs {
     generations: Mutex<Generations>,
     ebpf: Mutex<Ebpf>,
     listeners: Mutex<ListenerGuard>,
+    backstop: Mutex<Backstop>,
+    /// Held alone, by the poll of other sock_ops programs.
+    foreign: Mutex<ForeignSockOps>,
 }
 
 /// The generations' lock, held; hands out the object's.
@@ -43,11 +48,18 @@ pub struct EbpfGuard<'a> {
 }
 
 impl Programs {
-    pub fn new(generations: Generations, ebpf: Ebpf, listeners: ListenerGuard) -> Self {
+    pub fn new(
+        generations: Generations,
+        ebpf: Ebpf,
+        listeners: ListenerGuard,
+        backstop: Backstop,
+    ) -> Self {
         Programs {
             generations: Mutex::new(generations),
             ebpf: Mutex::new(ebpf),
             listeners: Mutex::new(listeners),
+            backstop: Mutex::new(backstop),
+            foreign: Mutex::default(),
         }
     }
 
@@ -62,11 +74,65 @@ impl Programs {
 
     /// Gives the listener guard the listener policies of the policy in force, and
     /// attaches its program where they need it.
+    /// With per-caller budgets, the host-wide programs that count them are attached
+    /// before, and detached after the last guard with them is gone.
     pub fn set_listener_policies(&self, policies: Vec<ListenerPolicy>) {
+        let per_source = policies.iter().any(|p| p.per_source.is_some());
         let mut g = self.generations();
         let (_, mut ebpf) = g.ebpf();
-        let (ebpf, mut listeners) = ebpf.listeners();
-        listeners.set_policies(ebpf, policies);
+        if per_source {
+            self.set_per_source(&mut ebpf, true);
+        }
+        {
+            let (ebpf, mut listeners) = ebpf.listeners();
+            listeners.set_policies(ebpf, policies);
+        }
+        if !per_source {
+            self.set_per_source(&mut ebpf, false);
+        }
+    }
+
+    fn set_per_source(&self, ebpf: &mut Ebpf, per_source: bool) {
+        let mut b = lock(&self.backstop);
+        let foreign = b.foreign().clone();
+        if let Err(e) = b.update(ebpf, per_source, foreign) {
+            log::error!("attaching the host-wide tracepoint programs: {e:#}");
+        }
+    }
+
+    /// Reads which other sock_ops programs are loaded, and attaches or detaches the
+    /// state tracepoint when that changed (`Backstop`).
+    pub fn poll_foreign_sock_ops(&self) -> anyhow::Result<()> {
+        let now = lock(&self.foreign).poll()?.clone();
+        if lock(&self.backstop).foreign() == &now {
+            return Ok(());
+        }
+        let mut g = self.generations();
+        let (_, mut ebpf) = g.ebpf();
+        let mut b = lock(&self.backstop);
+        let per_source = b.per_source();
+        b.update(&mut ebpf, per_source, now)
+    }
+
+    /// At start, before the first policy: attaches the host-wide programs the start
+    /// needs (`per_source`: the first policy's listener guards have per-caller budgets).
+    pub fn start_backstop(&self, per_source: bool) -> anyhow::Result<()> {
+        let now = lock(&self.foreign).poll()?.clone();
+        let mut g = self.generations();
+        let (_, mut ebpf) = g.ebpf();
+        lock(&self.backstop).update(&mut ebpf, per_source, now)
+    }
+
+    /// Detaches the host-wide programs' links of daemons before this one, once this
+    /// one's are attached and its policy is in force.
+    pub fn remove_old_tracepoints(&self) -> anyhow::Result<()> {
+        lock(&self.backstop).tracepoints().remove_old()
+    }
+
+    /// The host-wide programs attached, and why.
+    pub fn host_wide(&self) -> (Vec<&'static str>, Vec<String>) {
+        let b = lock(&self.backstop);
+        (b.tracepoints().attached(), b.reasons())
     }
 
     /// Attaches the listener program to the guarded namespaces' new interfaces.

@@ -46,6 +46,13 @@ impl Daemon {
             lease_expired,
             audit_corrections,
             programs,
+            host_wide: {
+                let (attached, because) = self.programs.host_wide();
+                connguard_api::stats::HostWide {
+                    attached: attached.into_iter().map(String::from).collect(),
+                    because,
+                }
+            },
             eaddrnotavail,
             watched_ports,
             listeners,

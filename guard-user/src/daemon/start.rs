@@ -38,6 +38,7 @@ use crate::{
     },
     host::{cgroup_watch::CgroupWatch, mounts},
     kernel::{
+        backstop::{self, Backstop, Tracepoints},
         batch,
         features::{Feature, KernelFeatures},
         maps::{CounterMaps, Hashed, ListenerMaps, Maps, PolicyMaps},
@@ -157,8 +158,8 @@ pub fn probe(opts: &Options) -> anyhow::Result<Probed> {
 /// it.
 pub struct Loaded {
     ebpf: Ebpf,
-    /// The tracepoint programs' links, attached and pinned.
-    tracepoints: object::Tracepoints,
+    /// The host-wide programs, attached where wanted once the daemon starts.
+    backstop: Backstop,
     /// The listener program decides per SYN (else from the daemon's readings).
     per_syn: bool,
     policy_maps: PolicyMaps,
@@ -181,11 +182,10 @@ pub fn load(opts: &Options, host: &Host) -> anyhow::Result<(Loaded, RingBuf<MapD
         state,
         ..
     } = host;
-    let object::Loaded {
-        mut ebpf,
-        tracepoints,
-        per_syn,
-    } = object::load(features, state, policy::controls(policy))?;
+    let object::Loaded { mut ebpf, per_syn } =
+        object::load(features, state, policy::controls(policy))?;
+    let state_cb = backstop::probe_state_cb(&mut ebpf, &host.root);
+    let backstop = Backstop::new(Tracepoints::new(state.links_dir()), state_cb);
     if per_syn {
         log::info!("listener guards decide per SYN from the listener's own queues");
     } else {
@@ -219,7 +219,7 @@ pub fn load(opts: &Options, host: &Host) -> anyhow::Result<(Loaded, RingBuf<MapD
     );
     let loaded = Loaded {
         ebpf,
-        tracepoints,
+        backstop,
         per_syn,
         policy_maps,
         counter_maps,
@@ -272,7 +272,6 @@ pub fn adopt(opts: &Options, host: Host, loaded: Loaded) -> anyhow::Result<(Arc<
         policy_path: opts.policy.clone(),
         features,
         state,
-        tracepoints: loaded.tracepoints,
         audit: loaded.audit,
         cgroup_watch: CgroupWatch::new(),
         workloads,
@@ -284,7 +283,7 @@ pub fn adopt(opts: &Options, host: Host, loaded: Loaded) -> anyhow::Result<(Arc<
             generation: 1,
             last_error: None,
         }),
-        programs: Programs::new(generations, loaded.ebpf, listeners),
+        programs: Programs::new(generations, loaded.ebpf, listeners, loaded.backstop),
         counts: Mutex::new(Counts {
             counters,
             time_wait_rates,
@@ -330,8 +329,11 @@ pub fn apply(daemon: &Daemon, first: First) -> anyhow::Result<Ready> {
     let source = policy.source.clone();
     let what = policy::describe(&policy);
     let listeners = policy.listeners.clone();
+    daemon
+        .programs
+        .start_backstop(listeners.iter().any(|l| l.per_source.is_some()))?;
     daemon.apply(policy, tree)?;
-    object::remove_old_tracepoints(&daemon.state, &daemon.tracepoints)?;
+    daemon.programs.remove_old_tracepoints()?;
     daemon.log_adoption(adopted_links);
     if !lock(&daemon.lease).seeded()? && daemon.seed() {
         lock(&daemon.lease).mark_seeded()?;

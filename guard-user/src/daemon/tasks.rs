@@ -8,7 +8,9 @@ use std::{
 
 use aya::maps::{MapData, RingBuf};
 
-use super::{Daemon, LISTENER_HEARTBEAT, LISTENER_POLL, LISTENER_RESCAN, RESCAN, lock};
+use super::{
+    Daemon, FOREIGN_POLL, LISTENER_HEARTBEAT, LISTENER_POLL, LISTENER_RESCAN, RESCAN, lock,
+};
 use crate::{
     diagnose::attribution::SAMPLE_EVERY,
     enforce::{
@@ -99,6 +101,12 @@ impl Daemon {
                 d.programs.rescan_listeners();
                 Ok(())
             }),
+        );
+        let d = self.clone();
+        self.jobs.spawn(
+            "foreign_sock_ops",
+            FOREIGN_POLL,
+            Arc::new(move || d.programs.poll_foreign_sock_ops()),
         );
         let d = self.clone();
         self.jobs.spawn(

@@ -10,7 +10,8 @@
 //! which admits the socket in the kernel, with the same atomic counting and socket
 //! storage as connect, and no shedding: a scope over budget at start sheds new connects
 //! until enough close. Each seeded socket is released when it reaches TCP_CLOSE, by the
-//! state tracepoint. A socket that already has storage (it connected since the programs
+//! state callback the program asks for (where the kernel refuses it, by the state
+//! tracepoint, which the daemon then keeps attached). A socket that already has storage (it connected since the programs
 //! were attached) is left alone, so none is counted twice.
 use std::{
     collections::{BTreeMap, BTreeSet},

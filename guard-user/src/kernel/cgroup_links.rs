@@ -34,15 +34,13 @@ use super::{
 const ADMITTING: [&str; 3] = [CONNECT4, CONNECT6, SOCK_CREATE];
 const RELEASING: [&str; 2] = [SOCK_STATE, SOCK_RELEASE];
 
-/// A cgroup's links, in two parts. The admitting programs (connect4, connect6,
-/// sock_create) are attached first, connect first, so that a cgroup just created is
-/// governed after one attach (each waits for the kernel's cgroup_mutex, which a service
-/// restart's rmdir, mkdir and move of its first process contend for); until the rest is
-/// there, connect creates the storage of a socket created before, and the state
-/// tracepoint releases what it admits. The releasing programs (sock_ops, sock_release)
-/// follow, and stay as long as the cgroup lives: a socket admitted here may need them
-/// to its end, long after a reload stopped selecting the cgroup. Dropping a link
-/// closes its fd, which detaches it.
+/// A cgroup's links, in two parts. The releasing programs (sock_ops, sock_release) are
+/// attached first, so that every socket the admitting ones (connect4, connect6,
+/// sock_create) admit has its state callback and release from its first connect: the
+/// state tracepoint, which would release it otherwise, is attached only where a socket
+/// needs it (kernel::backstop). The releasing programs stay as long as the cgroup
+/// lives: a socket admitted here may need them to its end, long after a reload stopped
+/// selecting the cgroup. Dropping a link closes its fd, which detaches it.
 struct Attachment {
     dir: PathBuf,
     /// Empty once the cgroup is no longer wanted; else one per `ADMITTING`.
@@ -325,7 +323,6 @@ fn open(id: u64, dir: &Path) -> anyhow::Result<File> {
 fn attach(ebpf: &mut Ebpf, pins: &Path, id: u64, dir: &Path) -> anyhow::Result<Attachment> {
     let cgroup = open(id, dir)?;
     // On an error, what was attached is detached (dropped).
-    let mut admit = Detaching(admitting(ebpf, pins, id, &cgroup)?);
     let mut release = Detaching::default();
     let mode = CgroupAttachMode::Single;
     let prog: &mut SockOps = program(ebpf, SOCK_STATE)?.try_into()?;
@@ -336,6 +333,7 @@ fn attach(ebpf: &mut Ebpf, pins: &Path, id: u64, dir: &Path) -> anyhow::Result<A
     let link = prog.attach(&cgroup, mode).context(SOCK_RELEASE)?;
     let link = prog.take_link(link)?.try_into()?;
     release.0.push(pin(link, pins, id, SOCK_RELEASE)?);
+    let mut admit = Detaching(admitting(ebpf, pins, id, &cgroup)?);
     let release_id = release.0[0].id;
     Ok(Attachment {
         dir: dir.to_path_buf(),

@@ -5,7 +5,7 @@ use aya::{
     programs::{
         BtfTracePoint, CgroupSock, CgroupSockAddr, CgroupSockopt, SchedClassifier, SockOps,
         TcAttachType,
-        links::{FdLink, LinkOrder},
+        links::LinkOrder,
         tc::{NlOptions, SchedClassifierLink, TcAttachOptions},
     },
 };
@@ -14,7 +14,7 @@ use guard_common::names::{map, program};
 
 use super::{
     features::{Feature, KernelFeatures},
-    state::{Pin, State},
+    state::State,
 };
 
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/guard-ebpf"));
@@ -23,7 +23,7 @@ static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/gu
 const CGROUP_SOCK_ADDR: &[&str] = &[program::CONNECT4, program::CONNECT6];
 const CGROUP_SOCK: &[&str] = &[program::SOCK_CREATE, program::SOCK_RELEASE];
 const SOCK_OPS: &[&str] = &[program::SOCK_STATE];
-/// The host-wide programs: (program, BTF tracepoint).
+/// The host-wide programs: (program, BTF tracepoint), attached while `backstop` wants.
 const TP_BTF: &[(&str, &str)] = &[
     (program::SOCK_SET_STATE, program::SOCK_SET_STATE_TRACEPOINT),
     (program::CALLER_DESTROY, program::CALLER_DESTROY_TRACEPOINT),
@@ -40,21 +40,16 @@ pub fn require_root() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The loaded object: its programs, the pinned links of its tracepoint programs, and
-/// how its listener guards decide.
+/// The loaded object: its programs, and how its listener guards decide.
 pub struct Loaded {
     pub ebpf: Ebpf,
-    pub tracepoints: Tracepoints,
     /// True when `listener_shed` (per SYN) loaded; else `listener_shed_polled` did.
     pub per_syn: bool,
 }
 
-/// The links of the host-wide tracepoint programs (TP_BTF), attached and pinned.
-pub struct Tracepoints(Vec<Pin>);
-
 /// Loads every program, with the pinned maps of `state` (adopted, or created and
-/// pinned), and attaches the host-wide ones (TP_BTF), pinned; the
-/// connection programs are attached to cgroups by `cgroup_links`. `features` must have
+/// pinned); the connection programs are attached to cgroups by `cgroup_links`, the
+/// host-wide ones (TP_BTF) by `backstop`, the probe loaded by its own. `features` must have
 /// passed `require`; `controls` (guard_common::CONTROL_* bits) are the connect hook's
 /// controls to load.
 pub fn load(features: &Features, state: &State, controls: u32) -> anyhow::Result<Loaded> {
@@ -111,26 +106,12 @@ pub fn load(features: &Features, state: &State, controls: u32) -> anyhow::Result
     let prog: &mut CgroupSockopt = program(&mut ebpf, name)?.try_into()?;
     prog.load().with_context(|| format!("loading {name}"))?;
     let btf = Btf::from_sys_fs().context("reading kernel BTF from /sys/kernel/btf/vmlinux")?;
-    let mut pins = Vec::new();
     for (name, tracepoint) in TP_BTF {
         let prog: &mut BtfTracePoint = program(&mut ebpf, name)?.try_into()?;
         prog.load(tracepoint, &btf)
             .with_context(|| format!("loading {name}"))?;
-        let link = prog
-            .attach()
-            .with_context(|| format!("attaching {name} to {tracepoint}"))?;
-        let link: FdLink = prog.take_link(link)?.into();
-        let id = link.info()?.id();
-        pins.push(Pin::new(
-            link,
-            state.links_dir().join(format!("{name}-{id}")),
-        )?);
     }
-    Ok(Loaded {
-        ebpf,
-        tracepoints: Tracepoints(pins),
-        per_syn,
-    })
+    Ok(Loaded { ebpf, per_syn })
 }
 
 /// Loads the listener program `name`; a per-SYN one the verifier refuses is logged, and
@@ -151,24 +132,6 @@ fn loaded_listener(ebpf: &mut Ebpf) -> anyhow::Result<&mut SchedClassifier> {
         }
     }
     bail!("no listener program loaded")
-}
-
-/// Detaches the tracepoint links pinned by daemons before this one, whose are `ours`:
-/// once this daemon's policy is in force. Until then both run, and the release each
-/// makes is a swap only one wins.
-pub fn remove_old_tracepoints(state: &State, ours: &Tracepoints) -> anyhow::Result<()> {
-    for old in std::fs::read_dir(state.links_dir())?.flatten() {
-        let path = old.path();
-        let name = old.file_name().to_string_lossy().into_owned();
-        let tracepoint = TP_BTF
-            .iter()
-            .any(|(prog, _)| name.starts_with(&format!("{prog}-")));
-        if tracepoint && !ours.0.iter().any(|p| p.path() == path) {
-            std::fs::remove_file(&path)
-                .with_context(|| format!("removing the old tracepoint link {}", path.display()))?;
-        }
-    }
-    Ok(())
 }
 
 /// Attaches the loaded listener program to an interface's ingress, in the calling

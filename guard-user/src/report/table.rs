@@ -154,6 +154,17 @@ pub fn stats(snap: &Snapshot) -> String {
             );
         }
     }
+    let hw = &snap.host_wide;
+    if !hw.attached.is_empty() {
+        let _ = writeln!(
+            out,
+            "\nhost-wide programs attached: {} (every TCP socket of the host runs them)",
+            hw.attached.join(", ")
+        );
+        for why in &hw.because {
+            let _ = writeln!(out, "  because {why}");
+        }
+    }
     out
 }
 

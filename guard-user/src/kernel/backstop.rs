@@ -1,0 +1,347 @@
+//! The host-wide tracepoint programs, attached only while some socket may need them
+//! (guard-ebpf/src/release.rs and callers.rs say why each): `sock_set_state` backs the
+//! sock_ops state callback up where the kernel refuses the state callback option from
+//! cgroup programs (probed at start, `probe_state_cb`), while another sock_ops program
+//! is loaded on the host (`ForeignSockOps`, polled), and while a listener guard has
+//! per-caller budgets, which it counts with `caller_destroy`. Traffic connguard does not
+//! govern then runs none of connguard's programs.
+use std::{
+    collections::BTreeMap,
+    fs::File,
+    io,
+    os::fd::{AsFd, FromRawFd, OwnedFd},
+    path::{Path, PathBuf},
+};
+
+use anyhow::Context;
+use aya::{
+    Ebpf,
+    programs::{BtfTracePoint, CgroupAttachMode, CgroupSockopt, links::FdLink},
+};
+use guard_common::{
+    PROBE_STATE_CB, SOL_CONNGUARD,
+    names::program::{CALLER_DESTROY, SOCK_SET_STATE, SOCK_STATE, STATE_CB_PROBE},
+};
+
+use super::{object::program, state::Pin, syscall::bpf};
+
+/// The host-wide programs' links this daemon attached, pinned in the links directory as
+/// `PROGRAM-LINKID`.
+pub struct Tracepoints {
+    dir: PathBuf,
+    pins: Vec<(&'static str, Pin)>,
+}
+
+impl Tracepoints {
+    pub fn new(dir: PathBuf) -> Self {
+        Tracepoints {
+            dir,
+            pins: Vec::new(),
+        }
+    }
+
+    /// Attaches the programs of `wanted` not attached, and detaches the others.
+    fn set(&mut self, ebpf: &mut Ebpf, wanted: &[&'static str]) -> anyhow::Result<()> {
+        let (keep, gone): (Vec<_>, Vec<_>) = std::mem::take(&mut self.pins)
+            .into_iter()
+            .partition(|(name, _)| wanted.contains(name));
+        self.pins = keep;
+        for (_, pin) in gone {
+            pin.unpin();
+        }
+        for name in wanted {
+            if self.pins.iter().any(|(n, _)| n == name) {
+                continue;
+            }
+            let prog: &mut BtfTracePoint = program(ebpf, name)?.try_into()?;
+            let link = prog.attach().with_context(|| format!("attaching {name}"))?;
+            let link: FdLink = prog.take_link(link)?.into();
+            let id = link.info()?.id();
+            let pin = Pin::new(link, self.dir.join(format!("{name}-{id}")))?;
+            self.pins.push((name, pin));
+        }
+        Ok(())
+    }
+
+    /// The programs attached, by name.
+    pub fn attached(&self) -> Vec<&'static str> {
+        self.pins.iter().map(|(n, _)| *n).collect()
+    }
+
+    /// Detaches the host-wide programs' links pinned by daemons before this one: once
+    /// this daemon's policy is in force and its own are attached. Until then both run,
+    /// and the release each makes is a swap only one wins.
+    pub fn remove_old(&self) -> anyhow::Result<()> {
+        for old in std::fs::read_dir(&self.dir)?.flatten() {
+            let path = old.path();
+            let name = old.file_name().to_string_lossy().into_owned();
+            let host_wide = [SOCK_SET_STATE, CALLER_DESTROY]
+                .iter()
+                .any(|prog| name.starts_with(&format!("{prog}-")));
+            if host_wide && !self.pins.iter().any(|(_, p)| p.path() == path) {
+                std::fs::remove_file(&path).with_context(|| {
+                    format!("removing the old tracepoint link {}", path.display())
+                })?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What the host-wide programs are attached for.
+pub struct Backstop {
+    tracepoints: Tracepoints,
+    /// The kernel takes TCP_BPF_SOCK_OPS_CB_FLAGS from connect4 (`probe_state_cb`); None
+    /// when the probe could not run.
+    state_cb: Option<bool>,
+    /// A listener guard of the policy in force has per-caller budgets.
+    per_source: bool,
+    /// Other sock_ops programs loaded on the host, by id, with their names.
+    foreign: BTreeMap<u32, String>,
+    /// What was attached has been logged once.
+    logged: bool,
+}
+
+impl Backstop {
+    pub fn new(tracepoints: Tracepoints, state_cb: Option<bool>) -> Self {
+        Backstop {
+            tracepoints,
+            state_cb,
+            per_source: false,
+            foreign: BTreeMap::new(),
+            logged: false,
+        }
+    }
+
+    /// Why `sock_set_state` is attached (empty: it is not), for the log and `stats`.
+    pub fn reasons(&self) -> Vec<String> {
+        let mut why = Vec::new();
+        match self.state_cb {
+            Some(true) => {}
+            Some(false) => why.push(
+                "the kernel refuses TCP_BPF_SOCK_OPS_CB_FLAGS from cgroup programs (Linux 6.12 takes it)"
+                    .into(),
+            ),
+            None => why.push("the probe of TCP_BPF_SOCK_OPS_CB_FLAGS failed (see the log)".into()),
+        }
+        for (id, name) in &self.foreign {
+            why.push(format!(
+                "another sock_ops program is loaded (id {id}, {name:?})"
+            ));
+        }
+        if self.per_source {
+            why.push("a listener guard has per-caller budgets".into());
+        }
+        why
+    }
+
+    /// Sets what needs the programs, and attaches or detaches them to match; logs a change.
+    pub fn update(
+        &mut self,
+        ebpf: &mut Ebpf,
+        per_source: bool,
+        foreign: BTreeMap<u32, String>,
+    ) -> anyhow::Result<()> {
+        self.per_source = per_source;
+        self.foreign = foreign;
+        let mut wanted = Vec::new();
+        if !self.reasons().is_empty() {
+            wanted.push(SOCK_SET_STATE);
+        }
+        if self.per_source {
+            wanted.push(CALLER_DESTROY);
+        }
+        let before = self.tracepoints.attached();
+        self.tracepoints.set(ebpf, &wanted)?;
+        if before != wanted || !self.logged {
+            self.logged = true;
+            if wanted.is_empty() {
+                log::info!(
+                    "host-wide tracepoint programs: none attached (the state callback alone releases)"
+                );
+            } else {
+                log::info!(
+                    "host-wide tracepoint programs: {} attached, because {}",
+                    wanted.join(", "),
+                    self.reasons().join("; ")
+                );
+            }
+        }
+        Ok(())
+    }
+
+    pub fn per_source(&self) -> bool {
+        self.per_source
+    }
+
+    pub fn foreign(&self) -> &BTreeMap<u32, String> {
+        &self.foreign
+    }
+
+    pub fn tracepoints(&self) -> &Tracepoints {
+        &self.tracepoints
+    }
+}
+
+/// Whether the kernel takes TCP_BPF_SOCK_OPS_CB_FLAGS from a cgroup program, as connect4
+/// asks for a socket's state callback: the `state_cb_probe` program, attached to the
+/// daemon's own cgroup (under the cgroup2 mount `root`) for the moment of one
+/// setsockopt on a socket of its own. None, logged, when the probe cannot run.
+pub fn probe_state_cb(ebpf: &mut Ebpf, root: &Path) -> Option<bool> {
+    try_probe_state_cb(ebpf, root)
+        .inspect_err(|e| log::warn!("probing the state callback option: {e:#}"))
+        .ok()
+}
+
+fn try_probe_state_cb(ebpf: &mut Ebpf, root: &Path) -> anyhow::Result<bool> {
+    let own = std::fs::read_to_string("/proc/self/cgroup").context("reading /proc/self/cgroup")?;
+    let rel = own
+        .lines()
+        .find_map(|l| l.strip_prefix("0::"))
+        .context("no cgroup v2 line in /proc/self/cgroup")?;
+    let dir = root.join(rel.trim_start_matches('/'));
+    let cgroup = File::open(&dir).with_context(|| format!("opening {}", dir.display()))?;
+    let prog: &mut CgroupSockopt = program(ebpf, STATE_CB_PROBE)?.try_into()?;
+    prog.load().context("loading the probe")?;
+    let link = prog
+        // A cgroup link takes no flags: it runs beside the cgroup's other programs.
+        .attach(&cgroup, CgroupAttachMode::Single)
+        .with_context(|| format!("attaching the probe to {}", dir.display()))?;
+    let link = prog.take_link(link)?;
+    let answer = ask_probe();
+    drop(link);
+    let _ = prog.unload();
+    match answer {
+        Ok(()) => Ok(true),
+        Err(e) if e.raw_os_error() == Some(libc::EPERM) => Ok(false),
+        Err(e) => Err(e).context("the probe's setsockopt"),
+    }
+}
+
+/// setsockopt(SOL_CONNGUARD, PROBE_STATE_CB) on a new TCP socket.
+fn ask_probe() -> io::Result<()> {
+    // SAFETY: plain socket(2); the fd is ours.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM, libc::IPPROTO_TCP) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a new fd, ours to close.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let value: i32 = 0;
+    // SAFETY: `value` is valid for its size for the call.
+    let rc = unsafe {
+        libc::setsockopt(
+            std::os::fd::AsRawFd::as_raw_fd(&fd),
+            SOL_CONNGUARD,
+            PROBE_STATE_CB,
+            (&raw const value).cast(),
+            std::mem::size_of::<i32>() as u32,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// The sock_ops programs loaded on the host other than connguard's (`sock_state`, of
+/// this daemon or one before it), by id. Program ids grow as programs load, so a poll
+/// asks the kernel only for ids after the last it saw, and whether the foreign ones it
+/// knows are still loaded; every `FULL_EVERY` polls it reads every id again (ids wrap
+/// at 2^31).
+#[derive(Default)]
+pub struct ForeignSockOps {
+    last_id: u32,
+    foreign: BTreeMap<u32, String>,
+    polls: u32,
+}
+
+const FULL_EVERY: u32 = 600;
+const BPF_PROG_GET_NEXT_ID: libc::c_long = 11;
+const BPF_PROG_GET_FD_BY_ID: libc::c_long = 13;
+const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
+/// include/uapi/linux/bpf.h, enum bpf_prog_type.
+const BPF_PROG_TYPE_SOCK_OPS: u32 = 13;
+
+impl ForeignSockOps {
+    /// Reads what loaded or unloaded since the last poll; the foreign programs now.
+    pub fn poll(&mut self) -> io::Result<&BTreeMap<u32, String>> {
+        self.polls = self.polls.wrapping_add(1);
+        if self.polls % FULL_EVERY == 1 {
+            self.last_id = 0;
+            self.foreign.clear();
+        }
+        self.foreign.retain(|id, _| prog_fd(*id).is_ok());
+        while let Some(id) = next_id(self.last_id)? {
+            self.last_id = id;
+            let Ok(fd) = prog_fd(id) else {
+                continue;
+            };
+            let Ok((kind, name)) = prog_info(fd.as_fd()) else {
+                continue;
+            };
+            if kind == BPF_PROG_TYPE_SOCK_OPS && name != SOCK_STATE {
+                self.foreign.insert(id, name);
+            }
+        }
+        Ok(&self.foreign)
+    }
+}
+
+#[repr(C)]
+struct GetId {
+    start_id: u32,
+    next_id: u32,
+    open_flags: u32,
+}
+
+/// The next program id after `start` (BPF_PROG_GET_NEXT_ID), None after the last.
+fn next_id(start: u32) -> io::Result<Option<u32>> {
+    let mut attr = GetId {
+        start_id: start,
+        next_id: 0,
+        open_flags: 0,
+    };
+    // SAFETY: the attribute is the command's member, whole.
+    match unsafe { bpf(BPF_PROG_GET_NEXT_ID, &mut attr) } {
+        Ok(_) => Ok(Some(attr.next_id)),
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// An fd of program `id` (BPF_PROG_GET_FD_BY_ID); ENOENT once it is unloaded.
+fn prog_fd(id: u32) -> io::Result<OwnedFd> {
+    let mut attr = GetId {
+        start_id: id,
+        next_id: 0,
+        open_flags: 0,
+    };
+    // SAFETY: the attribute is the command's member, whole.
+    let fd = unsafe { bpf(BPF_PROG_GET_FD_BY_ID, &mut attr) }?;
+    // SAFETY: the kernel returned a new fd, ours to close.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// A program's type and name (struct bpf_prog_info: type at 0, name at 64).
+fn prog_info(fd: std::os::fd::BorrowedFd<'_>) -> io::Result<(u32, String)> {
+    #[repr(C)]
+    struct InfoByFd {
+        bpf_fd: u32,
+        info_len: u32,
+        info: u64,
+    }
+    let mut info = [0u8; 80];
+    let mut attr = InfoByFd {
+        bpf_fd: std::os::fd::AsRawFd::as_raw_fd(&fd) as u32,
+        info_len: info.len() as u32,
+        info: info.as_mut_ptr() as u64,
+    };
+    // SAFETY: `info` is valid for `info_len` bytes for the call.
+    unsafe { bpf(BPF_OBJ_GET_INFO_BY_FD, &mut attr) }?;
+    let kind = u32::from_ne_bytes(info[0..4].try_into().expect("4 bytes"));
+    let name = &info[64..80];
+    let end = name.iter().position(|b| *b == 0).unwrap_or(name.len());
+    Ok((kind, String::from_utf8_lossy(&name[..end]).into_owned()))
+}
