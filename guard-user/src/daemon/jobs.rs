@@ -1,6 +1,5 @@
-//! The daemon's periodic jobs. Each is a tokio task that runs its work on the blocking
-//! pool (the work reads socket tables over netlink and maps through bpf(2)) once per
-//! period. A run that fails is logged with its cause, when it starts failing or fails
+//! The daemon's periodic jobs. Each runs its work (it reads socket tables over netlink
+//! and maps through bpf(2)) once per period on a thread of its own. A run that fails is logged with its cause, when it starts failing or fails
 //! differently, and the job runs again at its next period; recovery is logged too. A
 //! panic ends the whole process (the daemon's panic hook aborts), so no job dies alone
 //! while the daemon looks alive.
@@ -11,14 +10,13 @@ use std::{
 };
 
 use connguard_api::stats::JobStats;
-use tokio::time::MissedTickBehavior;
 
 use super::lock;
 
 /// Runs kept for the period figures of `stats`.
 const KEPT_RUNS: usize = 257;
-/// A run still going after this long is logged (again every time as long), and shown
-/// in `stats` as `running_ms`: every job's run takes far less.
+/// A run still going after this long is shown in `stats` as `running_ms` (and fails the
+/// health check), and logged when it ends: every job's run takes far less.
 pub(super) const STALLED: Duration = Duration::from_secs(10);
 
 pub type Work = Arc<dyn Fn() -> anyhow::Result<()> + Send + Sync>;
@@ -41,7 +39,10 @@ struct Job {
 }
 
 impl Jobs {
-    /// Starts `work` every `period` on the current tokio runtime, for the daemon's life.
+    /// Starts `work` every `period` on a thread of its own, for the daemon's life: a run
+    /// wakes that one thread, where a runtime task handing each run to a blocking pool
+    /// would wake three. A run longer than the period delays the next one instead of
+    /// bunching them.
     pub fn spawn(&self, name: &'static str, period: Duration, work: Work) {
         let job = Arc::new(Mutex::new(Job {
             name,
@@ -53,39 +54,31 @@ impl Jobs {
             running: false,
         }));
         lock(&self.jobs).push(job.clone());
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(period);
-            // A run longer than the period delays the next one instead of bunching them.
-            tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        // Thread names hold 15 bytes.
+        let thread: String = format!("job-{name}").chars().take(15).collect();
+        let spawned = std::thread::Builder::new().name(thread).spawn(move || {
             loop {
-                tick.tick().await;
+                let started = Instant::now();
                 {
                     let mut j = lock(&job);
                     if j.starts.len() == KEPT_RUNS {
                         j.starts.pop_front();
                     }
-                    j.starts.push_back(Instant::now());
+                    j.starts.push_back(started);
                     j.running = true;
                 }
-                let w = work.clone();
-                let mut run = tokio::task::spawn_blocking(move || w());
-                let mut waited = Duration::ZERO;
-                let result = loop {
-                    match tokio::time::timeout(STALLED, &mut run).await {
-                        Ok(Ok(r)) => break r,
-                        Ok(Err(e)) => break Err(anyhow::anyhow!("the run ended abnormally: {e}")),
-                        Err(_) => {
-                            waited += STALLED;
-                            log::warn!(
-                                "job {name}: a run has been going for {} s and has not ended",
-                                waited.as_secs()
-                            );
-                        }
-                    }
-                };
+                let result = work();
+                let took = started.elapsed();
+                if took >= STALLED {
+                    log::warn!("job {name}: a run took {} s", took.as_secs());
+                }
                 lock(&job).record(result);
+                std::thread::sleep(period.saturating_sub(took));
             }
         });
+        if let Err(e) = spawned {
+            log::error!("starting the job {name}: {e}");
+        }
     }
 
     pub fn stats(&self) -> Vec<JobStats> {

@@ -675,6 +675,7 @@ mod tests {
             lease_expired: 0,
             audit_corrections: 0,
             programs: Vec::new(),
+            host_wide: Default::default(),
             eaddrnotavail: Vec::new(),
             watched_ports: Vec::new(),
             listeners: Vec::new(),
