@@ -28,7 +28,15 @@ use connguard_api::{
 
 fn main() -> ExitCode {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
-    match run(Cli::parse().command) {
+    let command = Cli::parse().command;
+    // A command whose output a pipe stops reading (`connguard stats | head`) ends
+    // quietly, as other tools do; the daemon keeps Rust's default (a write to a gone
+    // client fails with EPIPE, and serving goes on).
+    if !matches!(command, Command::Run { .. }) {
+        // SAFETY: restoring a signal's default disposition, before any thread starts.
+        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    }
+    match run(command) {
         Ok(code) => code,
         Err(e) => {
             eprintln!("connguard: {e:#}");

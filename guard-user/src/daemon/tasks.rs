@@ -78,11 +78,23 @@ impl Daemon {
         }
         let d = self.clone();
         let reader = Mutex::new(listen::Reader::default());
+        let unguarded_since = Mutex::new(None::<Instant>);
         self.jobs.spawn(
             "listener_watch",
             LISTENER_POLL,
             Arc::new(move || {
                 let (policies, per_syn) = d.programs.listeners_to_read();
+                // With no listener guard a reading finds nothing: once a second clears
+                // what the last guard left.
+                let mut since = lock(&unguarded_since);
+                if !policies.is_empty() {
+                    *since = None;
+                } else if since.is_some_and(|t| t.elapsed() < LISTENER_RESCAN) {
+                    return Ok(());
+                } else {
+                    *since = Some(Instant::now());
+                }
+                drop(since);
                 let reading = lock(&reader).read(&policies, per_syn);
                 d.programs.apply_listener_reading(reading)
             }),

@@ -222,7 +222,8 @@ impl Report {
             out += &format!("{t}\nNo runs: {}.\n\n", idle.join(", "));
         }
         out += "Runs per connection count every TCP socket of the host while the churn runs, \
-                the bench's and any other: the tracepoint runs for all of them. \
+                the bench's and any other: a host-wide tracepoint, where the daemon attached one \
+                (`host_wide` in stats), runs for all of them. \
                 A connection's time without a guard is the inverse of the median rate.\n";
         out
     }
