@@ -41,7 +41,7 @@ pub const STAT_COUNT: u32 = 3;
 /// values and sizes, and the meaning of their fields. A daemon adopts pinned state of its
 /// own layout only, so a change to any of them takes a new number: the next start
 /// then seeds its counts from the socket table instead of misreading the old maps.
-pub const STATE_LAYOUT: u32 = 7;
+pub const STATE_LAYOUT: u32 = 8;
 
 /// setsockopt(2) level and option name of a seeding request: the daemon, at a start with
 /// no pinned state, asks the `seed` program (attached for that moment) to count a

@@ -106,9 +106,9 @@ fn admit(ctx: &SockAddrContext, addr: [u8; 16], port: u16) -> i32 {
             DENY
         }
         Charge::Admitted => {
-            // Before the port search, whose failure only a state callback asked for now
-            // sees. Refused (before Linux 6.12): TCP_CONNECT_CB asks, and the tracepoint
-            // sees what comes before.
+            // Before the port search, whose failure only a state callback asked for here
+            // sees. Where the kernel refuses the option, TCP_CONNECT_CB asks, and the
+            // tracepoint sees what comes before.
             let _ = ask_state_callback(ctx.as_ptr());
             ALLOW
         }

@@ -188,7 +188,8 @@ pub fn sock_release(ctx: SockContext) -> i32 {
         let state = storage(ctx.sock, false);
         // An armed socket already in TCP_CLOSE that the close watchers missed (a foreign
         // sock_ops program cleared the callback before the daemon attached the
-        // tracepoint, or the tracepoint's run was skipped) is released here too; one still open goes on, orphaned, to its own close.
+        // tracepoint, or the tracepoint's run was skipped) is released here too; one
+        // still open goes on, orphaned, to its own close.
         if !state.is_null()
             && (unsafe { (*state).armed } == 0 || unsafe { (*ctx.sock).state } == TCP_CLOSE)
         {

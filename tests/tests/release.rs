@@ -153,7 +153,8 @@ fn idle_destinations_are_forgotten_and_scope_totals_stay() {
 /// socket's callback flags with its own (connguard's state callback off): the daemon
 /// sees it loaded within its poll and attaches the state tracepoint, and 1,000
 /// connections still end with every admission released and every TIME_WAIT counted,
-/// exactly (the tracepoint releases them). Once it is unloaded, the reason goes.
+/// exactly (the tracepoint releases them). Once it is unloaded the tracepoint stays, for
+/// the sockets it saw.
 #[test]
 fn a_foreign_sock_ops_program_that_rewrites_callback_flags_loses_no_release() {
     let ns = Netns::new("cgforeign");
@@ -197,16 +198,22 @@ fn a_foreign_sock_ops_program_that_rewrites_callback_flags_loses_no_release() {
         (0, 1000, 1000),
         "{s:?}"
     );
+    // Unloaded, it is no longer named, and the tracepoint stays for the sockets it saw.
     drop(foreign);
     let deadline = Instant::now() + Duration::from_secs(2);
     while seen(&d).1.because.iter().any(|w| w.contains("foreign_ops")) {
-        assert!(
-            Instant::now() < deadline,
-            "still attached for it: {:?}",
-            seen(&d).1
-        );
+        assert!(Instant::now() < deadline, "still named: {:?}", seen(&d).1);
         std::thread::sleep(Duration::from_millis(20));
     }
+    let hw = d.stats().host_wide;
+    assert!(
+        hw.attached.iter().any(|p| p == "sock_set_state")
+            && hw
+                .because
+                .iter()
+                .any(|w| w.contains("was loaded since the state was created")),
+        "{hw:?}"
+    );
 }
 
 /// A connect that fails before leaving TCP_CLOSE (no route) holds its admission until

@@ -59,7 +59,7 @@ fn connect(socket: &Path) -> anyhow::Result<UnixStream> {
 }
 
 /// Sends one request to the daemon on `stream`; its JSON answer is on the returned stream.
-fn send(mut stream: UnixStream, request: Request) -> anyhow::Result<UnixStream> {
+fn send(stream: UnixStream, request: Request) -> anyhow::Result<UnixStream> {
     // A stalled daemon must not freeze the caller (`top` polls every second); a reload
     // walks the cgroup tree, which takes seconds on hosts with tens of thousands of
     // cgroups and far longer on a slow machine (docs/performance.md), and gets as long
@@ -71,9 +71,36 @@ fn send(mut stream: UnixStream, request: Request) -> anyhow::Result<UnixStream> 
         _ => Duration::from_secs(5),
     };
     stream.set_read_timeout(Some(wait))?;
-    stream.write_all(format!("{request}\n").as_bytes())?;
+    send_all(&stream, format!("{request}\n").as_bytes())?;
     stream.shutdown(std::net::Shutdown::Write)?;
     Ok(stream)
+}
+
+/// Writes `bytes` to the daemon with MSG_NOSIGNAL: a daemon gone before the request is
+/// written fails the command with EPIPE, where a write would end it by SIGPIPE (the
+/// commands take SIGPIPE's default, for their own output).
+fn send_all(stream: &UnixStream, mut bytes: &[u8]) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    while !bytes.is_empty() {
+        // SAFETY: `bytes` is valid for its length for the call.
+        let n = unsafe {
+            libc::send(
+                stream.as_raw_fd(),
+                bytes.as_ptr().cast(),
+                bytes.len(),
+                libc::MSG_NOSIGNAL,
+            )
+        };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        bytes = &bytes[n as usize..];
+    }
+    Ok(())
 }
 
 /// Copies the daemon's answer to `stats` to `out` as it arrives, without decoding it,

@@ -1,8 +1,8 @@
 //! The daemon's periodic jobs. Each runs its work (it reads socket tables over netlink
-//! and maps through bpf(2)) once per period on a thread of its own. A run that fails is logged with its cause, when it starts failing or fails
-//! differently, and the job runs again at its next period; recovery is logged too. A
-//! panic ends the whole process (the daemon's panic hook aborts), so no job dies alone
-//! while the daemon looks alive.
+//! and maps through bpf(2)) once per period on a thread of its own. A run that fails is
+//! logged with its cause, when it starts failing or fails differently, and the job runs
+//! again at its next period; recovery is logged too. A panic ends the whole process (the
+//! daemon's panic hook aborts), so no job dies alone while the daemon looks alive.
 use std::{
     collections::VecDeque,
     sync::{Arc, Mutex},
@@ -15,8 +15,8 @@ use super::lock;
 
 /// Runs kept for the period figures of `stats`.
 const KEPT_RUNS: usize = 257;
-/// A run still going after this long is shown in `stats` as `running_ms` (and fails the
-/// health check), and logged when it ends: every job's run takes far less.
+/// A run still going after this long is logged (again every time as long), and fails
+/// the health check (`running_ms` in `stats`): every job's run takes far less.
 pub(super) const STALLED: Duration = Duration::from_secs(10);
 
 pub type Work = Arc<dyn Fn() -> anyhow::Result<()> + Send + Sync>;
@@ -39,10 +39,10 @@ struct Job {
 }
 
 impl Jobs {
-    /// Starts `work` every `period` on a thread of its own, for the daemon's life: a run
-    /// wakes that one thread, where a runtime task handing each run to a blocking pool
-    /// would wake three. A run longer than the period delays the next one instead of
-    /// bunching them.
+    /// Starts `work` every `period` on a thread of its own, for the daemon's life, so
+    /// that a run wakes that one thread only. A run longer than the period delays the
+    /// next one instead of bunching them. A thread the system refuses ends the daemon
+    /// (a panic aborts it): a job missing for good would look like a live daemon.
     pub fn spawn(&self, name: &'static str, period: Duration, work: Work) {
         let job = Arc::new(Mutex::new(Job {
             name,
@@ -69,15 +69,26 @@ impl Jobs {
                 }
                 let result = work();
                 let took = started.elapsed();
-                if took >= STALLED {
-                    log::warn!("job {name}: a run took {} s", took.as_secs());
-                }
                 lock(&job).record(result);
                 std::thread::sleep(period.saturating_sub(took));
             }
         });
         if let Err(e) = spawned {
-            log::error!("starting the job {name}: {e}");
+            panic!("starting the job {name}: {e}");
+        }
+    }
+
+    /// Logs every run going for longer than STALLED, again each time as long; called
+    /// every STALLED.
+    pub fn warn_stalled(&self) {
+        for s in self.stats() {
+            if let Some(ms) = s.running_ms.filter(|ms| *ms >= STALLED.as_secs_f64() * 1e3) {
+                log::warn!(
+                    "job {}: a run has been going for {} s and has not ended",
+                    s.name,
+                    (ms / 1e3) as u64
+                );
+            }
         }
     }
 

@@ -72,8 +72,9 @@ const RESCAN: Duration = Duration::from_millis(500);
 /// read).
 const LISTENER_POLL: Duration = Duration::from_millis(50);
 /// How often the loaded programs are read for another sock_ops program, which needs the
-/// state tracepoint (kernel::backstop): the longest a socket it turns the state callback
-/// off for goes without a release path other than close() and the audit.
+/// state tracepoint (kernel::backstop): a socket whose state callback a program loaded
+/// since the last read turned off, and that reaches TCP_CLOSE before this read, has no
+/// release path but close() and the audit.
 const FOREIGN_POLL: Duration = Duration::from_millis(100);
 /// How often the per-SYN listener program is told the daemon lives: it sheds nothing
 /// 500 ms (LISTENER_TTL_NS) after the last time.

@@ -1,7 +1,7 @@
 //! The loaded programs and where they are attached, under three locks taken in one
 //! order: the policy in force with the cgroups it governs (`Generations`), then the
-//! loaded object (`Ebpf`), then the listener guard or the host-wide programs
-//! (`Backstop`, held alone to read). The object is reached only through
+//! loaded object (`Ebpf`), then the listener guard, then the host-wide programs
+//! (`Backstop`, also held alone to read). The object is reached only through
 //! the generations' guard (`GenerationsGuard::ebpf`), and the listener guard through
 //! the object's (`EbpfGuard::listeners`), to attach; the listener guard is also held
 //! alone, by the methods here that take no other lock, for the listener watchers, which
@@ -75,7 +75,8 @@ impl Programs {
     /// Gives the listener guard the listener policies of the policy in force, and
     /// attaches its program where they need it.
     /// With per-caller budgets, the host-wide programs that count them are attached
-    /// before, and detached after the last guard with them is gone.
+    /// before, and detached after the last guard with them is gone, its callers'
+    /// counts forgotten.
     pub fn set_listener_policies(&self, policies: Vec<ListenerPolicy>) {
         let per_source = policies.iter().any(|p| p.per_source.is_some());
         let mut g = self.generations();
@@ -83,12 +84,13 @@ impl Programs {
         if per_source {
             self.set_per_source(&mut ebpf, true);
         }
-        {
-            let (ebpf, mut listeners) = ebpf.listeners();
-            listeners.set_policies(ebpf, policies);
-        }
+        let (ebpf, mut listeners) = ebpf.listeners();
+        listeners.set_policies(ebpf, policies);
         if !per_source {
-            self.set_per_source(&mut ebpf, false);
+            self.set_per_source(ebpf, false);
+            // With the programs that release callers' counts detached, a count kept
+            // would be wrong when a guard sets `per_source` again.
+            listeners.forget_callers();
         }
     }
 
@@ -104,8 +106,11 @@ impl Programs {
     /// state tracepoint when that changed (`Backstop`).
     pub fn poll_foreign_sock_ops(&self) -> anyhow::Result<()> {
         let now = lock(&self.foreign).poll()?.clone();
-        if lock(&self.backstop).foreign() == &now {
-            return Ok(());
+        {
+            let b = lock(&self.backstop);
+            if b.foreign() == &now && b.settled() {
+                return Ok(());
+            }
         }
         let mut g = self.generations();
         let (_, mut ebpf) = g.ebpf();

@@ -185,7 +185,7 @@ pub fn load(opts: &Options, host: &Host) -> anyhow::Result<(Loaded, RingBuf<MapD
     let object::Loaded { mut ebpf, per_syn } =
         object::load(features, state, policy::controls(policy))?;
     let state_cb = backstop::probe_state_cb(&mut ebpf, &host.root);
-    let backstop = Backstop::new(Tracepoints::new(state.links_dir()), state_cb);
+    let backstop = Backstop::new(Tracepoints::new(state.links_dir()), state.root(), state_cb);
     if per_syn {
         log::info!("listener guards decide per SYN from the listener's own queues");
     } else {

@@ -23,8 +23,20 @@ use crate::{
 };
 
 impl Daemon {
-    /// Starts the periodic jobs and the cgroup event thread.
+    /// Starts the periodic jobs, their watchdog and the cgroup event thread.
     pub(super) fn spawn_jobs(self: &Arc<Self>, forget_idle: Duration, audit: Duration) {
+        let d = self.clone();
+        let watchdog = std::thread::Builder::new()
+            .name("job-watchdog".into())
+            .spawn(move || {
+                loop {
+                    std::thread::sleep(super::jobs::STALLED);
+                    d.jobs.warn_stalled();
+                }
+            });
+        if let Err(e) = watchdog {
+            log::error!("starting the jobs' watchdog: {e}; a stuck job is shown by `stats` only");
+        }
         let d = self.clone();
         self.jobs.spawn("audit", audit, Arc::new(move || d.audit()));
         let d = self.clone();

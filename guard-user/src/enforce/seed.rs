@@ -11,8 +11,9 @@
 //! storage as connect, and no shedding: a scope over budget at start sheds new connects
 //! until enough close. Each seeded socket is released when it reaches TCP_CLOSE, by the
 //! state callback the program asks for (where the kernel refuses it, by the state
-//! tracepoint, which the daemon then keeps attached). A socket that already has storage (it connected since the programs
-//! were attached) is left alone, so none is counted twice.
+//! tracepoint, which the daemon then keeps attached). A socket that already has storage
+//! (it connected since the programs were attached) is left alone, so none is counted
+//! twice.
 use std::{
     collections::{BTreeMap, BTreeSet},
     fs::File,

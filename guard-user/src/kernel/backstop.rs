@@ -1,10 +1,12 @@
 //! The host-wide tracepoint programs, attached only while some socket may need them
 //! (guard-ebpf/src/release.rs and callers.rs say why each): `sock_set_state` backs the
 //! sock_ops state callback up where the kernel refuses the state callback option from
-//! cgroup programs (probed at start, `probe_state_cb`), while another sock_ops program
-//! is loaded on the host (`ForeignSockOps`, polled), and while a listener guard has
-//! per-caller budgets, which it counts with `caller_destroy`. Traffic connguard does not
-//! govern then runs none of connguard's programs.
+//! cgroup programs (probed at start, `probe_state_cb`), and once another sock_ops program
+//! has been loaded on the host (`ForeignSockOps`, polled) for as long as the pinned state
+//! lives: the flags it replaced stay replaced on the sockets it saw, after it is gone
+//! and across restarts; and while a listener guard has per-caller budgets, which it
+//! counts with `caller_destroy`. Traffic connguard does not govern otherwise runs none
+//! of connguard's programs.
 use std::{
     collections::BTreeMap,
     fs::File,
@@ -88,9 +90,15 @@ impl Tracepoints {
     }
 }
 
+/// The directory (bpffs holds directories and pins, no files) in the state's root that
+/// says another sock_ops program has been seen since the state was created.
+const FOREIGN_SEEN: &str = "foreign-sock-ops-seen";
+
 /// What the host-wide programs are attached for.
 pub struct Backstop {
     tracepoints: Tracepoints,
+    /// `FOREIGN_SEEN` in the state's root.
+    seen_mark: PathBuf,
     /// The kernel takes TCP_BPF_SOCK_OPS_CB_FLAGS from connect4 (`probe_state_cb`); None
     /// when the probe could not run.
     state_cb: Option<bool>,
@@ -98,14 +106,20 @@ pub struct Backstop {
     per_source: bool,
     /// Other sock_ops programs loaded on the host, by id, with their names.
     foreign: BTreeMap<u32, String>,
+    /// One has been seen since the state was created (`FOREIGN_SEEN` exists).
+    foreign_seen: bool,
     /// What was attached has been logged once.
     logged: bool,
 }
 
 impl Backstop {
-    pub fn new(tracepoints: Tracepoints, state_cb: Option<bool>) -> Self {
+    /// `root`: the state's root directory.
+    pub fn new(tracepoints: Tracepoints, root: &Path, state_cb: Option<bool>) -> Self {
+        let seen_mark = root.join(FOREIGN_SEEN);
         Backstop {
             tracepoints,
+            foreign_seen: seen_mark.is_dir(),
+            seen_mark,
             state_cb,
             per_source: false,
             foreign: BTreeMap::new(),
@@ -129,6 +143,13 @@ impl Backstop {
                 "another sock_ops program is loaded (id {id}, {name:?})"
             ));
         }
+        if self.foreign.is_empty() && self.foreign_seen {
+            why.push(
+                "another sock_ops program was loaded since the state was created: sockets whose \
+                 state callback it turned off may still be open (until `connguard stop`)"
+                    .into(),
+            );
+        }
         if self.per_source {
             why.push("a listener guard has per-caller budgets".into());
         }
@@ -143,14 +164,17 @@ impl Backstop {
         foreign: BTreeMap<u32, String>,
     ) -> anyhow::Result<()> {
         self.per_source = per_source;
+        if !foreign.is_empty() && !self.foreign_seen {
+            std::fs::create_dir(&self.seen_mark)
+                .or_else(|e| match e.kind() {
+                    io::ErrorKind::AlreadyExists => Ok(()),
+                    _ => Err(e),
+                })
+                .with_context(|| format!("creating {}", self.seen_mark.display()))?;
+            self.foreign_seen = true;
+        }
         self.foreign = foreign;
-        let mut wanted = Vec::new();
-        if !self.reasons().is_empty() {
-            wanted.push(SOCK_SET_STATE);
-        }
-        if self.per_source {
-            wanted.push(CALLER_DESTROY);
-        }
+        let wanted = self.wanted();
         let before = self.tracepoints.attached();
         self.tracepoints.set(ebpf, &wanted)?;
         if before != wanted || !self.logged {
@@ -168,6 +192,23 @@ impl Backstop {
             }
         }
         Ok(())
+    }
+
+    /// The programs the reasons want attached.
+    fn wanted(&self) -> Vec<&'static str> {
+        let mut wanted = Vec::new();
+        if !self.reasons().is_empty() {
+            wanted.push(SOCK_SET_STATE);
+        }
+        if self.per_source {
+            wanted.push(CALLER_DESTROY);
+        }
+        wanted
+    }
+
+    /// The programs attached are those wanted (false after an attach that failed).
+    pub fn settled(&self) -> bool {
+        self.tracepoints.attached() == self.wanted()
     }
 
     pub fn per_source(&self) -> bool {
@@ -245,8 +286,8 @@ fn ask_probe() -> io::Result<()> {
     }
 }
 
-/// The sock_ops programs loaded on the host other than connguard's (`sock_state`, of
-/// this daemon or one before it), by id. Program ids grow as programs load, so a poll
+/// The sock_ops programs loaded on the host other than connguard's (named `sock_state`,
+/// of this daemon or one before it), by id. Program ids grow as programs load, so a poll
 /// asks the kernel only for ids after the last it saw, and whether the foreign ones it
 /// knows are still loaded; every `FULL_EVERY` polls it reads every id again (ids wrap
 /// at 2^31).
@@ -257,7 +298,7 @@ pub struct ForeignSockOps {
     polls: u32,
 }
 
-const FULL_EVERY: u32 = 600;
+const FULL_EVERY: u32 = 100;
 const BPF_PROG_GET_NEXT_ID: libc::c_long = 11;
 const BPF_PROG_GET_FD_BY_ID: libc::c_long = 13;
 const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
@@ -272,7 +313,10 @@ impl ForeignSockOps {
             self.last_id = 0;
             self.foreign.clear();
         }
-        self.foreign.retain(|id, _| prog_fd(*id).is_ok());
+        // Gone only when the kernel says so (ENOENT); any other error keeps it.
+        self.foreign.retain(
+            |id, _| !matches!(prog_fd(*id), Err(e) if e.raw_os_error() == Some(libc::ENOENT)),
+        );
         while let Some(id) = next_id(self.last_id)? {
             self.last_id = id;
             let Ok(fd) = prog_fd(id) else {

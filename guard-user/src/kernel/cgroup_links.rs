@@ -34,13 +34,16 @@ use super::{
 const ADMITTING: [&str; 3] = [CONNECT4, CONNECT6, SOCK_CREATE];
 const RELEASING: [&str; 2] = [SOCK_STATE, SOCK_RELEASE];
 
-/// A cgroup's links, in two parts. The releasing programs (sock_ops, sock_release) are
-/// attached first, so that every socket the admitting ones (connect4, connect6,
-/// sock_create) admit has its state callback and release from its first connect: the
+/// A cgroup's links, in two parts: the admitting programs (connect4, connect6,
+/// sock_create) and the releasing ones (sock_ops, sock_release). sock_ops is attached
+/// first, so that every socket connect admits has the state callback it asks for: the
 /// state tracepoint, which would release it otherwise, is attached only where a socket
-/// needs it (kernel::backstop). The releasing programs stay as long as the cgroup
-/// lives: a socket admitted here may need them to its end, long after a reload stopped
-/// selecting the cgroup. Dropping a link closes its fd, which detaches it.
+/// needs it (kernel::backstop); then connect, so that a cgroup just created is governed
+/// after two attaches (each waits for the kernel's cgroup_mutex, which a service
+/// restart's rmdir, mkdir and move of its first process contend for); sock_release
+/// last. The releasing programs stay as long as the cgroup lives: a socket admitted here
+/// may need them to its end, long after a reload stopped selecting the cgroup. Dropping
+/// a link closes its fd, which detaches it.
 struct Attachment {
     dir: PathBuf,
     /// Empty once the cgroup is no longer wanted; else one per `ADMITTING`.
@@ -329,11 +332,11 @@ fn attach(ebpf: &mut Ebpf, pins: &Path, id: u64, dir: &Path) -> anyhow::Result<A
     let link = prog.attach(&cgroup, mode).context(SOCK_STATE)?;
     let link = prog.take_link(link)?.try_into()?;
     release.0.push(pin(link, pins, id, SOCK_STATE)?);
+    let mut admit = Detaching(admitting(ebpf, pins, id, &cgroup)?);
     let prog: &mut CgroupSock = program(ebpf, SOCK_RELEASE)?.try_into()?;
     let link = prog.attach(&cgroup, mode).context(SOCK_RELEASE)?;
     let link = prog.take_link(link)?.try_into()?;
     release.0.push(pin(link, pins, id, SOCK_RELEASE)?);
-    let mut admit = Detaching(admitting(ebpf, pins, id, &cgroup)?);
     let release_id = release.0[0].id;
     Ok(Attachment {
         dir: dir.to_path_buf(),

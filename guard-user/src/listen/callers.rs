@@ -59,6 +59,16 @@ impl Callers {
         Ok(())
     }
 
+    /// Forgets every caller's count (no guard has per-caller budgets, and the programs
+    /// that release the counts are detached). A socket's hold then finds no entry of its
+    /// epoch, and skips.
+    pub fn forget_all(&mut self) {
+        for (key, _) in batch::entries(&self.callers) {
+            let _ = self.callers.remove(&key);
+        }
+        self.idle.clear();
+    }
+
     /// Removes callers idle since the last sweep, at most every SWEEP: one at 0 active
     /// whose count of completed handshakes is what it was at the sweep before. So a
     /// caller is forgotten one to two sweeps after its last connection closed. One that

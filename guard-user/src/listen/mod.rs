@@ -199,6 +199,11 @@ impl ListenerGuard {
         synced
     }
 
+    /// Forgets every caller's count (Callers::forget_all).
+    pub fn forget_callers(&mut self) {
+        self.callers.forget_all();
+    }
+
     /// Tells the per-SYN program the daemon lives (every 100 ms): only while its
     /// readings keep LISTENERS current (one within LISTENER_TTL_NS), so a watcher stuck
     /// on a namespace lets every guard lapse. A stopped guard sends none.
