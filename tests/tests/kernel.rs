@@ -220,8 +220,9 @@ fn clean_stop_leaves_nothing(tcx: bool) {
         PROGRAMS.len(),
         "one program of each name loaded"
     );
-    // Links of our programs: 5 on the scope's cgroup, the tracepoint's, and the guard's
-    // on lo when it is a tcx link.
+    // Links of our programs: 5 on the scope's cgroup, one per host-wide program `stats`
+    // says is attached, and the guard's on lo when it is a tcx link.
+    let host_wide = d.stats().host_wide;
     let our_links: BTreeSet<(u64, u64)> = links()
         .difference(&links_before)
         .filter(|(_, prog)| ours.contains(prog))
@@ -229,8 +230,8 @@ fn clean_stop_leaves_nothing(tcx: bool) {
         .collect();
     assert_eq!(
         our_links.len(),
-        6 + usize::from(tcx),
-        "links: {our_links:?}"
+        5 + host_wide.attached.len() + usize::from(tcx),
+        "links: {our_links:?}, {host_wide:?}"
     );
     let filters = tc_filters(&ns);
     assert_eq!(
@@ -379,6 +380,7 @@ fn without_optional_features_counts_stay_exact_and_sheds_fail_with_eperm() {
             "listener_watch",
             "listener_heartbeat",
             "listener_attach",
+            "foreign_sock_ops",
             "forget_idle"
         ],
         "{stats:?}"
