@@ -70,7 +70,7 @@ pub fn sock_state(ctx: SockOpsContext) -> u32 {
         breaker::outcome(state, false);
     } else if op == BPF_SOCK_OPS_STATE_CB {
         if !state.is_null() {
-            to_close(state, ctx.arg(0));
+            to_close(state, ctx.arg(0), true);
         }
     } else if !state.is_null() && unsafe { (*state).admitted } == 1 {
         let _ = ctx.set_cb_flags((ctx.cb_flags() | BPF_SOCK_OPS_STATE_CB_FLAG as u32) as i32);
@@ -81,6 +81,13 @@ pub fn sock_state(ctx: SockOpsContext) -> u32 {
     }
     1
 }
+
+/// 1 when sock_ops programs may call bpf_get_current_comm, as the daemon's probe found.
+/// Cleared, `sock_state` leaves a failed port search to the state tracepoint (which the
+/// daemon then keeps attached), to be counted with the caller's name; the verifier
+/// skips the call on the dead branch, because .rodata is frozen.
+#[unsafe(no_mangle)]
+static SOCK_OPS_COMM: u8 = 1;
 
 /// Asks for the state callbacks of a socket (`sock`: the program's context or the
 /// socket, as bpf_setsockopt takes it), keeping the flags other programs set; false
@@ -104,9 +111,10 @@ pub fn ask_state_callback(sock: *mut c_void) -> bool {
 /// A socket with storage moved from `old` to TCP_CLOSE, seen by the state callback or
 /// the tracepoint: reports a failed handshake to its breaker, releases its admission,
 /// and counts what the move leaves (a TIME_WAIT entry, or a connect() that failed for
-/// want of a local port), once, by the path that released.
+/// want of a local port), once, by the path that released (`sock_ops`: the state
+/// callback's).
 #[inline(always)]
-pub fn to_close(state: *mut SockState, old: u32) {
+pub fn to_close(state: *mut SockState, old: u32, sock_ops: bool) {
     // Before the release: a handshake that failed owes its breaker an outcome.
     if old == TCP_SYN_SENT {
         breaker::outcome(state, true);
@@ -123,6 +131,12 @@ pub fn to_close(state: *mut SockState, old: u32) {
     // port (inet_hash_connect); when none is free they return EADDRNOTAVAIL and move it
     // back to TCP_CLOSE, before tcp_connect(). This runs in the caller's syscall, so the
     // current task is the process that failed.
+    if old == TCP_SYN_SENT
+        && sock_ops
+        && unsafe { core::ptr::read_volatile(&SOCK_OPS_COMM) } == 0
+    {
+        return;
+    }
     if !release(state) || old != TCP_SYN_SENT {
         return;
     }

@@ -31,7 +31,7 @@ pub fn sock_set_state(ctx: BtfTracePointContext) -> i32 {
     callers::closed(sk);
     let state = storage(sk, false);
     if !state.is_null() {
-        to_close(state, old);
+        to_close(state, old, false);
     }
     0
 }

@@ -182,10 +182,18 @@ pub fn load(opts: &Options, host: &Host) -> anyhow::Result<(Loaded, RingBuf<MapD
         state,
         ..
     } = host;
-    let object::Loaded { mut ebpf, per_syn } =
-        object::load(features, state, policy::controls(policy))?;
+    let object::Loaded {
+        mut ebpf,
+        sock_ops_comm,
+        per_syn,
+    } = object::load(features, state, policy::controls(policy))?;
     let state_cb = backstop::probe_state_cb(&mut ebpf, &host.root);
-    let backstop = Backstop::new(Tracepoints::new(state.links_dir()), state.root(), state_cb);
+    let backstop = Backstop::new(
+        Tracepoints::new(state.links_dir()),
+        state.root(),
+        state_cb,
+        sock_ops_comm,
+    );
     if per_syn {
         log::info!("listener guards decide per SYN from the listener's own queues");
     } else {

@@ -102,6 +102,9 @@ pub struct Backstop {
     /// The kernel takes TCP_BPF_SOCK_OPS_CB_FLAGS from connect4 (`probe_state_cb`); None
     /// when the probe could not run.
     state_cb: Option<bool>,
+    /// sock_ops programs may call bpf_get_current_comm (else `sock_state` leaves a failed
+    /// port search to the tracepoint, which names the caller).
+    sock_ops_comm: bool,
     /// A listener guard of the policy in force has per-caller budgets.
     per_source: bool,
     /// Other sock_ops programs loaded on the host, by id, with their names.
@@ -114,13 +117,19 @@ pub struct Backstop {
 
 impl Backstop {
     /// `root`: the state's root directory.
-    pub fn new(tracepoints: Tracepoints, root: &Path, state_cb: Option<bool>) -> Self {
+    pub fn new(
+        tracepoints: Tracepoints,
+        root: &Path,
+        state_cb: Option<bool>,
+        sock_ops_comm: bool,
+    ) -> Self {
         let seen_mark = root.join(FOREIGN_SEEN);
         Backstop {
             tracepoints,
             foreign_seen: seen_mark.is_dir(),
             seen_mark,
             state_cb,
+            sock_ops_comm,
             per_source: false,
             foreign: BTreeMap::new(),
             logged: false,
@@ -137,6 +146,13 @@ impl Backstop {
                     .into(),
             ),
             None => why.push("the probe of TCP_BPF_SOCK_OPS_CB_FLAGS failed (see the log)".into()),
+        }
+        if !self.sock_ops_comm {
+            why.push(
+                "sock_ops programs cannot call bpf_get_current_comm on this kernel: the \
+                 tracepoint counts a failed port search with the caller's name"
+                    .into(),
+            );
         }
         for (id, name) in &self.foreign {
             why.push(format!(

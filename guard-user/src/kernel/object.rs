@@ -43,6 +43,9 @@ pub fn require_root() -> anyhow::Result<()> {
 /// The loaded object: its programs, and how its listener guards decide.
 pub struct Loaded {
     pub ebpf: Ebpf,
+    /// sock_ops programs may call bpf_get_current_comm (else the state tracepoint
+    /// counts a failed port search, with the caller's name).
+    pub sock_ops_comm: bool,
     /// True when `listener_shed` (per SYN) loaded; else `listener_shed_polled` did.
     pub per_syn: bool,
 }
@@ -65,6 +68,13 @@ pub fn load(features: &Features, state: &State, controls: u32) -> anyhow::Result
     let mut loader = EbpfLoader::new();
     loader.override_global("TICK_CLOCK", &tick_clock, true);
     loader.override_global("HAS_SET_RETVAL", &has_set_retval, true);
+    let sock_ops_comm = aya::sys::is_helper_supported(
+        aya::programs::ProgramType::SockOps,
+        aya::sys::BpfHelper::BPF_FUNC_get_current_comm,
+    )
+    .unwrap_or(false);
+    let comm_flag = u8::from(sock_ops_comm);
+    loader.override_global("SOCK_OPS_COMM", &comm_flag, true);
     loader.override_global("CONTROLS", &controls, true);
     if let Some(o) = &offsets {
         loader.override_global("SOCK_OFFSETS", o, true);
@@ -111,7 +121,11 @@ pub fn load(features: &Features, state: &State, controls: u32) -> anyhow::Result
         prog.load(tracepoint, &btf)
             .with_context(|| format!("loading {name}"))?;
     }
-    Ok(Loaded { ebpf, per_syn })
+    Ok(Loaded {
+        ebpf,
+        sock_ops_comm,
+        per_syn,
+    })
 }
 
 /// Loads the listener program `name`; a per-SYN one the verifier refuses is logged, and
