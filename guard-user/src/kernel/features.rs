@@ -411,6 +411,50 @@ fn atomic_fetch_loads() -> anyhow::Result<bool> {
     }
 }
 
+/// Whether a sock_ops program may call bpf_get_current_comm: a 6-instruction one that
+/// does loads. Kernels without it refuse the call ("unknown func"); any other refusal is
+/// an error, not an answer.
+pub fn sock_ops_comm_loads() -> anyhow::Result<bool> {
+    const BPF_PROG_TYPE_SOCK_OPS: u32 = 13;
+    let insns = [
+        // r1 = r10; r1 += -16; r2 = 16; call bpf_get_current_comm (16)
+        insn(0xbf, 1, 10, 0, 0),
+        insn(0x07, 1, 0, 0, -16),
+        insn(0xb7, 2, 0, 0, 16),
+        insn(0x85, 0, 0, 0, 16),
+        // r0 = 1; exit
+        insn(0xb7, 0, 0, 0, 1),
+        insn(0x95, 0, 0, 0, 0),
+    ];
+    let mut log = [0u8; 4096];
+    let mut attr = ProgLoad {
+        prog_type: BPF_PROG_TYPE_SOCK_OPS,
+        insn_cnt: insns.len() as u32,
+        insns: insns.as_ptr() as u64,
+        license: c"GPL".as_ptr() as u64,
+        log_level: 1,
+        log_size: log.len() as u32,
+        log_buf: log.as_mut_ptr() as u64,
+    };
+    // SAFETY: a BPF_PROG_LOAD prefix; the instructions, license and log outlive the call.
+    match unsafe { bpf(BPF_PROG_LOAD, &mut attr) } {
+        Ok(fd) => {
+            // SAFETY: a new fd the kernel handed us, closed here.
+            drop(unsafe { OwnedFd::from_raw_fd(fd as i32) });
+            Ok(true)
+        }
+        Err(e) => {
+            let log = std::ffi::CStr::from_bytes_until_nul(&log)
+                .map(|c| c.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            if e.raw_os_error() == Some(libc::EINVAL) && log.contains("unknown func") {
+                return Ok(false);
+            }
+            bail!("BPF_PROG_LOAD of a 6-instruction sock_ops program: {e}; verifier: {log:?}")
+        }
+    }
+}
+
 /// Whether the kernel knows BPF_LINK_CREATE: given prog_fd -1 (and attach type 0, not
 /// BPF_STRUCT_OPS, which takes no program), it fails with EBADF; an unknown command
 /// fails with EINVAL.

@@ -68,11 +68,9 @@ pub fn load(features: &Features, state: &State, controls: u32) -> anyhow::Result
     let mut loader = EbpfLoader::new();
     loader.override_global("TICK_CLOCK", &tick_clock, true);
     loader.override_global("HAS_SET_RETVAL", &has_set_retval, true);
-    let sock_ops_comm = aya::sys::is_helper_supported(
-        aya::programs::ProgramType::SockOps,
-        aya::sys::BpfHelper::BPF_FUNC_get_current_comm,
-    )
-    .unwrap_or(false);
+    let sock_ops_comm = super::features::sock_ops_comm_loads()
+        .inspect_err(|e| log::warn!("probing bpf_get_current_comm in sock_ops: {e:#}"))
+        .unwrap_or(false);
     let comm_flag = u8::from(sock_ops_comm);
     loader.override_global("SOCK_OPS_COMM", &comm_flag, true);
     loader.override_global("CONTROLS", &controls, true);
