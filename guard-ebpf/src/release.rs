@@ -140,6 +140,12 @@ pub fn to_close(state: *mut SockState, old: u32, sock_ops: bool) {
     if !release(state) || old != TCP_SYN_SENT {
         return;
     }
+    // Again here, on the path to the call: the verifier follows the first check's
+    // branch and this one's apart (it reads `old` twice from the context), and skips
+    // the call only on a branch it knows dead.
+    if sock_ops && unsafe { core::ptr::read_volatile(&SOCK_OPS_COMM) } == 0 {
+        return;
+    }
     let mut key = EaddrKey {
         scope_id: unsafe { (*state).dst.scope_id },
         comm: [0; 16],
