@@ -127,23 +127,20 @@ pub fn to_close(state: *mut SockState, old: u32, sock_ops: bool) {
         return;
     }
     // Admitted but not armed: the failure came before tcp_connect().
+    if old != TCP_SYN_SENT {
+        let _ = release(state);
+        return;
+    }
     // tcp_v4_connect()/tcp_v6_connect() move the socket to SYN_SENT, then search a local
     // port (inet_hash_connect); when none is free they return EADDRNOTAVAIL and move it
     // back to TCP_CLOSE, before tcp_connect(). This runs in the caller's syscall, so the
-    // current task is the process that failed.
-    if old == TCP_SYN_SENT
-        && sock_ops
-        && unsafe { core::ptr::read_volatile(&SOCK_OPS_COMM) } == 0
-    {
-        return;
-    }
-    if !release(state) || old != TCP_SYN_SENT {
-        return;
-    }
-    // Again here, on the path to the call: the verifier follows the first check's
-    // branch and this one's apart (it reads `old` twice from the context), and skips
-    // the call only on a branch it knows dead.
+    // current task is the process that failed. Where sock_ops cannot name it, the
+    // tracepoint releases and counts (this check is on every path to the call, so the
+    // verifier skips the call there).
     if sock_ops && unsafe { core::ptr::read_volatile(&SOCK_OPS_COMM) } == 0 {
+        return;
+    }
+    if !release(state) {
         return;
     }
     let mut key = EaddrKey {

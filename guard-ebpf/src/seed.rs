@@ -2,7 +2,7 @@
 //! existed before the daemon's first start (guard_common::SeedRequest), attached to the
 //! governed cgroups while the daemon seeds; `state_cb_probe` is the daemon's probe of the
 //! state callback option at start. Every other setsockopt passes untouched.
-use aya_ebpf::{macros::cgroup_sockopt, programs::SockoptContext};
+use aya_ebpf::{bindings::bpf_sockopt, macros::cgroup_sockopt, programs::SockoptContext};
 use guard_common::{
     PROBE_STATE_CB, SEED_SOCKET, SOL_CONNGUARD, STAT_INTERNAL_ERRORS, SeedRequest,
     linux::{IPPROTO_TCP, TCP_CLOSE, TCP_LISTEN},
@@ -16,25 +16,35 @@ use crate::{
 };
 
 /// The kernel goes on with the option (ours: skips it, as optlen is -1).
-pub const PASS: i32 = 1;
+const PASS: i32 = 1;
 /// The most of an option value a program sees (PAGE_SIZE on x86-64 and arm64).
-pub const OPTVAL_SEEN: i32 = 4096;
+const OPTVAL_SEEN: i32 = 4096;
 /// setsockopt() fails with EPERM.
-pub const REFUSE: i32 = 0;
+const REFUSE: i32 = 0;
 
-#[cgroup_sockopt(setsockopt)]
-pub fn seed(ctx: SockoptContext) -> i32 {
-    let so = unsafe { &mut *ctx.sockopt };
-    if so.level != SOL_CONNGUARD || so.optname != SEED_SOCKET {
+/// Whether the option is connguard's `optname`, taken away from the kernel's own
+/// setsockopt (optlen -1, Documentation/bpf/prog_cgroup_sockopt.rst); any other is left
+/// to pass untouched.
+#[inline(always)]
+fn take_option(so: &mut bpf_sockopt, optname: i32) -> bool {
+    if so.level != SOL_CONNGUARD || so.optname != optname {
         // A longer value than the program sees must be handed back whole (optlen 0),
         // or the kernel fails the call with EFAULT (before Linux 6.5).
         if so.optlen > OPTVAL_SEEN {
             so.optlen = 0;
         }
+        return false;
+    }
+    so.optlen = -1;
+    true
+}
+
+#[cgroup_sockopt(setsockopt)]
+pub fn seed(ctx: SockoptContext) -> i32 {
+    let so = unsafe { &mut *ctx.sockopt };
+    if !take_option(so, SEED_SOCKET) {
         return PASS;
     }
-    // Not for the kernel's own setsockopt (Documentation/bpf/prog_cgroup_sockopt.rst).
-    so.optlen = -1;
     let start = unsafe { so.__bindgen_anon_2.optval } as *const u8;
     let end = unsafe { so.__bindgen_anon_3.optval_end } as *const u8;
     if unsafe { start.add(core::mem::size_of::<SeedRequest>()) } > end {
@@ -83,13 +93,9 @@ pub fn seed(ctx: SockoptContext) -> i32 {
 #[cgroup_sockopt(setsockopt)]
 pub fn state_cb_probe(ctx: SockoptContext) -> i32 {
     let so = unsafe { &mut *ctx.sockopt };
-    if so.level != SOL_CONNGUARD || so.optname != PROBE_STATE_CB {
-        if so.optlen > OPTVAL_SEEN {
-            so.optlen = 0;
-        }
+    if !take_option(so, PROBE_STATE_CB) {
         return PASS;
     }
-    so.optlen = -1;
     let sk = unsafe { so.__bindgen_anon_1.sk };
     if sk.is_null() || unsafe { (*sk).protocol } != IPPROTO_TCP {
         return REFUSE;

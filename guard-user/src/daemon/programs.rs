@@ -20,7 +20,7 @@ use connguard_api::stats::{CallerTables, ListenerStats};
 
 use crate::{
     enforce::generations::Generations,
-    kernel::backstop::{Backstop, ForeignSockOps},
+    kernel::backstop::Backstop,
     listen::{ListenerGuard, Reading},
     policy::ListenerPolicy,
 };
@@ -30,8 +30,6 @@ pub struct Programs {
     ebpf: Mutex<Ebpf>,
     listeners: Mutex<ListenerGuard>,
     backstop: Mutex<Backstop>,
-    /// Held alone, by the poll of other sock_ops programs.
-    foreign: Mutex<ForeignSockOps>,
 }
 
 /// The generations' lock, held; hands out the object's.
@@ -59,7 +57,6 @@ impl Programs {
             ebpf: Mutex::new(ebpf),
             listeners: Mutex::new(listeners),
             backstop: Mutex::new(backstop),
-            foreign: Mutex::default(),
         }
     }
 
@@ -96,36 +93,33 @@ impl Programs {
 
     fn set_per_source(&self, ebpf: &mut Ebpf, per_source: bool) {
         let mut b = lock(&self.backstop);
-        let foreign = b.foreign().clone();
-        if let Err(e) = b.update(ebpf, per_source, foreign) {
+        b.set_per_source(per_source);
+        if let Err(e) = b.apply(ebpf) {
             log::error!("attaching the host-wide tracepoint programs: {e:#}");
         }
     }
 
     /// Reads which other sock_ops programs are loaded, and attaches or detaches the
-    /// state tracepoint when that changed (`Backstop`).
+    /// state tracepoint when that changed (`Backstop`). The read takes the host-wide
+    /// programs' lock alone; the attach, the object's first.
     pub fn poll_foreign_sock_ops(&self) -> anyhow::Result<()> {
-        let now = lock(&self.foreign).poll()?.clone();
-        {
-            let b = lock(&self.backstop);
-            if b.foreign() == &now && b.settled() {
-                return Ok(());
-            }
+        if !lock(&self.backstop).poll_foreign()? {
+            return Ok(());
         }
         let mut g = self.generations();
         let (_, mut ebpf) = g.ebpf();
-        let mut b = lock(&self.backstop);
-        let per_source = b.per_source();
-        b.update(&mut ebpf, per_source, now)
+        lock(&self.backstop).apply(&mut ebpf)
     }
 
     /// At start, before the first policy: attaches the host-wide programs the start
     /// needs (`per_source`: the first policy's listener guards have per-caller budgets).
     pub fn start_backstop(&self, per_source: bool) -> anyhow::Result<()> {
-        let now = lock(&self.foreign).poll()?.clone();
         let mut g = self.generations();
         let (_, mut ebpf) = g.ebpf();
-        lock(&self.backstop).update(&mut ebpf, per_source, now)
+        let mut b = lock(&self.backstop);
+        b.poll_foreign()?;
+        b.set_per_source(per_source);
+        b.apply(&mut ebpf)
     }
 
     /// Detaches the host-wide programs' links of daemons before this one, once this

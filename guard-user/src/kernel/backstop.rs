@@ -25,7 +25,11 @@ use guard_common::{
     names::program::{CALLER_DESTROY, SOCK_SET_STATE, SOCK_STATE, STATE_CB_PROBE},
 };
 
-use super::{object::program, state::Pin, syscall::bpf};
+use super::{
+    object::program,
+    state::Pin,
+    syscall::{BPF_PROG_TYPE_SOCK_OPS, prog_fd, prog_next_id, prog_type_and_name},
+};
 
 /// The host-wide programs' links this daemon attached, pinned in the links directory as
 /// `PROGRAM-LINKID`.
@@ -107,8 +111,8 @@ pub struct Backstop {
     sock_ops_comm: bool,
     /// A listener guard of the policy in force has per-caller budgets.
     per_source: bool,
-    /// Other sock_ops programs loaded on the host, by id, with their names.
-    foreign: BTreeMap<u32, String>,
+    /// Other sock_ops programs loaded on the host.
+    foreign: ForeignSockOps,
     /// One has been seen since the state was created (`FOREIGN_SEEN` exists).
     foreign_seen: bool,
     /// What was attached has been logged once.
@@ -131,7 +135,7 @@ impl Backstop {
             state_cb,
             sock_ops_comm,
             per_source: false,
-            foreign: BTreeMap::new(),
+            foreign: ForeignSockOps::default(),
             logged: false,
         }
     }
@@ -154,12 +158,12 @@ impl Backstop {
                     .into(),
             );
         }
-        for (id, name) in &self.foreign {
+        for (id, name) in &self.foreign.programs {
             why.push(format!(
                 "another sock_ops program is loaded (id {id}, {name:?})"
             ));
         }
-        if self.foreign.is_empty() && self.foreign_seen {
+        if self.foreign.programs.is_empty() && self.foreign_seen {
             why.push(
                 "another sock_ops program was loaded since the state was created: sockets whose \
                  state callback it turned off may still be open (until `connguard stop`)"
@@ -172,15 +176,13 @@ impl Backstop {
         why
     }
 
-    /// Sets what needs the programs, and attaches or detaches them to match; logs a change.
-    pub fn update(
-        &mut self,
-        ebpf: &mut Ebpf,
-        per_source: bool,
-        foreign: BTreeMap<u32, String>,
-    ) -> anyhow::Result<()> {
-        self.per_source = per_source;
-        if !foreign.is_empty() && !self.foreign_seen {
+    /// Reads which other sock_ops programs are loaded (`ForeignSockOps::poll`), and
+    /// marks the state the first time one is; true when `apply` has work: the reasons
+    /// changed, or an attach failed before.
+    pub fn poll_foreign(&mut self) -> anyhow::Result<bool> {
+        let before = self.reasons();
+        self.foreign.poll()?;
+        if !self.foreign.programs.is_empty() && !self.foreign_seen {
             std::fs::create_dir(&self.seen_mark)
                 .or_else(|e| match e.kind() {
                     io::ErrorKind::AlreadyExists => Ok(()),
@@ -189,7 +191,17 @@ impl Backstop {
                 .with_context(|| format!("creating {}", self.seen_mark.display()))?;
             self.foreign_seen = true;
         }
-        self.foreign = foreign;
+        Ok(self.reasons() != before || self.tracepoints.attached() != self.wanted())
+    }
+
+    /// Whether a listener guard of the policy in force has per-caller budgets; `apply`
+    /// attaches or detaches to match.
+    pub fn set_per_source(&mut self, per_source: bool) {
+        self.per_source = per_source;
+    }
+
+    /// Attaches or detaches the programs to match the reasons; logs a change.
+    pub fn apply(&mut self, ebpf: &mut Ebpf) -> anyhow::Result<()> {
         let wanted = self.wanted();
         let before = self.tracepoints.attached();
         self.tracepoints.set(ebpf, &wanted)?;
@@ -220,19 +232,6 @@ impl Backstop {
             wanted.push(CALLER_DESTROY);
         }
         wanted
-    }
-
-    /// The programs attached are those wanted (false after an attach that failed).
-    pub fn settled(&self) -> bool {
-        self.tracepoints.attached() == self.wanted()
-    }
-
-    pub fn per_source(&self) -> bool {
-        self.per_source
-    }
-
-    pub fn foreign(&self) -> &BTreeMap<u32, String> {
-        &self.foreign
     }
 
     pub fn tracepoints(&self) -> &Tracepoints {
@@ -308,100 +307,39 @@ fn ask_probe() -> io::Result<()> {
 /// knows are still loaded; every `FULL_EVERY` polls it reads every id again (ids wrap
 /// at 2^31).
 #[derive(Default)]
-pub struct ForeignSockOps {
+struct ForeignSockOps {
     last_id: u32,
-    foreign: BTreeMap<u32, String>,
+    /// By id, with their names.
+    programs: BTreeMap<u32, String>,
     polls: u32,
 }
 
 const FULL_EVERY: u32 = 100;
-const BPF_PROG_GET_NEXT_ID: libc::c_long = 11;
-const BPF_PROG_GET_FD_BY_ID: libc::c_long = 13;
-const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
-/// include/uapi/linux/bpf.h, enum bpf_prog_type.
-const BPF_PROG_TYPE_SOCK_OPS: u32 = 13;
 
 impl ForeignSockOps {
-    /// Reads what loaded or unloaded since the last poll; the foreign programs now.
-    pub fn poll(&mut self) -> io::Result<&BTreeMap<u32, String>> {
+    /// Reads what loaded or unloaded since the last poll.
+    fn poll(&mut self) -> io::Result<()> {
         self.polls = self.polls.wrapping_add(1);
         if self.polls % FULL_EVERY == 1 {
             self.last_id = 0;
-            self.foreign.clear();
+            self.programs.clear();
         }
         // Gone only when the kernel says so (ENOENT); any other error keeps it.
-        self.foreign.retain(
+        self.programs.retain(
             |id, _| !matches!(prog_fd(*id), Err(e) if e.raw_os_error() == Some(libc::ENOENT)),
         );
-        while let Some(id) = next_id(self.last_id)? {
+        while let Some(id) = prog_next_id(self.last_id)? {
             self.last_id = id;
             let Ok(fd) = prog_fd(id) else {
                 continue;
             };
-            let Ok((kind, name)) = prog_info(fd.as_fd()) else {
+            let Ok((kind, name)) = prog_type_and_name(fd.as_fd()) else {
                 continue;
             };
             if kind == BPF_PROG_TYPE_SOCK_OPS && name != SOCK_STATE {
-                self.foreign.insert(id, name);
+                self.programs.insert(id, name);
             }
         }
-        Ok(&self.foreign)
+        Ok(())
     }
-}
-
-#[repr(C)]
-struct GetId {
-    start_id: u32,
-    next_id: u32,
-    open_flags: u32,
-}
-
-/// The next program id after `start` (BPF_PROG_GET_NEXT_ID), None after the last.
-fn next_id(start: u32) -> io::Result<Option<u32>> {
-    let mut attr = GetId {
-        start_id: start,
-        next_id: 0,
-        open_flags: 0,
-    };
-    // SAFETY: the attribute is the command's member, whole.
-    match unsafe { bpf(BPF_PROG_GET_NEXT_ID, &mut attr) } {
-        Ok(_) => Ok(Some(attr.next_id)),
-        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(None),
-        Err(e) => Err(e),
-    }
-}
-
-/// An fd of program `id` (BPF_PROG_GET_FD_BY_ID); ENOENT once it is unloaded.
-fn prog_fd(id: u32) -> io::Result<OwnedFd> {
-    let mut attr = GetId {
-        start_id: id,
-        next_id: 0,
-        open_flags: 0,
-    };
-    // SAFETY: the attribute is the command's member, whole.
-    let fd = unsafe { bpf(BPF_PROG_GET_FD_BY_ID, &mut attr) }?;
-    // SAFETY: the kernel returned a new fd, ours to close.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
-}
-
-/// A program's type and name (struct bpf_prog_info: type at 0, name at 64).
-fn prog_info(fd: std::os::fd::BorrowedFd<'_>) -> io::Result<(u32, String)> {
-    #[repr(C)]
-    struct InfoByFd {
-        bpf_fd: u32,
-        info_len: u32,
-        info: u64,
-    }
-    let mut info = [0u8; 80];
-    let mut attr = InfoByFd {
-        bpf_fd: std::os::fd::AsRawFd::as_raw_fd(&fd) as u32,
-        info_len: info.len() as u32,
-        info: info.as_mut_ptr() as u64,
-    };
-    // SAFETY: `info` is valid for `info_len` bytes for the call.
-    unsafe { bpf(BPF_OBJ_GET_INFO_BY_FD, &mut attr) }?;
-    let kind = u32::from_ne_bytes(info[0..4].try_into().expect("4 bytes"));
-    let name = &info[64..80];
-    let end = name.iter().position(|b| *b == 0).unwrap_or(name.len());
-    Ok((kind, String::from_utf8_lossy(&name[..end]).into_owned()))
 }

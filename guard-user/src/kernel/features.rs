@@ -22,7 +22,10 @@ use guard_common::linux::ProgQuery;
 
 use super::{
     batch, btf,
-    syscall::{BPF_LINK_CREATE, BPF_PROG_LOAD, BPF_PROG_QUERY, bpf},
+    syscall::{
+        BPF_LINK_CREATE, BPF_PROG_LOAD, BPF_PROG_QUERY, BPF_PROG_TYPE_SOCK_OPS,
+        BPF_PROG_TYPE_SOCKET_FILTER, bpf,
+    },
 };
 use crate::host::{netns, ports::PortSettings, sockdiag};
 
@@ -331,8 +334,7 @@ fn release() -> String {
         .into_owned()
 }
 
-// enum bpf_prog_type and enum bpf_attach_type (include/uapi/linux/bpf.h).
-const BPF_PROG_TYPE_SOCKET_FILTER: u32 = 1;
+// enum bpf_attach_type (include/uapi/linux/bpf.h).
 const BPF_TCX_INGRESS: u32 = 46;
 
 /// One BPF instruction (struct bpf_insn): `regs` holds dst_reg in its low nibble and
@@ -368,7 +370,7 @@ struct ProgLoad {
 
 /// Whether a socket filter with an atomic fetch-add on its stack loads. Kernels before
 /// these instructions refuse their encoding, saying so in the verifier log ("BPF_STX
-/// uses reserved fields"); any other refusal is an error, not an answer.
+/// uses reserved fields").
 fn atomic_fetch_loads() -> anyhow::Result<bool> {
     let insns = [
         // *(u64 *)(r10 - 8) = 0
@@ -382,40 +384,13 @@ fn atomic_fetch_loads() -> anyhow::Result<bool> {
         insn(0xb7, 0, 0, 0, 0),
         insn(0x95, 0, 0, 0, 0),
     ];
-    let mut log = [0u8; 4096];
-    let mut attr = ProgLoad {
-        prog_type: BPF_PROG_TYPE_SOCKET_FILTER,
-        insn_cnt: insns.len() as u32,
-        insns: insns.as_ptr() as u64,
-        license: c"GPL".as_ptr() as u64,
-        log_level: 1,
-        log_size: log.len() as u32,
-        log_buf: log.as_mut_ptr() as u64,
-    };
-    // SAFETY: a BPF_PROG_LOAD prefix; the instructions, license and log outlive the call.
-    match unsafe { bpf(BPF_PROG_LOAD, &mut attr) } {
-        Ok(fd) => {
-            // SAFETY: a new fd the kernel handed us, closed here.
-            drop(unsafe { OwnedFd::from_raw_fd(fd as i32) });
-            Ok(true)
-        }
-        Err(e) => {
-            let log = std::ffi::CStr::from_bytes_until_nul(&log)
-                .map(|c| c.to_string_lossy().into_owned())
-                .unwrap_or_default();
-            if e.raw_os_error() == Some(libc::EINVAL) && log.contains("reserved fields") {
-                return Ok(false);
-            }
-            bail!("BPF_PROG_LOAD of a 5-instruction socket filter: {e}; verifier: {log:?}")
-        }
-    }
+    prog_loads(BPF_PROG_TYPE_SOCKET_FILTER, &insns, "reserved fields")
+        .context("BPF_PROG_LOAD of a 5-instruction socket filter")
 }
 
 /// Whether a sock_ops program may call bpf_get_current_comm: a 6-instruction one that
-/// does loads. Kernels without it refuse the call ("unknown func"); any other refusal is
-/// an error, not an answer.
+/// does loads. Kernels without it refuse the call ("unknown func").
 pub fn sock_ops_comm_loads() -> anyhow::Result<bool> {
-    const BPF_PROG_TYPE_SOCK_OPS: u32 = 13;
     let insns = [
         // r1 = r10; r1 += -16; r2 = 16; call bpf_get_current_comm (16)
         insn(0xbf, 1, 10, 0, 0),
@@ -426,9 +401,17 @@ pub fn sock_ops_comm_loads() -> anyhow::Result<bool> {
         insn(0xb7, 0, 0, 0, 1),
         insn(0x95, 0, 0, 0, 0),
     ];
+    prog_loads(BPF_PROG_TYPE_SOCK_OPS, &insns, "unknown func")
+        .context("BPF_PROG_LOAD of a 6-instruction sock_ops program")
+}
+
+/// Whether a program of `prog_type` made of `insns` loads: false when the kernel
+/// refuses it with EINVAL and a verifier log containing `refusal`; any other refusal is
+/// an error, not an answer.
+fn prog_loads(prog_type: u32, insns: &[Insn], refusal: &str) -> anyhow::Result<bool> {
     let mut log = [0u8; 4096];
     let mut attr = ProgLoad {
-        prog_type: BPF_PROG_TYPE_SOCK_OPS,
+        prog_type,
         insn_cnt: insns.len() as u32,
         insns: insns.as_ptr() as u64,
         license: c"GPL".as_ptr() as u64,
@@ -447,10 +430,10 @@ pub fn sock_ops_comm_loads() -> anyhow::Result<bool> {
             let log = std::ffi::CStr::from_bytes_until_nul(&log)
                 .map(|c| c.to_string_lossy().into_owned())
                 .unwrap_or_default();
-            if e.raw_os_error() == Some(libc::EINVAL) && log.contains("unknown func") {
+            if e.raw_os_error() == Some(libc::EINVAL) && log.contains(refusal) {
                 return Ok(false);
             }
-            bail!("BPF_PROG_LOAD of a 6-instruction sock_ops program: {e}; verifier: {log:?}")
+            bail!("{e}; verifier: {log:?}")
         }
     }
 }

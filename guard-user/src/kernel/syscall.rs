@@ -12,10 +12,15 @@ pub const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
 pub const BPF_LINK_CREATE: libc::c_long = 28;
 const BPF_OBJ_GET: libc::c_long = 7;
 const BPF_PROG_TEST_RUN: libc::c_long = 10;
+const BPF_PROG_GET_NEXT_ID: libc::c_long = 11;
+const BPF_PROG_GET_FD_BY_ID: libc::c_long = 13;
 const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
 const BPF_LINK_UPDATE: libc::c_long = 29;
 const BPF_LINK_GET_FD_BY_ID: libc::c_long = 30;
 const BPF_LINK_TYPE_CGROUP: u32 = 3;
+// enum bpf_prog_type.
+pub const BPF_PROG_TYPE_SOCKET_FILTER: u32 = 1;
+pub const BPF_PROG_TYPE_SOCK_OPS: u32 = 13;
 
 /// bpf(2) with `attr`, a prefix of `union bpf_attr` (the kernel zero-fills the rest).
 /// Returns what the call returns (an fd for the commands that create one).
@@ -128,22 +133,28 @@ struct LinkInfo {
     _rest: [u32; 9],
 }
 
-fn link_info(fd: BorrowedFd<'_>) -> io::Result<LinkInfo> {
+/// The first bytes of an object's info (BPF_OBJ_GET_INFO_BY_FD: bpf_fd, info_len,
+/// info), as `T`, a prefix of the object's info struct, plain data.
+fn obj_info<T: Default>(fd: BorrowedFd<'_>) -> io::Result<T> {
     #[repr(C)]
     struct GetInfo {
         bpf_fd: u32,
         info_len: u32,
         info: u64,
     }
-    let mut info = LinkInfo::default();
+    let mut info = T::default();
     let mut get = GetInfo {
         bpf_fd: fd.as_raw_fd() as u32,
-        info_len: std::mem::size_of::<LinkInfo>() as u32,
+        info_len: std::mem::size_of::<T>() as u32,
         info: &raw mut info as u64,
     };
     // SAFETY: `info` is valid for `info_len` bytes.
     unsafe { bpf(BPF_OBJ_GET_INFO_BY_FD, &mut get) }?;
     Ok(info)
+}
+
+fn link_info(fd: BorrowedFd<'_>) -> io::Result<LinkInfo> {
+    obj_info(fd)
 }
 
 /// The kernel's id of the link `fd`.
@@ -155,21 +166,7 @@ pub fn link_id(fd: BorrowedFd<'_>) -> io::Result<u32> {
 /// has detached it itself (cgroup_bpf_release(), when the removed cgroup's last socket
 /// is gone, sets the link's cgroup to NULL).
 pub fn link_cgroup_id(link_id: u32) -> io::Result<u64> {
-    #[repr(C)]
-    struct GetFd {
-        link_id: u32,
-        next_id: u32,
-        open_flags: u32,
-    }
-    let mut get = GetFd {
-        link_id,
-        next_id: 0,
-        open_flags: 0,
-    };
-    // SAFETY: BPF_LINK_GET_FD_BY_ID takes link_id, next_id, open_flags.
-    let fd = unsafe { bpf(BPF_LINK_GET_FD_BY_ID, &mut get) }?;
-    // SAFETY: the kernel returned a new fd, ours to close.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    let fd = fd_by_id(BPF_LINK_GET_FD_BY_ID, link_id)?;
     let info = link_info(fd.as_fd())?;
     if info.type_ != BPF_LINK_TYPE_CGROUP {
         return Err(io::Error::other(format!(
@@ -178,4 +175,68 @@ pub fn link_cgroup_id(link_id: u32) -> io::Result<u64> {
         )));
     }
     Ok(info.cgroup_id)
+}
+
+/// The member of `union bpf_attr` the `*_GET_NEXT_ID` and `*_GET_FD_BY_ID` commands
+/// take: an id (start_id, or prog_id / link_id), next_id, open_flags.
+#[repr(C)]
+struct ById {
+    id: u32,
+    next_id: u32,
+    open_flags: u32,
+}
+
+/// An fd of the object `id` (`cmd`: BPF_PROG_GET_FD_BY_ID, BPF_LINK_GET_FD_BY_ID);
+/// ENOENT once it is gone.
+fn fd_by_id(cmd: libc::c_long, id: u32) -> io::Result<OwnedFd> {
+    let mut attr = ById {
+        id,
+        next_id: 0,
+        open_flags: 0,
+    };
+    // SAFETY: the attribute is the command's member, whole.
+    let fd = unsafe { bpf(cmd, &mut attr) }?;
+    // SAFETY: the kernel returned a new fd, ours to close.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// The next program id after `start` (BPF_PROG_GET_NEXT_ID), None after the last.
+pub fn prog_next_id(start: u32) -> io::Result<Option<u32>> {
+    let mut attr = ById {
+        id: start,
+        next_id: 0,
+        open_flags: 0,
+    };
+    // SAFETY: the attribute is the command's member, whole.
+    match unsafe { bpf(BPF_PROG_GET_NEXT_ID, &mut attr) } {
+        Ok(_) => Ok(Some(attr.next_id)),
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// An fd of program `id`; ENOENT once it is unloaded.
+pub fn prog_fd(id: u32) -> io::Result<OwnedFd> {
+    fd_by_id(BPF_PROG_GET_FD_BY_ID, id)
+}
+
+/// struct bpf_prog_info up to its name (include/uapi/linux/bpf.h).
+#[repr(C)]
+#[derive(Default)]
+struct ProgInfo {
+    prog_type: u32,
+    id: u32,
+    tag: [u8; 8],
+    _lens_and_pointers: [u32; 12],
+    name: [u8; 16],
+}
+
+/// A program's type (enum bpf_prog_type) and name.
+pub fn prog_type_and_name(fd: BorrowedFd<'_>) -> io::Result<(u32, String)> {
+    let info: ProgInfo = obj_info(fd)?;
+    let end = info.name.iter().position(|b| *b == 0).unwrap_or(16);
+    Ok((
+        info.prog_type,
+        String::from_utf8_lossy(&info.name[..end]).into_owned(),
+    ))
 }
