@@ -6,17 +6,23 @@
 //! summed), `reload`, `ports NETNS_COOKIE`, `scope CGROUP_ID`, `events SEQ` (the events
 //! after sequence number SEQ), `stop` (detach, unpin and exit; answered
 //! `{"stopping": true}` before the daemon does), `fleet` (every host's record of the
-//! fleet budgets, listed from etcd).
+//! fleet budgets, listed from etcd), `drill start JSON` (a `DrillSpec` on the line),
+//! `drill stop NAME`, `drill list`.
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-use crate::{events::EventRecord, ports::DaemonPorts, stats::Snapshot};
+use crate::{
+    drill::{DrillSpec, DrillsReply},
+    events::EventRecord,
+    ports::DaemonPorts,
+    stats::Snapshot,
+};
 
 /// Longest request line, in bytes, newline excluded.
 pub const MAX_REQUEST: usize = 4096;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Request {
     /// Everything `connguard stats` shows; with `top`, each scope lists at most that many
     /// destinations and sums the rest (for callers that want totals: `listeners`, `top`).
@@ -33,10 +39,21 @@ pub enum Request {
     Stop,
     /// The fleet as etcd holds it.
     Fleet,
+    /// Start a drill.
+    DrillStart(Box<DrillSpec>),
+    /// End the running drill of this name.
+    DrillStop(String),
+    /// The running drills and the last ended ones.
+    DrillList,
 }
 
 impl Request {
     pub fn parse(line: &str) -> Result<Request, String> {
+        if let Some(json) = line.trim().strip_prefix("drill start ") {
+            return serde_json::from_str(json)
+                .map(|spec| Request::DrillStart(Box::new(spec)))
+                .map_err(|e| format!("drill start: not a drill: {e}"));
+        }
         let words: Vec<&str> = line.split_whitespace().collect();
         let number = |w: &str| {
             w.parse::<u64>()
@@ -55,6 +72,8 @@ impl Request {
                 cgroup_id: number(n)?,
             }),
             ["events", n] => Ok(Request::Events { since: number(n)? }),
+            ["drill", "stop", name] => Ok(Request::DrillStop(name.to_string())),
+            ["drill", "list"] => Ok(Request::DrillList),
             _ => Err(format!("unknown request {:?}", line.trim())),
         }
     }
@@ -71,6 +90,13 @@ impl fmt::Display for Request {
             Request::Ports { netns } => write!(f, "ports {netns}"),
             Request::Scope { cgroup_id } => write!(f, "scope {cgroup_id}"),
             Request::Events { since } => write!(f, "events {since}"),
+            Request::DrillStart(spec) => write!(
+                f,
+                "drill start {}",
+                serde_json::to_string(spec).map_err(|_| fmt::Error)?
+            ),
+            Request::DrillStop(name) => write!(f, "drill stop {name}"),
+            Request::DrillList => write!(f, "drill list"),
         }
     }
 }
@@ -86,6 +112,7 @@ pub enum Reply {
     Events(EventsReply),
     Stop(StopReply),
     Fleet(crate::fleet::FleetView),
+    Drills(DrillsReply),
     Error(ErrorReply),
 }
 
@@ -142,6 +169,30 @@ mod tests {
             Request::Events { since: 7 },
             Request::Stop,
             Request::Fleet,
+            Request::DrillStop("db".into()),
+            Request::DrillList,
+            Request::DrillStart(Box::new(crate::drill::DrillSpec {
+                name: "db".into(),
+                scope: "orders".into(),
+                dst: vec!["10.0.0.0/8".into()],
+                ports: vec!["5432".into()],
+                fault: crate::drill::Fault::Refuse,
+                errno: None,
+                probability: 0.25,
+                duration_ms: 60_000,
+                max_faults: Some(10),
+                max_fraction: None,
+                window_ms: None,
+                abort: crate::drill::AbortSpec {
+                    watch: vec![],
+                    on_shedding: true,
+                    on_breaker_open: true,
+                    min_success_ratio: None,
+                    window_ms: 10_000,
+                    min_attempts: 20,
+                    http: None,
+                },
+            })),
         ] {
             assert_eq!(Request::parse(&format!("{r}\n")), Ok(r));
         }

@@ -13,7 +13,9 @@ pub struct EventRecord {
     /// When the kernel reported it: ms since the Unix epoch.
     pub unix_ms: u64,
     /// breaker_opened, breaker_half_open, breaker_closed, shedding_started,
-    /// shedding_stopped, caller_refused, caller_admitted.
+    /// shedding_stopped, caller_refused, caller_admitted; drill_started, drill_capped
+    /// (its first attempt a cap let through), drill_ended, drill_aborted (reported by
+    /// the daemon, not the kernel).
     pub kind: String,
     /// The scope; empty for a listener guard's event.
     pub scope: String,
@@ -47,6 +49,11 @@ pub struct EventRecord {
     pub failures: Option<u32>,
     pub slow: Option<u32>,
     pub open_ms: Option<u64>,
+    /// drill_*: the drill, and (drill_ended, drill_aborted) why it ended.
+    #[serde(default)]
+    pub drill: Option<String>,
+    #[serde(default)]
+    pub reason: Option<String>,
 }
 
 impl EventRecord {
@@ -55,6 +62,13 @@ impl EventRecord {
         let (secs, ms) = (self.unix_ms / 1000, self.unix_ms % 1000);
         let (h, m, sec) = (secs / 3600 % 24, secs / 60 % 60, secs % 60);
         let mut s = format!("{h:02}:{m:02}:{sec:02}.{ms:03} {}", self.kind);
+        if let Some(d) = &self.drill {
+            let _ = write!(s, " drill {d} scope {}", self.scope);
+            if let Some(r) = &self.reason {
+                let _ = write!(s, ": {r}");
+            }
+            return s;
+        }
         if let (Some(l), Some(c)) = (&self.listener, &self.caller) {
             let _ = write!(s, " listener {l} caller {c}");
         } else {

@@ -7,6 +7,7 @@
 //! This crate holds data and its text forms only (serde, toml): it builds without the
 //! eBPF toolchain, on any machine.
 pub mod control;
+pub mod drill;
 pub mod events;
 pub mod fleet;
 pub mod kernel;

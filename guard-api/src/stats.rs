@@ -71,6 +71,10 @@ pub struct Snapshot {
     /// This host's part in the policy's fleet budgets; null without any.
     #[serde(default)]
     pub fleet: Option<crate::fleet::Status>,
+    /// The running drills and the last ended ones (`connguard drill list`; absent from
+    /// the answers of older daemons).
+    #[serde(default)]
+    pub drills: Vec<crate::drill::DrillView>,
 }
 
 /// A container runtime the daemon follows: while it is unreachable, the workloads it

@@ -12,6 +12,7 @@
 
 pub mod addr;
 pub mod callers;
+pub mod drill;
 pub mod linux;
 pub mod names;
 
@@ -681,4 +682,6 @@ mod pod {
     unsafe impl aya::Pod for TickClock {}
     unsafe impl aya::Pod for EaddrKey {}
     unsafe impl aya::Pod for IdKey {}
+    unsafe impl aya::Pod for drill::DrillConf {}
+    unsafe impl aya::Pod for drill::DrillCounts {}
 }

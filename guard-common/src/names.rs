@@ -33,6 +33,9 @@ pub mod map {
     pub const PER_SOURCE_TOTALS: &str = "PER_SOURCE_TOTALS";
     pub const LISTENER_IDS: &str = "LISTENER_IDS";
     pub const CALLER_GUARDS: &str = "CALLER_GUARDS";
+    pub const DRILLS: &str = "DRILLS";
+    pub const DRILL_COUNTS: &str = "DRILL_COUNTS";
+    pub const DRILL_SOCKS: &str = "DRILL_SOCKS";
     /// The maps pinned in the state directory, which outlive the daemon: what the
     /// programs count, the sockets' own state, and the names the counts are kept by.
     /// The policy maps are not: a daemon writes its own, and programs of the daemon
@@ -84,6 +87,9 @@ pub mod map {
         PER_SOURCE_TOTALS,
         LISTENER_IDS,
         CALLER_GUARDS,
+        DRILLS,
+        DRILL_COUNTS,
+        DRILL_SOCKS,
     ];
 }
 
@@ -113,6 +119,9 @@ pub mod program {
     pub const SEED: &str = "seed";
     /// cgroup setsockopt: the daemon's probe at start (crate::PROBE_STATE_CB).
     pub const STATE_CB_PROBE: &str = "state_cb_probe";
+    /// cgroup_skb egress, attached while a blackhole or delay drill runs: drops the
+    /// packets of the sockets given those faults.
+    pub const DRILL_EGRESS: &str = "drill_egress";
     /// tc, never attached: run by BPF_PROG_TEST_RUN to apply an audit's correction.
     pub const ADJUST: &str = "adjust";
     /// Every program of the object.
@@ -128,6 +137,7 @@ pub mod program {
         LISTENER_SHED_POLLED,
         SEED,
         STATE_CB_PROBE,
+        DRILL_EGRESS,
         ADJUST,
     ];
 }

@@ -12,12 +12,12 @@ use guard_common::{
     CgroupKey, Counter, CounterKey, EVENT_BREAKER_HALF_OPEN, EVENT_BREAKER_OPENED, Limits,
     MAX_CANDIDATES, MODE_ENFORCE, NO_RULE, PortUseKey, REASON_BREAKER, REASON_BUDGET,
     REASON_HANDSHAKES, REASON_OBSERVE, REASON_RATE, RULE_KEY_FIXED_BITS, RuleAddrKey, RuleRef,
-    STAT_INTERNAL_ERRORS, STAT_LEASE_EXPIRED, ScopeConf, SockState,
+    STAT_INTERNAL_ERRORS, STAT_LEASE_EXPIRED, ScopeConf, SockState, drill::FAULT_REFUSE,
 };
 
 use crate::{
     accounting::{add, count_stat, counter, raise_peak, rule_counter, scope_counter, take_token},
-    breaker, clock,
+    breaker, clock, drill,
     maps::{PORT_USE, RULES, SCOPES, lease_held},
     net::opaque_zero,
     shedding,
@@ -48,7 +48,7 @@ pub enum Charge {
     /// The socket's cgroup has no scope in generation `gen_`.
     NoScope,
     Admitted,
-    /// Refused, with this errno.
+    /// Refused, with this errno: shed, or given a drill's refuse fault.
     Shed(u32),
 }
 
@@ -68,6 +68,15 @@ pub fn charge(
     let Some(scope) = scope(state, gen_) else {
         return Charge::NoScope;
     };
+    // A drill's refuse fault first: a refused attempt is neither admitted nor shed (the
+    // other faults are given to admitted sockets, by the connect hook). Seeded
+    // connections exist already, and are never faulted.
+    if may_shed && drill::fault_of(scope.scope_id) == FAULT_REFUSE {
+        let refused = drill::decide(scope.scope_id, &addr, port);
+        if refused != 0 {
+            return Charge::Shed((refused >> 8) as u32 & 0xffff);
+        }
+    }
     let rule = if scope.has_rules != 0 {
         rule(state, match_rule(gen_, scope.scope_id, addr, port))
     } else {

@@ -12,6 +12,7 @@ use guard_common::{STAT_INTERNAL_ERRORS, linux::IPPROTO_TCP};
 use crate::{
     accounting::{count_stat, release},
     charge::{Charge, charge},
+    drill,
     maps::{ACTIVE_GEN, storage},
     net::{ipv4_mapped, opaque_zero, words_addr},
     release::ask_state_callback,
@@ -106,6 +107,7 @@ fn admit(ctx: &SockAddrContext, addr: [u8; 16], port: u16) -> i32 {
             DENY
         }
         Charge::Admitted => {
+            drill::fault_admitted(sk, state);
             // Before the port search, whose failure only a state callback asked for here
             // sees. Where the kernel refuses the option, TCP_CONNECT_CB asks, and the
             // tracepoint sees what comes before.

@@ -17,6 +17,7 @@ mod callers;
 mod charge;
 mod clock;
 mod connect;
+mod drill;
 mod events;
 mod listener;
 mod maps;

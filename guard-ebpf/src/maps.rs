@@ -14,9 +14,9 @@ use guard_common::{
     ListenerKey, MAX_RULE_IDS, MAX_SCOPE_IDS, PortUseKey, RstKey, RuleAddrKey, STAT_COUNT,
     ScopeConf, SockState, TimeWaitKey,
     callers::{
-        CallerCount, CallerHold, CallerKey, MAX_CALLERS, MAX_SOURCES, PerSourceTotals,
-        SourceState,
+        CallerCount, CallerHold, CallerKey, MAX_CALLERS, MAX_SOURCES, PerSourceTotals, SourceState,
     },
+    drill::{DrillConf, DrillCounts, DrillMark},
 };
 
 /// Element 0: the policy generation (0 or 1) that the programs read.
@@ -125,6 +125,16 @@ pub static CALLER_SOCKS: SkStorage<CallerHold> = SkStorage::new();
 pub static SOCKS: SkStorage<SockState> = SkStorage::new();
 
 /// Internal counters (see guard_common::STAT_*), summed over CPUs by the daemon.
+/// Drills, by scope id (guard_common::drill).
+#[map]
+pub static DRILLS: Array<DrillConf> = Array::with_max_entries(MAX_SCOPE_IDS, 0);
+
+#[map]
+pub static DRILL_COUNTS: Array<DrillCounts> = Array::with_max_entries(MAX_SCOPE_IDS, 0);
+
+#[btf_map]
+pub static DRILL_SOCKS: SkStorage<DrillMark> = SkStorage::new();
+
 #[map]
 pub static STATS: PerCpuArray<u64> = PerCpuArray::with_max_entries(STAT_COUNT, 0);
 
@@ -159,9 +169,13 @@ pub static EVENTS: RingBuf = RingBuf::with_byte_size(256 * 1024, 0);
 /// Whether the daemon's lease holds (see `LEASE`).
 #[inline(always)]
 pub fn lease_held() -> bool {
-    let until = LEASE.get(0).copied().unwrap_or(0);
-    let now = unsafe { aya_ebpf::helpers::generated::bpf_ktime_get_ns() };
-    now < until
+    lease_held_at(unsafe { aya_ebpf::helpers::generated::bpf_ktime_get_ns() })
+}
+
+/// Whether the lease holds at `now` (bpf_ktime_get_ns).
+#[inline(always)]
+pub fn lease_held_at(now: u64) -> bool {
+    now < LEASE.get(0).copied().unwrap_or(0)
 }
 
 /// The storage of a full socket, created zeroed when `create` is set and the socket has
@@ -170,18 +184,21 @@ pub fn lease_held() -> bool {
 /// memset loop.)
 #[inline(always)]
 pub fn storage(sk: *mut bpf_sock, create: bool) -> *mut SockState {
-    sk_storage(core::ptr::addr_of!(SOCKS).cast(), sk, create)
+    sk_storage_of(&raw const SOCKS, sk, create)
 }
 
 /// The caller's count a server socket holds (`CALLER_SOCKS`), as `storage` finds a
 /// socket's state.
 #[inline(always)]
 pub fn caller_hold(sk: *mut bpf_sock, create: bool) -> *mut CallerHold {
-    sk_storage(core::ptr::addr_of!(CALLER_SOCKS).cast(), sk, create)
+    sk_storage_of(&raw const CALLER_SOCKS, sk, create)
 }
 
+/// The socket's value in the socket storage map `map`, created zeroed with `create`;
+/// null when there is none (or it could not be made).
 #[inline(always)]
-fn sk_storage<T>(map: *const c_void, sk: *mut bpf_sock, create: bool) -> *mut T {
+pub fn sk_storage_of<T>(map: *const SkStorage<T>, sk: *mut bpf_sock, create: bool) -> *mut T {
+    let map: *const c_void = map.cast();
     let flags = if create {
         BPF_SK_STORAGE_GET_F_CREATE as u64
     } else {

@@ -100,5 +100,9 @@ pub fn state_cb_probe(ctx: SockoptContext) -> i32 {
     if sk.is_null() || unsafe { (*sk).protocol } != IPPROTO_TCP {
         return REFUSE;
     }
-    if ask_state_callback(sk.cast()) { PASS } else { REFUSE }
+    if ask_state_callback(sk.cast()) {
+        PASS
+    } else {
+        REFUSE
+    }
 }

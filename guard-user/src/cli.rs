@@ -425,6 +425,29 @@ See also:
         #[arg(long, value_name = "PATH", default_value = DEFAULT_SOCKET)]
         socket: PathBuf,
     },
+    /// Run chaos drills: connect faults injected on purpose, bounded by the kernel.
+    ///
+    /// A drill faults the connects of one scope (optionally to some destinations and
+    /// ports): refuse (connect() fails at once with an errno, no SYN sent), blackhole
+    /// (the SYN never leaves; the client waits its own timeout) or delay (the first SYN
+    /// never leaves; the retransmit connects about 1 s later), each attempt with a
+    /// probability. The programs cap its faults (max_faults in all, max_fraction of the
+    /// target's attempts a window), fault nothing past its deadline or once the daemon's
+    /// lease lapses, and count the faults apart from sheds. The daemon aborts it when a
+    /// watched scope sheds or opens a breaker, when the target's success ratio falls
+    /// below a threshold, or when an HTTP check fails. The file format is in
+    /// docs/drills.md, under /usr/share/doc/connguard.
+    #[command(after_long_help = concat!(asking_exit_status!(), "  A bad drill file is named with its line, column and reason.
+
+Files:
+", socket_file!(), "
+See also:
+  connguard-stats(8), connguard-events(8)
+"))]
+    Drill {
+        #[command(subcommand)]
+        action: DrillAction,
+    },
     /// Ask the running daemon to re-read its policy file.
     ///
     /// The daemon reads the whole file first: a bad file is rejected and the policy in
@@ -529,6 +552,75 @@ pub struct NetnsArgs {
     /// Control socket of a running daemon, which adds TIME_WAIT rates, the scopes
     /// holding the ports, EADDRNOTAVAIL counts and scope counters (skipped when none
     /// answers).
+    #[arg(long, value_name = "PATH", default_value = DEFAULT_SOCKET)]
+    pub socket: PathBuf,
+}
+
+/// `connguard drill` actions.
+#[derive(Subcommand)]
+pub enum DrillAction {
+    /// Start a drill from a file, from flags, or from a file with flags over its keys.
+    Start(Box<DrillStart>),
+    /// End a running drill.
+    Stop {
+        name: String,
+        #[arg(long, value_name = "PATH", default_value = DEFAULT_SOCKET)]
+        socket: PathBuf,
+    },
+    /// List the running drills and the last ended ones, with their counts.
+    List {
+        /// Print JSON: {"drills": [DRILL, ...]} (docs/drills.md).
+        #[arg(long)]
+        json: bool,
+        #[arg(long, value_name = "PATH", default_value = DEFAULT_SOCKET)]
+        socket: PathBuf,
+    },
+}
+
+/// `connguard drill start`'s arguments.
+#[derive(Args)]
+pub struct DrillStart {
+    /// A drill file (TOML; docs/drills.md).
+    pub file: Option<PathBuf>,
+    #[arg(long)]
+    pub name: Option<String>,
+    /// The scope whose connects are faulted.
+    #[arg(long)]
+    pub scope: Option<String>,
+    /// refuse, blackhole or delay.
+    #[arg(long)]
+    pub fault: Option<String>,
+    /// The chance an attempt of the target is faulted, in [0, 1].
+    #[arg(long)]
+    pub probability: Option<f64>,
+    /// How long it runs, like 30s or 5min.
+    #[arg(long)]
+    pub duration: Option<String>,
+    /// At most this many faults.
+    #[arg(long)]
+    pub max_faults: Option<i64>,
+    /// At most this fraction of the target's attempts faulted per window.
+    #[arg(long)]
+    pub max_fraction: Option<f64>,
+    /// The window of --max-fraction, like 10s.
+    #[arg(long)]
+    pub window: Option<String>,
+    /// Destination address or CIDR (repeat for more).
+    #[arg(long)]
+    pub dst: Vec<String>,
+    /// Destination port or range (repeat for more).
+    #[arg(long)]
+    pub ports: Vec<String>,
+    /// Refuse: the errno connect() fails with.
+    #[arg(long)]
+    pub errno: Option<String>,
+    /// Abort when the target's success ratio falls below this.
+    #[arg(long)]
+    pub abort_min_success_ratio: Option<f64>,
+    /// Abort when a GET of this http:// URL fails.
+    #[arg(long)]
+    pub abort_http: Option<String>,
+    /// The daemon's control socket.
     #[arg(long, value_name = "PATH", default_value = DEFAULT_SOCKET)]
     pub socket: PathBuf,
 }

@@ -5,7 +5,7 @@ use std::{path::Path, process::ExitCode};
 
 use clap::Parser;
 use connguard::{
-    cli::{self, Cli, Command, NetnsArgs},
+    cli::{self, Cli, Command, DrillAction, NetnsArgs},
     control::client,
     daemon,
     diagnose::{attribution, listeners, ports},
@@ -19,6 +19,7 @@ use connguard::{
 };
 use connguard_api::{
     control::{EventsReply, ReloadReply, Request, ScopeReply},
+    drill::DrillsReply,
     fleet::FleetView,
     kernel::Features,
     listeners::ListenersReport,
@@ -181,6 +182,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 }
             }
         }
+        Command::Drill { action } => return drill(action),
         Command::Stop { socket, state_dir } => daemon::stop(&socket, &state_dir)?,
         Command::Completions { shell } => cli::manual::print_completions(shell),
         Command::Man { dir } => {
@@ -291,4 +293,90 @@ fn listeners_report(name: &str, socket: &Path) -> anyhow::Result<ListenersReport
         }
     }
     Ok(report)
+}
+
+/// `connguard drill start|stop|list`.
+fn drill(action: DrillAction) -> anyhow::Result<ExitCode> {
+    let (socket, request, json) = match action {
+        DrillAction::Start(args) => {
+            let cli::DrillStart {
+                file,
+                name,
+                scope,
+                fault,
+                probability,
+                duration,
+                max_faults,
+                max_fraction,
+                window,
+                dst,
+                ports,
+                errno,
+                abort_min_success_ratio,
+                abort_http,
+                socket,
+            } = *args;
+            use toml::Value;
+            let text = |v: Option<String>| v.map(Value::String);
+            let list = |v: Vec<String>| {
+                (!v.is_empty()).then(|| Value::Array(v.into_iter().map(Value::String).collect()))
+            };
+            let flags: Vec<(&str, Value)> = [
+                ("name", text(name)),
+                ("scope", text(scope)),
+                ("fault", text(fault)),
+                ("probability", probability.map(Value::Float)),
+                ("duration", text(duration)),
+                ("max_faults", max_faults.map(Value::Integer)),
+                ("max_fraction", max_fraction.map(Value::Float)),
+                ("window", text(window)),
+                ("dst", list(dst)),
+                ("ports", list(ports)),
+                ("errno", text(errno)),
+                (
+                    "abort.min_success_ratio",
+                    abort_min_success_ratio.map(Value::Float),
+                ),
+                ("abort.http", text(abort_http)),
+            ]
+            .into_iter()
+            .filter_map(|(k, v)| Some((k, v?)))
+            .collect();
+            let spec = match (&file, flags.is_empty()) {
+                (Some(f), true) => policy::drill::load_file(f),
+                (f, _) => {
+                    let base = f
+                        .as_ref()
+                        .map(std::fs::read_to_string)
+                        .transpose()
+                        .map_err(|e| anyhow::anyhow!("reading the drill file: {e}"))?;
+                    let source = match f {
+                        Some(f) => format!("{} with the command line's flags", f.display()),
+                        None => "the command line's flags".into(),
+                    };
+                    policy::drill::parse(
+                        &policy::drill::from_flags(base.as_deref(), &flags),
+                        &source,
+                    )
+                }
+            };
+            let spec = match spec {
+                Ok(s) => s,
+                Err(e) => {
+                    eprintln!("{e}");
+                    return Ok(ExitCode::FAILURE);
+                }
+            };
+            (socket, Request::DrillStart(Box::new(spec)), false)
+        }
+        DrillAction::Stop { name, socket } => (socket, Request::DrillStop(name), false),
+        DrillAction::List { json, socket } => (socket, Request::DrillList, json),
+    };
+    let reply: DrillsReply = client::ask(&socket, request)?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&reply)?);
+    } else {
+        print!("{}", table::drills(&reply));
+    }
+    Ok(ExitCode::SUCCESS)
 }

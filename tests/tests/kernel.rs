@@ -376,6 +376,7 @@ fn without_optional_features_counts_stay_exact_and_sheds_fail_with_eperm() {
             "audit",
             "lease",
             "cgroup_rescan",
+            "drills",
             "time_wait_rates",
             "listener_watch",
             "listener_heartbeat",

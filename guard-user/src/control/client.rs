@@ -12,7 +12,7 @@ use serde::de::DeserializeOwned;
 
 /// Asks a running daemon; fails with the daemon's error when it answers with one.
 pub fn ask<T: DeserializeOwned>(socket: &Path, request: Request) -> anyhow::Result<T> {
-    answer(send(connect(socket)?, request)?, request)
+    answer(send(connect(socket)?, &request)?, &request)
 }
 
 /// Asks the daemon if one listens on `socket`: None when none does, for tools that work
@@ -23,13 +23,13 @@ pub fn ask_if_running<T: DeserializeOwned>(
     request: Request,
 ) -> anyhow::Result<Option<T>> {
     match connect(socket) {
-        Ok(stream) => answer(send(stream, request)?, request).map(Some),
+        Ok(stream) => answer(send(stream, &request)?, &request).map(Some),
         Err(_) => Ok(None),
     }
 }
 
 /// The daemon's answer on `stream`, decoded.
-fn answer<T: DeserializeOwned>(mut stream: UnixStream, request: Request) -> anyhow::Result<T> {
+fn answer<T: DeserializeOwned>(mut stream: UnixStream, request: &Request) -> anyhow::Result<T> {
     let mut text = String::new();
     stream
         .read_to_string(&mut text)
@@ -42,7 +42,7 @@ fn answer<T: DeserializeOwned>(mut stream: UnixStream, request: Request) -> anyh
 }
 
 /// A read error, said plainly when it is the wait of `send` running out.
-fn in_time(e: std::io::Error, request: Request) -> anyhow::Error {
+fn in_time(e: std::io::Error, request: &Request) -> anyhow::Error {
     match e.kind() {
         std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
             anyhow::anyhow!("the daemon did not answer `{request}` in time")
@@ -59,7 +59,7 @@ fn connect(socket: &Path) -> anyhow::Result<UnixStream> {
 }
 
 /// Sends one request to the daemon on `stream`; its JSON answer is on the returned stream.
-fn send(stream: UnixStream, request: Request) -> anyhow::Result<UnixStream> {
+fn send(stream: UnixStream, request: &Request) -> anyhow::Result<UnixStream> {
     // A stalled daemon must not freeze the caller (`top` polls every second); a reload
     // walks the cgroup tree, which takes seconds on hosts with tens of thousands of
     // cgroups and far longer on a slow machine (docs/performance.md), and gets as long
@@ -107,11 +107,11 @@ fn send_all(stream: &UnixStream, mut bytes: &[u8]) -> std::io::Result<()> {
 /// then a newline; fails with the daemon's error when it answers with one.
 pub fn copy_stats(socket: &Path, out: &mut impl Write) -> anyhow::Result<()> {
     let request = Request::Stats { top: None };
-    let mut answer = BufReader::with_capacity(1 << 16, send(connect(socket)?, request)?);
+    let mut answer = BufReader::with_capacity(1 << 16, send(connect(socket)?, &request)?);
     // An error answer is a small {"error": ...} object; a snapshot starts {"policy":.
     let mut head = Vec::new();
     while head.len() < ERROR_HEAD.len() {
-        let chunk = answer.fill_buf().map_err(|e| in_time(e, request))?;
+        let chunk = answer.fill_buf().map_err(|e| in_time(e, &request))?;
         if chunk.is_empty() {
             break;
         }
@@ -130,7 +130,7 @@ pub fn copy_stats(socket: &Path, out: &mut impl Write) -> anyhow::Result<()> {
     out.write_all(&head)?;
     let mut last = last_byte(&head);
     loop {
-        let chunk = answer.fill_buf().map_err(|e| in_time(e, request))?;
+        let chunk = answer.fill_buf().map_err(|e| in_time(e, &request))?;
         if chunk.is_empty() {
             break;
         }

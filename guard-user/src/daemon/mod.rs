@@ -21,13 +21,14 @@
 //!   that no destination it lists is forgotten meanwhile), before every lock the
 //!   snapshot takes. Only `Scrapes`' two methods take it, first.
 //! - `status` (the policy's generation and last error), `counts` (the counters, and the
-//!   TIME_WAIT rates sampled from them), `port_watch`, `events`, `lease`: each taken
-//!   alone, with no other lock taken while it is held.
+//!   TIME_WAIT rates sampled from them), `port_watch`, `events`, `lease`, `drills`: each
+//!   taken alone, with no other lock taken while it is held.
 //!
 //! A snapshot takes each lock in turn, copies what it needs and lets it go before the
 //! next; it is built and sent with none held (but `scrapes`). The walks of the cgroup
 //! tree, seconds on hosts with tens of thousands of cgroups, are made holding none of
 //! the locks `stats` needs.
+mod drills;
 mod fleet;
 mod govern;
 mod health;
@@ -43,7 +44,7 @@ mod workloads;
 
 use std::{
     path::{Path, PathBuf},
-    sync::{Mutex, MutexGuard, PoisonError},
+    sync::{Arc, Mutex, MutexGuard, PoisonError},
     time::{Duration, Instant},
 };
 
@@ -58,7 +59,9 @@ use crate::{
     cli::RuntimeSockets,
     control::{self},
     diagnose::attribution::TimeWaitRates,
-    enforce::{audit::Audit, counters::Counters, lease::Lease, port_watch::PortWatch},
+    enforce::{
+        audit::Audit, counters::Counters, drills::Drills, lease::Lease, port_watch::PortWatch,
+    },
     host::cgroup_watch::CgroupWatch,
     kernel::state::{self, State},
     policy::{self, Policy},
@@ -134,6 +137,8 @@ struct Daemon {
     /// What the kernel reported through EVENTS, named.
     events: Mutex<EventLog>,
     lease: Mutex<Lease>,
+    /// The drills; shared with their HTTP checks' tasks.
+    drills: Arc<Mutex<Drills>>,
     scrapes: Scrapes,
     /// The policy's fleet budgets: this host's shares, and the sync with etcd.
     fleet: fleet::FleetPart,

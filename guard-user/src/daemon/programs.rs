@@ -1,7 +1,7 @@
 //! The loaded programs and where they are attached, under three locks taken in one
 //! order: the policy in force with the cgroups it governs (`Generations`), then the
 //! loaded object (`Ebpf`), then the listener guard, then the host-wide programs
-//! (`Backstop`, also held alone to read). The object is reached only through
+//! (`Backstop`, also held alone to read), or the drills' egress links. The object is reached only through
 //! the generations' guard (`GenerationsGuard::ebpf`), and the listener guard through
 //! the object's (`EbpfGuard::listeners`), to attach; the listener guard is also held
 //! alone, by the methods here that take no other lock, for the listener watchers, which
@@ -10,17 +10,18 @@
 use std::{
     collections::HashMap,
     ops::{Deref, DerefMut},
+    path::PathBuf,
     sync::{Mutex, MutexGuard},
 };
 
-use aya::Ebpf;
+use aya::{Ebpf, programs::cgroup_skb::CgroupSkbLink};
 
 use super::lock;
 use connguard_api::stats::{CallerTables, ListenerStats};
 
 use crate::{
     enforce::generations::Generations,
-    kernel::backstop::Backstop,
+    kernel::{backstop::Backstop, object},
     listen::{ListenerGuard, Reading},
     policy::ListenerPolicy,
 };
@@ -30,6 +31,8 @@ pub struct Programs {
     ebpf: Mutex<Ebpf>,
     listeners: Mutex<ListenerGuard>,
     backstop: Mutex<Backstop>,
+    /// `drill_egress`'s links, by cgroup directory: taken after the object's lock.
+    drill_egress: Mutex<Vec<(PathBuf, CgroupSkbLink)>>,
 }
 
 /// The generations' lock, held; hands out the object's.
@@ -57,7 +60,37 @@ impl Programs {
             ebpf: Mutex::new(ebpf),
             listeners: Mutex::new(listeners),
             backstop: Mutex::new(backstop),
+            drill_egress: Mutex::new(Vec::new()),
         }
+    }
+
+    /// Attaches `drill_egress` to every cgroup the connection programs are attached to
+    /// (`wanted`), or detaches it from all. The program drops only packets of sockets a
+    /// drill marked; descendants of these cgroups run it too.
+    pub fn sync_drill_egress(&self, wanted: bool) -> anyhow::Result<()> {
+        let mut g = self.generations();
+        let dirs = if wanted {
+            g.attached_dirs()
+        } else {
+            Vec::new()
+        };
+        let (_, mut ebpf) = g.ebpf();
+        let mut links = lock(&self.drill_egress);
+        // A dropped link detaches (it is not pinned).
+        links.retain(|(dir, _)| dirs.contains(dir));
+        let mut first_error = None;
+        for dir in dirs {
+            if links.iter().any(|(d, _)| *d == dir) {
+                continue;
+            }
+            match object::attach_drill_egress(&mut ebpf, &dir) {
+                Ok(link) => links.push((dir, link)),
+                Err(e) => {
+                    first_error.get_or_insert(e.context(format!("{}", dir.display())));
+                }
+            }
+        }
+        first_error.map_or(Ok(()), Err)
     }
 
     /// Takes the generations' lock, the first.

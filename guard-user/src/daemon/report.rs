@@ -61,6 +61,7 @@ impl Daemon {
             kernel: Some(self.features.clone()),
             runtimes: self.workloads.runtimes(),
             fleet: self.fleet.status(),
+            drills: lock(&self.drills).list(),
         }
     }
 
@@ -99,6 +100,9 @@ impl Handler for Daemon {
                 Ok(view) => Reply::Fleet(view),
                 Err(e) => Reply::error(e),
             },
+            Request::DrillStart(spec) => self.drill_start(*spec),
+            Request::DrillStop(name) => self.drill_stop(&name),
+            Request::DrillList => Reply::Drills(self.drill_list()),
             Request::Stop => {
                 self.stop.notify_one();
                 Reply::Stop(StopReply { stopping: true })

@@ -30,6 +30,7 @@ use crate::{
     enforce::{
         audit::Audit,
         counters::Counters,
+        drills::Drills,
         generations::Generations,
         lease::Lease,
         port_watch::PortWatch,
@@ -41,7 +42,7 @@ use crate::{
         backstop::{self, Backstop, Tracepoints},
         batch,
         features::{Feature, KernelFeatures},
-        maps::{CounterMaps, Hashed, ListenerMaps, Maps, PolicyMaps},
+        maps::{CounterMaps, DrillMaps, Hashed, ListenerMaps, Maps, PolicyMaps},
         object,
         state::{self, State},
         syscall,
@@ -169,6 +170,7 @@ pub struct Loaded {
     /// Renewed: the programs shed from the first connect they see.
     lease: Lease,
     audit: Audit,
+    drill_maps: DrillMaps,
 }
 
 /// Loads the object with the code of the controls the first policy uses, with the
@@ -208,6 +210,7 @@ pub fn load(opts: &Options, host: &Host) -> anyhow::Result<(Loaded, RingBuf<MapD
         port_use,
         listeners: listener_maps,
         lease: lease_map,
+        drills: drill_maps,
     } = Maps::take(&mut ebpf)?;
     let ring = RingBuf::try_from(
         ebpf.take_map(guard_common::names::map::EVENTS)
@@ -235,6 +238,7 @@ pub fn load(opts: &Options, host: &Host) -> anyhow::Result<(Loaded, RingBuf<MapD
         listener_maps,
         lease,
         audit,
+        drill_maps,
     };
     Ok((loaded, ring))
 }
@@ -299,6 +303,7 @@ pub fn adopt(opts: &Options, host: Host, loaded: Loaded) -> anyhow::Result<(Arc<
         port_watch: Mutex::new(PortWatch::new(loaded.port_use)),
         events: Mutex::default(),
         lease: Mutex::new(loaded.lease),
+        drills: Arc::new(Mutex::new(Drills::new(loaded.drill_maps))),
         scrapes: Scrapes::default(),
         fleet,
     });

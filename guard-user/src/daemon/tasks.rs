@@ -60,6 +60,12 @@ impl Daemon {
         self.workloads.on_change(move || d.workloads_changed());
         let d = self.clone();
         self.jobs.spawn(
+            "drills",
+            super::drills::DRILL_POLL,
+            Arc::new(move || d.drill_tick()),
+        );
+        let d = self.clone();
+        self.jobs.spawn(
             "time_wait_rates",
             SAMPLE_EVERY,
             Arc::new(move || {

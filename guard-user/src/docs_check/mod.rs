@@ -32,8 +32,8 @@ use clap::CommandFactory;
 use regex::Regex;
 
 use connguard_api::{
-    events::EventRecord, fleet::FleetView, kernel::Features, listeners::ListenersReport,
-    ports::PortsReport, stats::Snapshot,
+    drill::DrillsReply, events::EventRecord, fleet::FleetView, kernel::Features,
+    listeners::ListenersReport, ports::PortsReport, stats::Snapshot,
 };
 
 use crate::{cli::Cli, policy, report::prometheus};
@@ -74,7 +74,14 @@ fn toml_examples_are_policies_the_parser_takes() {
                 continue;
             }
             checked += 1;
-            match (words.next(), policy::parse(text, "policy.toml")) {
+            let word = words.next();
+            if word == Some("drill") {
+                if let Err(e) = policy::drill::parse(text, "drill.toml") {
+                    problems.push(format!("{}: the drill parser refuses it: {e}", doc.at(*at)));
+                }
+                continue;
+            }
+            match (word, policy::parse(text, "policy.toml")) {
                 (Some("fragment"), _) => {}
                 (None, Ok(_)) => {}
                 (None, Err(e)) => problems.push(format!("{}: the parser refuses it: {e}", doc.at(*at))),
@@ -99,7 +106,7 @@ fn toml_examples_are_policies_the_parser_takes() {
                     )),
                 },
                 (Some(other), _) => problems.push(format!(
-                    "{}: ```toml {other}: the words known after toml are fragment and error",
+                    "{}: ```toml {other}: the words known after toml are fragment, error and drill",
                     doc.at(*at)
                 )),
             }
@@ -321,22 +328,35 @@ fn every_metric_is_documented_and_every_documented_metric_exists() {
 type Subcommands = BTreeMap<String, (BTreeMap<String, bool>, Vec<String>)>;
 
 fn subcommands() -> Subcommands {
-    Cli::command()
-        .get_subcommands()
-        .map(|sub| {
-            let mut flags = BTreeMap::new();
-            let mut positionals = Vec::new();
-            for arg in sub.get_arguments() {
-                if let Some(long) = arg.get_long() {
-                    flags.insert(format!("--{long}"), arg.is_hide_set());
-                } else if arg.is_positional() {
-                    let names = arg.get_value_names().unwrap_or_default();
-                    positionals.extend(names.iter().map(|n| n.to_string()));
-                }
-            }
-            (sub.get_name().to_string(), (flags, positionals))
-        })
-        .collect()
+    // A command with subcommands of its own (`drill`) is documented by theirs, named
+    // `drill start`.
+    let root = Cli::command();
+    let mut out = Subcommands::new();
+    for sub in root.get_subcommands() {
+        let nested: Vec<_> = sub.get_subcommands().collect();
+        if nested.is_empty() {
+            out.insert(sub.get_name().to_string(), arguments(sub));
+        }
+        for n in nested {
+            out.insert(format!("{} {}", sub.get_name(), n.get_name()), arguments(n));
+        }
+    }
+    out
+}
+
+/// A command's flags (hidden or not) and the value names of its positionals.
+fn arguments(cmd: &clap::Command) -> (BTreeMap<String, bool>, Vec<String>) {
+    let mut flags = BTreeMap::new();
+    let mut positionals = Vec::new();
+    for arg in cmd.get_arguments() {
+        if let Some(long) = arg.get_long() {
+            flags.insert(format!("--{long}"), arg.is_hide_set());
+        } else if arg.is_positional() {
+            let names = arg.get_value_names().unwrap_or_default();
+            positionals.extend(names.iter().map(|n| n.to_string()));
+        }
+    }
+    (flags, positionals)
 }
 
 /// Flags every command takes from clap.
@@ -402,15 +422,24 @@ fn every_connguard_command_named_in_the_docs_exists() {
         for (code, at) in doc.code() {
             if let Some(caps) = invocation.captures(code.trim()) {
                 seen += 1;
-                let name = &caps[1];
-                let Some((flags, _)) = subs.get(name) else {
+                let (mut name, mut args) = (caps[1].to_string(), caps[2].to_string());
+                // `connguard drill start ...`: the nested subcommand's own.
+                if let Some((word, rest)) = args
+                    .trim_start()
+                    .split_once(' ')
+                    .or(Some((args.trim(), "")))
+                    && subs.contains_key(&format!("{name} {word}"))
+                {
+                    (name, args) = (format!("{name} {word}"), rest.to_string());
+                }
+                let Some((flags, _)) = subs.get(&name) else {
                     problems.push(format!(
                         "{}: `connguard {name}` is no subcommand",
                         doc.at(at)
                     ));
                     continue;
                 };
-                for flag in command_flags(&caps[2]) {
+                for flag in command_flags(&args) {
                     if !flags.contains_key(&flag) && !CLAP_FLAGS.contains(&flag.as_str()) {
                         problems.push(format!(
                             "{}: `connguard {name}` takes no `{flag}`",
@@ -456,6 +485,10 @@ fn json_outputs() -> Vec<(&'static str, BTreeSet<String>)> {
         ("events", fullest::fields(&fullest::value::<EventRecord>())),
         ("kernel", fullest::fields(&fullest::value::<Features>())),
         ("fleet", fullest::fields(&fullest::value::<FleetView>())),
+        (
+            "drill list",
+            fullest::fields(&fullest::value::<DrillsReply>()),
+        ),
     ]
 }
 

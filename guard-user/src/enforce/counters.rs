@@ -51,7 +51,7 @@ impl Counters {
     pub fn dump(&self, (scopes, rules): (u32, u32)) -> CounterDump {
         CounterDump {
             destinations: self.destinations(),
-            scopes: batch::array_prefix(&self.maps.scope_counters, scopes),
+            scopes: self.scope_counters(scopes),
             rules: batch::array_prefix(&self.maps.rule_counters, rules),
             time_wait_created: self.time_wait_created(),
             eaddrnotavail: self.eaddrnotavail(),
@@ -60,6 +60,11 @@ impl Counters {
             lease_expired: self.stat(STAT_LEASE_EXPIRED),
             lost_events: self.stat(STAT_LOST_EVENTS),
         }
+    }
+
+    /// The counters of the scope ids below `scopes`, by id.
+    pub fn scope_counters(&self, scopes: u32) -> Vec<Counter> {
+        batch::array_prefix(&self.maps.scope_counters, scopes)
     }
 
     /// The counter of rule `id`, all its connections together.

@@ -1,9 +1,10 @@
 //! Enforcement: which cgroups each scope governs, the policy generations in the kernel
 //! and their atomic switch, the counters the programs keep, port watermarks, and the
-//! lease the programs shed under.
+//! lease the programs shed under, and the chaos drills they fault by.
 pub mod audit;
 pub mod breakers;
 pub mod counters;
+pub mod drills;
 pub mod generations;
 pub mod ids;
 pub mod lease;

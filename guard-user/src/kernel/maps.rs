@@ -11,6 +11,7 @@ use guard_common::{
     Breaker, Candidates, CgroupKey, Counter, CounterKey, EaddrKey, IdKey, ListenerEntry,
     ListenerKey, PortUseKey, RstKey, RuleAddrKey, ScopeConf, TimeWaitKey,
     callers::{CallerCount, CallerKey, PerSourceTotals, SourceState},
+    drill::{DrillConf, DrillCounts},
     names::map,
 };
 
@@ -56,7 +57,15 @@ pub struct ListenerMaps {
     pub per_source_totals: Hashed<u32, PerSourceTotals>,
 }
 
-/// The maps the daemon uses. SOCKS (socket storage) is the programs' alone.
+/// Drills (guard_common::drill), by scope id: what the daemon sets, what the programs
+/// count.
+pub struct DrillMaps {
+    pub conf: Array<MapData, DrillConf>,
+    pub counts: Array<MapData, DrillCounts>,
+}
+
+/// The maps the daemon uses. SOCKS and DRILL_SOCKS (socket storage) are the programs'
+/// alone.
 pub struct Maps {
     pub policy: PolicyMaps,
     pub counters: CounterMaps,
@@ -64,6 +73,7 @@ pub struct Maps {
     pub port_use: Hashed<PortUseKey, u32>,
     pub listeners: ListenerMaps,
     pub lease: Lease,
+    pub drills: DrillMaps,
 }
 
 impl Maps {
@@ -99,6 +109,10 @@ impl Maps {
                 per_source_totals: take(ebpf, map::PER_SOURCE_TOTALS)?,
             },
             lease: take(ebpf, map::LEASE)?,
+            drills: DrillMaps {
+                conf: take(ebpf, map::DRILLS)?,
+                counts: take(ebpf, map::DRILL_COUNTS)?,
+            },
         })
     }
 }

@@ -3,8 +3,9 @@ use anyhow::{Context, bail};
 use aya::{
     Btf, Ebpf, EbpfLoader,
     programs::{
-        BtfTracePoint, CgroupSock, CgroupSockAddr, CgroupSockopt, SchedClassifier, SockOps,
-        TcAttachType,
+        BtfTracePoint, CgroupAttachMode, CgroupSkb, CgroupSkbAttachType, CgroupSock,
+        CgroupSockAddr, CgroupSockopt, SchedClassifier, SockOps, TcAttachType,
+        cgroup_skb::CgroupSkbLink,
         links::LinkOrder,
         tc::{NlOptions, SchedClassifierLink, TcAttachOptions},
     },
@@ -110,6 +111,9 @@ pub fn load(features: &Features, state: &State, controls: u32) -> anyhow::Result
     let name = program::ADJUST;
     let prog: &mut SchedClassifier = program(&mut ebpf, name)?.try_into()?;
     prog.load().with_context(|| format!("loading {name}"))?;
+    let name = program::DRILL_EGRESS;
+    let prog: &mut CgroupSkb = program(&mut ebpf, name)?.try_into()?;
+    prog.load().with_context(|| format!("loading {name}"))?;
     let name = program::SEED;
     let prog: &mut CgroupSockopt = program(&mut ebpf, name)?.try_into()?;
     prog.load().with_context(|| format!("loading {name}"))?;
@@ -173,6 +177,22 @@ pub fn attach_listener(
 /// clsact filter is removed by netlink there; it would outlive the process).
 pub fn detach_listener(link: SchedClassifierLink) -> anyhow::Result<()> {
     Ok(aya::programs::links::Link::detach(link)?)
+}
+
+/// Attaches `drill_egress` to the egress of the cgroup at `dir`, for as long as the
+/// caller keeps the link (it is not pinned: a daemon that exits takes it along).
+pub fn attach_drill_egress(
+    ebpf: &mut Ebpf,
+    dir: &std::path::Path,
+) -> anyhow::Result<CgroupSkbLink> {
+    let cgroup = std::fs::File::open(dir).with_context(|| format!("opening {}", dir.display()))?;
+    let prog: &mut CgroupSkb = program(ebpf, program::DRILL_EGRESS)?.try_into()?;
+    let id = prog.attach(
+        &cgroup,
+        CgroupSkbAttachType::Egress,
+        CgroupAttachMode::Single,
+    )?;
+    Ok(prog.take_link(id)?)
 }
 
 pub fn program<'a>(

@@ -10,6 +10,7 @@ use ipnet::IpNet;
 use crate::workload::{Identity, WorkloadSelector, selector::UnitSelector};
 
 pub mod compile;
+pub mod drill;
 mod parse;
 pub mod workloads;
 

@@ -180,26 +180,50 @@ struct RawBreaker {
 
 #[derive(Deserialize)]
 #[serde(untagged)]
-enum PortSpec {
+pub(super) enum PortSpec {
     Number(i64),
     Text(String),
 }
 
 /// Reads and validates a policy file.
 pub fn load_file(path: &Path) -> Result<Policy, PolicyError> {
-    let file = path.display().to_string();
-    let text = std::fs::read_to_string(path).map_err(|e| PolicyError {
-        file: file.clone(),
-        line: 0,
-        column: 0,
-        reason: format!("cannot read: {e}"),
-    })?;
+    let (text, file) = read(path)?;
     parse(&text, &file)
+}
+
+/// A file's text and its name for errors.
+pub(super) fn read(path: &Path) -> Result<(String, String), PolicyError> {
+    let file = path.display().to_string();
+    match std::fs::read_to_string(path) {
+        Ok(text) => Ok((text, file)),
+        Err(e) => Err(PolicyError {
+            file,
+            line: 0,
+            column: 0,
+            reason: format!("cannot read: {e}"),
+        }),
+    }
+}
+
+/// Makes errors at a byte range of `text`, named by `file`, line and column.
+pub(super) fn locator<'a>(
+    text: &'a str,
+    file: &'a str,
+) -> impl Fn(Range<usize>, String) -> PolicyError + 'a {
+    move |span: Range<usize>, reason: String| {
+        let (line, column) = line_col(text, span.start);
+        PolicyError {
+            file: file.to_string(),
+            line,
+            column,
+            reason,
+        }
+    }
 }
 
 /// Why a scope or rule name cannot be used, if it cannot: counts are kept by name in a
 /// pinned map whose keys hold [`MAX_NAME`] bytes.
-fn bad_name(name: &str) -> Option<String> {
+pub(super) fn bad_name(name: &str) -> Option<String> {
     if name.is_empty() {
         Some("must not be empty".into())
     } else if name.len() > MAX_NAME {
@@ -213,15 +237,7 @@ fn bad_name(name: &str) -> Option<String> {
 
 /// Parses and validates policy text; `file` names it in errors and in `source`.
 pub fn parse(text: &str, file: &str) -> Result<Policy, PolicyError> {
-    let at = |span: Range<usize>, reason: String| {
-        let (line, column) = line_col(text, span.start);
-        PolicyError {
-            file: file.to_string(),
-            line,
-            column,
-            reason,
-        }
-    };
+    let at = locator(text, file);
     let raw: RawPolicy = toml::from_str(text)
         .map_err(|e| at(e.span().unwrap_or(0..0), e.message().trim().to_string()))?;
     let listeners = parse_listeners(raw.listener, &at)?;
@@ -996,7 +1012,7 @@ fn parse_rate(text: &str) -> Result<(u64, RateUnit), String> {
 }
 
 /// An errno name of [`ERRNOS`].
-fn parse_errno(
+pub(super) fn parse_errno(
     e: &Option<Spanned<String>>,
     at: &impl Fn(Range<usize>, String) -> PolicyError,
 ) -> Result<Option<i32>, PolicyError> {
@@ -1098,7 +1114,7 @@ fn parse_breaker(
 }
 
 /// `N` followed by `ms`, `s` or `min`, in ns; N a whole number, at least 1.
-fn parse_duration(text: &str) -> Result<u64, String> {
+pub(super) fn parse_duration(text: &str) -> Result<u64, String> {
     let t = text.trim();
     let digits = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (n, unit) = t.split_at(digits);
@@ -1152,7 +1168,7 @@ fn parse_ramp(steps: &[Spanned<i64>]) -> Result<Vec<u8>, String> {
 }
 
 /// A fraction in (0, 1] of `of`, kept in thousandths (at least 1).
-fn fraction(
+pub(super) fn fraction(
     v: &Option<Spanned<f64>>,
     key: &str,
     of: &str,
@@ -1174,7 +1190,7 @@ fn fraction(
 }
 
 /// A count of at least 1; leaving the key out means none.
-fn at_least_one(
+pub(super) fn at_least_one(
     v: &Option<Spanned<i64>>,
     key: &str,
     at: &impl Fn(Range<usize>, String) -> PolicyError,
@@ -1193,7 +1209,7 @@ fn at_least_one(
 }
 
 /// An address or CIDR; host bits must be zero.
-fn parse_net(s: &str) -> Result<IpNet, String> {
+pub(super) fn parse_net(s: &str) -> Result<IpNet, String> {
     let s = s.trim();
     if let Ok(ip) = s.parse::<IpAddr>() {
         return Ok(IpNet::from(ip));
@@ -1210,7 +1226,7 @@ fn parse_net(s: &str) -> Result<IpNet, String> {
     Ok(net)
 }
 
-fn parse_ports(p: &PortSpec) -> Result<PortRange, String> {
+pub(super) fn parse_ports(p: &PortSpec) -> Result<PortRange, String> {
     let port = |n: i64| -> Result<u16, String> {
         if (1..=65535).contains(&n) {
             Ok(n as u16)

@@ -97,6 +97,8 @@ pub fn record(
         failures: opened.then_some(ev.failures),
         slow: opened.then_some(ev.slow),
         open_ms: opened.then_some(ev.open_ns / 1_000_000),
+        drill: None,
+        reason: None,
     }
 }
 
@@ -126,18 +128,17 @@ impl EventLog {
         unix_ms_at_boot: u64,
         workload: impl Fn(&str) -> Option<String>,
     ) {
+        self.push_own(record(ev, ids, guards, 0, unix_ms_at_boot, workload));
+    }
+
+    /// Adds an event the daemon itself reports (a drill's), numbered here.
+    pub fn push_own(&mut self, mut record: EventRecord) {
         self.last_seq += 1;
+        record.seq = self.last_seq;
         if self.events.len() == EVENT_LOG {
             self.events.pop_front();
         }
-        self.events.push_back(record(
-            ev,
-            ids,
-            guards,
-            self.last_seq,
-            unix_ms_at_boot,
-            workload,
-        ));
+        self.events.push_back(record);
     }
 
     /// The events after `since`, and the sequence number to ask after next.

@@ -146,6 +146,7 @@ pub fn render(snap: &Snapshot, exported: &mut Exported) -> String {
     jobs(&mut reg, snap);
     runtimes(&mut reg, snap);
     fleet(&mut reg, snap);
+    drills(&mut reg, snap);
     daemon.fill(snap);
     let mut out = String::new();
     encode(&mut out, &reg).expect("writing to a String cannot fail");
@@ -590,6 +591,46 @@ fn jobs(reg: &mut Registry, snap: &Snapshot) {
     }
 }
 
+/// The drills `stats` lists (running, and the last ended), each run its own series:
+/// `started` (ms since the Unix epoch) tells two runs of one name apart, so that a
+/// counter never restarts under the same labels.
+fn drills(reg: &mut Registry, snap: &Snapshot) {
+    let attempts = counter(
+        reg,
+        "drill_attempts",
+        "Connection attempts of a drill's target while it ran",
+    );
+    let faults = counter(
+        reg,
+        "drill_faults",
+        "Connection attempts a drill faulted (apart from sheds)",
+    );
+    let capped = counter(
+        reg,
+        "drill_capped",
+        "Attempts a drill's probability chose that its blast-radius cap let through",
+    );
+    let running = gauge(reg, "drill_running", "1 while the drill runs");
+    let aborted = gauge(
+        reg,
+        "drill_aborted",
+        "1 when the drill was aborted (its steady state broke)",
+    );
+    for d in &snap.drills {
+        let l = vec![
+            ("drill", d.spec.name.clone()),
+            ("scope", d.spec.scope.clone()),
+            ("fault", d.spec.fault.to_string()),
+            ("started", d.started_unix_ms.to_string()),
+        ];
+        attempts.get_or_create(&l).inc_by(d.attempts);
+        faults.get_or_create(&l).inc_by(d.faulted);
+        capped.get_or_create(&l).inc_by(d.capped);
+        running.get_or_create(&l).set((d.state == "running") as i64);
+        aborted.get_or_create(&l).set((d.state == "aborted") as i64);
+    }
+}
+
 /// OpenMetrics text, which prometheus_client writes, as Prometheus text format 0.0.4,
 /// which /metrics serves: a counter family is named as its samples are, with `_total`,
 /// and there is no `# EOF`. Read as 0.0.4, OpenMetrics counters are samples of a family
@@ -684,6 +725,7 @@ mod tests {
             kernel: None,
             runtimes: Vec::new(),
             fleet: None,
+            drills: Vec::new(),
         }
     }
 

@@ -2,6 +2,7 @@
 use std::fmt::Write;
 
 use connguard_api::{
+    drill::DrillsReply,
     fleet::FleetView,
     stats::{ScopeStats, Snapshot},
 };
@@ -209,6 +210,49 @@ pub fn fleet(view: &FleetView) -> String {
                 h.identity, h.has, h.active, h.wants, h.weight, h.floor
             );
         }
+    }
+    out
+}
+
+/// The readable form of `connguard drill list` (and of a drill started or stopped).
+pub fn drills(reply: &DrillsReply) -> String {
+    let mut out = String::new();
+    if reply.drills.is_empty() {
+        out.push_str("no drills\n");
+    }
+    for d in &reply.drills {
+        let s = &d.spec;
+        let mut caps = Vec::new();
+        if let Some(k) = s.max_faults {
+            caps.push(format!("at most {k} faults"));
+        }
+        if let Some(f) = s.max_fraction {
+            caps.push(format!(
+                "at most {f} of attempts per {} ms",
+                s.window_ms.unwrap_or(10_000)
+            ));
+        }
+        let _ = writeln!(
+            out,
+            "drill {}: {}{} scope {} {}, p {}, {}",
+            s.name,
+            d.state,
+            d.reason
+                .as_ref()
+                .map_or(String::new(), |r| format!(" ({r})")),
+            s.scope,
+            s.fault,
+            s.probability,
+            caps.join(", ")
+        );
+        if !s.dst.is_empty() || !s.ports.is_empty() {
+            let _ = writeln!(out, "  dst {:?} ports {:?}", s.dst, s.ports);
+        }
+        let _ = writeln!(
+            out,
+            "  attempts {}  faulted {}  capped {}",
+            d.attempts, d.faulted, d.capped
+        );
     }
     out
 }

@@ -1,0 +1,94 @@
+//! Chaos drills: a fault injected on purpose into the connects of one scope, decided in
+//! the connect hooks within bounds the programs check themselves (a deadline, the
+//! daemon's lease, a cap on faults), and counted apart from sheds.
+//!
+//! `DRILLS` (written by the daemon) and `DRILL_COUNTS` (written by the programs) are
+//! arrays indexed by scope id: a scope has at most one drill at a time. `DRILL_SOCKS`
+//! marks a socket a blackhole or delay fault was given to, for `drill_egress`.
+use crate::PortRange;
+
+/// connect() fails at once with the drill's errno; no SYN leaves.
+pub const FAULT_REFUSE: u32 = 1;
+/// Every packet of the connection is dropped on its way out: the client waits its own
+/// connect timeout.
+pub const FAULT_BLACKHOLE: u32 = 2;
+/// The first SYN is dropped on its way out: the retransmit (about 1 s later, TCP's
+/// initial RTO) connects.
+pub const FAULT_DELAY: u32 = 3;
+
+/// Most destination prefixes and port ranges of one drill.
+pub const MAX_DRILL_NETS: usize = 4;
+pub const MAX_DRILL_PORTS: usize = 4;
+
+/// A destination prefix: `addr` in the maps' form, `prefix_len` of its 128 bits.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DrillNet {
+    pub addr: [u8; 16],
+    pub prefix_len: u32,
+}
+
+/// Value of `DRILLS`, at the index of the drill's scope: all zero for none.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DrillConf {
+    /// Nonzero while the drill is set; names it in `DRILL_SOCKS` marks.
+    pub serial: u32,
+    /// FAULT_*.
+    pub fault: u32,
+    /// FAULT_REFUSE: the positive errno connect() returns.
+    pub errno: u32,
+    /// The destinations the drill targets: `n_nets` prefixes (0: every destination)
+    /// and `n_ports` port ranges (0: every port).
+    pub n_nets: u32,
+    pub nets: [DrillNet; MAX_DRILL_NETS],
+    pub n_ports: u32,
+    pub ports: [PortRange; MAX_DRILL_PORTS],
+    /// An attempt of the target is faulted with probability threshold / 2^32
+    /// (2^32: every one).
+    pub threshold: u64,
+    /// CLOCK_MONOTONIC ns (bpf_ktime_get_ns) after which nothing is faulted.
+    pub deadline_ns: u64,
+    /// At most this many faults in all; 0: no such cap.
+    pub max_faults: u64,
+    /// At most `max_permille` thousandths of the target's attempts faulted in each
+    /// window of `window_ns`; `window_ns` 0: no such cap.
+    pub window_ns: u64,
+    pub max_permille: u32,
+    pub _pad: u32,
+}
+
+/// Value of `DRILL_COUNTS`, at the index of the drill's scope; every field updated
+/// with atomic instructions. Zeroed by the daemon before it sets a drill.
+/// Units: connection attempts.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DrillCounts {
+    /// Attempts of the target made while the drill ran (its scope, destinations and
+    /// ports, before the deadline, under the lease).
+    pub attempts: u64,
+    /// Attempts given the fault. Reserved before the cap is checked, and given back
+    /// by an attempt over it, so concurrent attempts never fault more than the cap.
+    pub faulted: u64,
+    /// Attempts the probability chose but a cap let through.
+    pub capped: u64,
+    /// The current window of the fraction cap: its start (CLOCK_MONOTONIC ns), and its
+    /// attempts and faults.
+    pub window_start: u64,
+    pub window_attempts: u64,
+    pub window_faulted: u64,
+}
+
+/// Value of `DRILL_SOCKS`: the fault a socket was given.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DrillMark {
+    /// The scope id of the drill (its index in `DRILLS`), and its serial: the mark
+    /// holds only while that drill is set, before its deadline.
+    pub scope_id: u32,
+    pub serial: u32,
+    /// FAULT_BLACKHOLE or FAULT_DELAY.
+    pub fault: u32,
+    /// FAULT_DELAY: 1 once the first SYN was dropped.
+    pub dropped: u32,
+}

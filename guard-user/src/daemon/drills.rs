@@ -1,0 +1,189 @@
+//! Drills, wired: `drill start`, `stop` and `list` over the control socket, the job
+//! that ends them (enforce::drills::Drills::tick), `drill_egress` attached while a
+//! blackhole or delay drill runs, and the HTTP checks.
+use std::{
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use connguard_api::{
+    control::Reply,
+    drill::{DrillSpec, DrillsReply},
+};
+use guard_common::Counter;
+use http_body_util::Empty;
+use hyper_util::{client::legacy::Client, rt::TokioExecutor};
+
+use super::{Daemon, lock};
+use crate::{
+    enforce::drills::{Drills, Target},
+    report::events::unix_ms_at_boot,
+};
+
+/// How often the drills' steady state is read: a drill is ended within this (and the
+/// read) of a broken condition.
+pub const DRILL_POLL: Duration = Duration::from_millis(100);
+/// How often a drill's HTTP check runs, and how long it waits for an answer.
+const HTTP_EVERY: Duration = Duration::from_millis(500);
+const HTTP_TIMEOUT: Duration = Duration::from_millis(400);
+
+impl Daemon {
+    pub(super) fn drill_start(&self, spec: DrillSpec) -> Reply {
+        let scopes = self.policy_scopes();
+        let Some(scope_id) = scopes
+            .iter()
+            .find(|(_, n)| *n == spec.scope)
+            .map(|(id, _)| *id)
+        else {
+            return Reply::error(format!(
+                "drill {:?}: no scope {:?} in the policy in force",
+                spec.name, spec.scope
+            ));
+        };
+        let counters = self.scope_counters();
+        let http = spec.abort.http.clone();
+        let name = spec.name.clone();
+        let started = lock(&self.drills).start(
+            spec,
+            Target {
+                scope_id,
+                scopes: &scopes,
+                counters: &counters,
+                now_ns: guard_common::monotonic_ns(),
+                unix_ms_at_boot: unix_ms_at_boot(),
+            },
+        );
+        let (view, event) = match started {
+            Ok(s) => s,
+            Err(why) => return Reply::error(format!("drill {name:?}: {why}")),
+        };
+        log::info!("{}", event.line());
+        lock(&self.events).push_own(event);
+        self.sync_drill_egress();
+        if let Some(url) = http {
+            spawn_http_check(self.drills.clone(), name, url);
+        }
+        Reply::Drills(DrillsReply { drills: vec![view] })
+    }
+
+    pub(super) fn drill_stop(&self, name: &str) -> Reply {
+        let stopped =
+            lock(&self.drills).stop(name, guard_common::monotonic_ns(), unix_ms_at_boot());
+        match stopped {
+            Ok((view, event)) => {
+                lock(&self.events).push_own(event);
+                self.sync_drill_egress();
+                Reply::Drills(DrillsReply { drills: vec![view] })
+            }
+            Err(why) => Reply::error(why),
+        }
+    }
+
+    pub(super) fn drill_list(&self) -> DrillsReply {
+        DrillsReply {
+            drills: lock(&self.drills).list(),
+        }
+    }
+
+    /// The job: ends the drills whose time is up or whose steady state broke.
+    pub(super) fn drill_tick(&self) -> anyhow::Result<()> {
+        if !lock(&self.drills).any() {
+            return Ok(());
+        }
+        let scopes = self.policy_scopes();
+        let counters = self.scope_counters();
+        let events = lock(&self.drills).tick(
+            &scopes,
+            &counters,
+            guard_common::monotonic_ns(),
+            unix_ms_at_boot(),
+        );
+        if events.is_empty() {
+            return Ok(());
+        }
+        let ended = events.iter().any(|e| e.kind != "drill_capped");
+        {
+            let mut log = lock(&self.events);
+            for e in events {
+                log.push_own(e);
+            }
+        }
+        if ended {
+            self.sync_drill_egress();
+        }
+        Ok(())
+    }
+
+    /// Attaches `drill_egress` to the governed cgroups while a drill drops packets,
+    /// and detaches it when none does.
+    fn sync_drill_egress(&self) {
+        let wanted = lock(&self.drills).drop_packets();
+        if let Err(e) = self.programs.sync_drill_egress(wanted) {
+            log::error!(
+                "drills: attaching drill_egress: {e:#}; blackhole and delay faults are counted, not made"
+            );
+        }
+    }
+
+    /// The scopes of the policy in force: (id, name).
+    fn policy_scopes(&self) -> Vec<(u32, String)> {
+        let g = self.programs.generations();
+        let (Some(policy), ids) = (g.policy(), g.ids()) else {
+            return Vec::new();
+        };
+        policy
+            .scopes
+            .iter()
+            .filter_map(|s| Some((ids.scope(&s.name)?, s.name.clone())))
+            .collect()
+    }
+
+    /// The scope counters, by id.
+    fn scope_counters(&self) -> Vec<Counter> {
+        let (scopes, _) = self.programs.generations().ids().counts();
+        lock(&self.counts).counters.scope_counters(scopes)
+    }
+}
+
+/// GETs `url` every HTTP_EVERY while drill `name` runs; a failure marks it for the
+/// next tick.
+fn spawn_http_check(drills: Arc<Mutex<Drills>>, name: String, url: String) {
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        log::error!("drill {name:?}: no runtime for its HTTP check");
+        return;
+    };
+    runtime.spawn(async move {
+        let client = Client::builder(TokioExecutor::new()).build_http::<Empty<bytes::Bytes>>();
+        let uri: hyper::Uri = match url.parse() {
+            Ok(u) => u,
+            Err(e) => {
+                lock(&drills).http_failed(&name, format!("{url}: {e}"));
+                return;
+            }
+        };
+        loop {
+            let running = lock(&drills)
+                .http_checks()
+                .iter()
+                .any(|(n, u)| *n == name && *u == url);
+            if !running {
+                return;
+            }
+            let answer = tokio::time::timeout(HTTP_TIMEOUT, client.get(uri.clone())).await;
+            let failed = match answer {
+                Err(_) => Some(format!(
+                    "{url}: no answer within {} ms",
+                    HTTP_TIMEOUT.as_millis()
+                )),
+                Ok(Err(e)) => Some(format!("{url}: {e}")),
+                Ok(Ok(r)) if !r.status().is_success() => Some(format!("{url}: {}", r.status())),
+                Ok(Ok(_)) => None,
+            };
+            if let Some(why) = failed {
+                lock(&drills).http_failed(&name, why);
+                return;
+            }
+            tokio::time::sleep(HTTP_EVERY).await;
+        }
+    });
+}

@@ -1,0 +1,414 @@
+//! Chaos drills (docs/drills.md): the daemon's side. A drill is set in `DRILLS` at its
+//! scope's id, with its counts zeroed first; the programs decide and count every fault
+//! (guard_common::drill). Here the daemon ends drills: at their deadline (the programs
+//! already fault nothing past it), on `drill stop`, when their scope leaves the policy,
+//! and when the steady state breaks (`tick`): a watched scope sheds or opens a breaker,
+//! the target's success ratio falls, or the HTTP check fails.
+use std::collections::VecDeque;
+
+use aya::maps::{Array, MapData};
+use connguard_api::{
+    drill::{DrillSpec, DrillView, Fault},
+    events::EventRecord,
+};
+use guard_common::{
+    Counter, PortRange,
+    addr::mapped,
+    drill::{
+        DrillConf, DrillCounts, DrillNet, FAULT_BLACKHOLE, FAULT_DELAY, FAULT_REFUSE,
+        MAX_DRILL_NETS, MAX_DRILL_PORTS,
+    },
+};
+use ipnet::IpNet;
+
+use crate::{kernel::maps::DrillMaps, policy};
+
+/// Ended drills kept for `drill list`.
+const KEEP_ENDED: usize = 32;
+
+pub struct Drills {
+    conf: Array<MapData, DrillConf>,
+    counts: Array<MapData, DrillCounts>,
+    running: Vec<Running>,
+    /// Newest first.
+    ended: VecDeque<DrillView>,
+    last_serial: u32,
+}
+
+struct Running {
+    view: DrillView,
+    scope_id: u32,
+    deadline_ns: u64,
+    /// Each watched scope's id and name, with its shed and breaker openings at the
+    /// start.
+    watched: Vec<(u32, String, u64, u64)>,
+    /// (CLOCK_MONOTONIC ns, attempts, failures) of the target at each tick, over the
+    /// abort window.
+    samples: VecDeque<(u64, u64, u64)>,
+    /// Set by the HTTP check when it fails.
+    http_failed: Option<String>,
+}
+
+/// What a drill's start needs of the daemon's other state.
+pub struct Target<'a> {
+    pub scope_id: u32,
+    /// Every scope of the policy in force, by id.
+    pub scopes: &'a [(u32, String)],
+    /// The scope counters, by id.
+    pub counters: &'a [Counter],
+    pub now_ns: u64,
+    pub unix_ms_at_boot: u64,
+}
+
+impl Drills {
+    pub fn new(maps: DrillMaps) -> Drills {
+        Drills {
+            conf: maps.conf,
+            counts: maps.counts,
+            running: Vec::new(),
+            ended: VecDeque::new(),
+            last_serial: 0,
+        }
+    }
+
+    /// Sets `spec`'s drill; refused when its name or its scope has one running.
+    pub fn start(
+        &mut self,
+        spec: DrillSpec,
+        t: Target,
+    ) -> Result<(DrillView, EventRecord), String> {
+        if self.running.iter().any(|r| r.view.spec.name == spec.name) {
+            return Err(format!("a drill named {:?} is running", spec.name));
+        }
+        if let Some(r) = self.running.iter().find(|r| r.scope_id == t.scope_id) {
+            return Err(format!(
+                "scope {:?} has a drill running ({:?}): one drill a scope at a time",
+                spec.scope, r.view.spec.name
+            ));
+        }
+        self.last_serial = self.last_serial.wrapping_add(1).max(1);
+        let conf = conf(&spec, self.last_serial, t.now_ns)?;
+        let watched = t
+            .scopes
+            .iter()
+            .filter(|(id, name)| match spec.abort.watch.is_empty() {
+                true => *id != t.scope_id,
+                false => spec.abort.watch.contains(name),
+            })
+            .map(|(id, name)| {
+                let c = t.counters.get(*id as usize).copied().unwrap_or_default();
+                (*id, name.clone(), c.shed, c.breaker_opened)
+            })
+            .collect();
+        if let Some(w) = spec
+            .abort
+            .watch
+            .iter()
+            .find(|w| !t.scopes.iter().any(|(_, n)| n == *w))
+        {
+            return Err(format!(
+                "abort.watch: no scope {w:?} in the policy in force"
+            ));
+        }
+        self.counts
+            .set(t.scope_id, DrillCounts::default(), 0)
+            .map_err(|e| format!("zeroing DRILL_COUNTS: {e}"))?;
+        self.conf
+            .set(t.scope_id, conf, 0)
+            .map_err(|e| format!("writing DRILLS: {e}"))?;
+        let view = DrillView {
+            state: "running".into(),
+            reason: None,
+            started_unix_ms: t.unix_ms_at_boot + t.now_ns / 1_000_000,
+            deadline_unix_ms: t.unix_ms_at_boot + conf.deadline_ns / 1_000_000,
+            ended_unix_ms: None,
+            attempts: 0,
+            faulted: 0,
+            capped: 0,
+            spec,
+        };
+        let event = event(&view, "drill_started", None, view.started_unix_ms);
+        self.running.push(Running {
+            view: view.clone(),
+            scope_id: t.scope_id,
+            deadline_ns: conf.deadline_ns,
+            watched,
+            samples: VecDeque::new(),
+            http_failed: None,
+        });
+        Ok((view, event))
+    }
+
+    /// Ends the running drill `name`, as stopped.
+    pub fn stop(
+        &mut self,
+        name: &str,
+        now_ns: u64,
+        unix_ms_at_boot: u64,
+    ) -> Result<(DrillView, EventRecord), String> {
+        let i = self
+            .running
+            .iter()
+            .position(|r| r.view.spec.name == name)
+            .ok_or_else(|| format!("no drill named {name:?} is running"))?;
+        Ok(self.end(i, "ended", "stopped".into(), now_ns, unix_ms_at_boot))
+    }
+
+    /// Marks the running drill `name`'s HTTP check failed, for the next tick.
+    pub fn http_failed(&mut self, name: &str, why: String) {
+        if let Some(r) = self.running.iter_mut().find(|r| r.view.spec.name == name) {
+            r.http_failed.get_or_insert(why);
+        }
+    }
+
+    /// Whether a running drill drops packets (blackhole, delay): `drill_egress` must be
+    /// attached.
+    pub fn drop_packets(&self) -> bool {
+        self.running
+            .iter()
+            .any(|r| r.view.spec.fault != Fault::Refuse)
+    }
+
+    /// Whether a drill runs.
+    pub fn any(&self) -> bool {
+        !self.running.is_empty()
+    }
+
+    /// Reads the programs' counts and ends the drills past their deadline, whose scope
+    /// left the policy (`scopes`, the policy's scope ids), or whose steady state broke
+    /// (`counters`: the scope counters, by id). Returns what happened, as events.
+    pub fn tick(
+        &mut self,
+        scopes: &[(u32, String)],
+        counters: &[Counter],
+        now_ns: u64,
+        unix_ms_at_boot: u64,
+    ) -> Vec<EventRecord> {
+        let mut events = Vec::new();
+        let mut i = 0;
+        while i < self.running.len() {
+            let counts = self
+                .counts
+                .get(&self.running[i].scope_id, 0)
+                .unwrap_or_default();
+            let r = &mut self.running[i];
+            let first_capped = r.view.capped == 0 && counts.capped != 0;
+            (r.view.attempts, r.view.faulted, r.view.capped) =
+                (counts.attempts, counts.faulted, counts.capped);
+            if first_capped {
+                let at = unix_ms_at_boot + now_ns / 1_000_000;
+                let why = format!("cap reached after {} fault(s)", counts.faulted);
+                events.push(event(&r.view, "drill_capped", Some(why), at));
+            }
+            let ending = if now_ns >= r.deadline_ns {
+                Some(("ended", "deadline".to_string()))
+            } else if !scopes.iter().any(|(id, _)| *id == r.scope_id) {
+                Some(("aborted", "its scope left the policy".to_string()))
+            } else {
+                r.broken(counters, &counts, now_ns)
+                    .map(|why| ("aborted", why))
+            };
+            match ending {
+                Some((state, why)) => {
+                    let (_, ev) = self.end(i, state, why, now_ns, unix_ms_at_boot);
+                    events.push(ev);
+                }
+                None => i += 1,
+            }
+        }
+        events
+    }
+
+    /// The running drills (their counts read now), then the ended ones, newest first.
+    pub fn list(&self) -> Vec<DrillView> {
+        self.running
+            .iter()
+            .map(|r| {
+                let mut v = r.view.clone();
+                if let Ok(c) = self.counts.get(&r.scope_id, 0) {
+                    (v.attempts, v.faulted, v.capped) = (c.attempts, c.faulted, c.capped);
+                }
+                v
+            })
+            .chain(self.ended.iter().cloned())
+            .collect()
+    }
+
+    /// The running drills with an HTTP check: name and URL.
+    pub fn http_checks(&self) -> Vec<(String, String)> {
+        self.running
+            .iter()
+            .filter_map(|r| Some((r.view.spec.name.clone(), r.view.spec.abort.http.clone()?)))
+            .collect()
+    }
+
+    fn end(
+        &mut self,
+        i: usize,
+        state: &str,
+        why: String,
+        now_ns: u64,
+        unix_ms_at_boot: u64,
+    ) -> (DrillView, EventRecord) {
+        let r = self.running.remove(i);
+        // Cleared first, then counted: no fault comes after the clear.
+        if let Err(e) = self.conf.set(r.scope_id, DrillConf::default(), 0) {
+            // The programs still check the deadline and the lease.
+            log::error!("clearing drill {:?} from DRILLS: {e}", r.view.spec.name);
+        }
+        let counts = self.counts.get(&r.scope_id, 0).unwrap_or_default();
+        let mut view = r.view;
+        (view.attempts, view.faulted, view.capped) =
+            (counts.attempts, counts.faulted, counts.capped);
+        view.state = state.into();
+        view.reason = Some(why.clone());
+        let at = unix_ms_at_boot + now_ns / 1_000_000;
+        view.ended_unix_ms = Some(at.min(view.deadline_unix_ms));
+        let kind = if state == "aborted" {
+            "drill_aborted"
+        } else {
+            "drill_ended"
+        };
+        let ev = event(&view, kind, Some(why), at);
+        log::info!("{}", ev.line());
+        self.ended.push_front(view.clone());
+        self.ended.truncate(KEEP_ENDED);
+        (view, ev)
+    }
+}
+
+impl Running {
+    /// Why the steady state broke, if it did.
+    fn broken(
+        &mut self,
+        counters: &[Counter],
+        counts: &DrillCounts,
+        now_ns: u64,
+    ) -> Option<String> {
+        if let Some(why) = self.http_failed.take() {
+            return Some(format!("the HTTP check failed: {why}"));
+        }
+        let abort = &self.view.spec.abort;
+        for (id, name, shed, opened) in &self.watched {
+            let c = counters.get(*id as usize).copied().unwrap_or_default();
+            if abort.on_breaker_open && c.breaker_opened > *opened {
+                return Some(format!("a breaker opened in scope {name}"));
+            }
+            if abort.on_shedding && c.shed > *shed {
+                return Some(format!("scope {name} shed {} connection(s)", c.shed - shed));
+            }
+        }
+        let min = abort.min_success_ratio?;
+        let target = counters
+            .get(self.scope_id as usize)
+            .copied()
+            .unwrap_or_default();
+        // Refused attempts are neither admitted nor shed; blackholed ones are admitted;
+        // delayed ones connect.
+        let (refused, failed) = match self.view.spec.fault {
+            Fault::Refuse => (counts.faulted, counts.faulted),
+            Fault::Blackhole => (0, counts.faulted),
+            Fault::Delay => (0, 0),
+        };
+        let attempts = target.admitted + target.shed + refused;
+        let failures = failed + target.shed;
+        self.samples.push_back((now_ns, attempts, failures));
+        let window_ns = abort.window_ms * 1_000_000;
+        while self.samples.len() > 2 && now_ns.saturating_sub(self.samples[1].0) >= window_ns {
+            self.samples.pop_front();
+        }
+        let (_, a0, f0) = *self.samples.front()?;
+        let (da, df) = (attempts - a0.min(attempts), failures - f0.min(failures));
+        if da < abort.min_attempts {
+            return None;
+        }
+        let ratio = 1.0 - df as f64 / da as f64;
+        (ratio < min).then(|| {
+            format!(
+                "the target's success ratio fell to {ratio:.2} ({df} of {da} attempts failed), below {min}"
+            )
+        })
+    }
+}
+
+/// The kernel's form of `spec`, drill `serial`, started at `now_ns`.
+fn conf(spec: &DrillSpec, serial: u32, now_ns: u64) -> Result<DrillConf, String> {
+    if !(0.0..=1.0).contains(&spec.probability) {
+        return Err(format!(
+            "probability must be in [0, 1] (got {})",
+            spec.probability
+        ));
+    }
+    if spec.max_faults.is_none() && spec.max_fraction.is_none() {
+        return Err("a drill needs max_faults, max_fraction, or both".into());
+    }
+    if spec.duration_ms == 0 {
+        return Err("a drill needs a duration".into());
+    }
+    if spec.dst.len() > MAX_DRILL_NETS || spec.ports.len() > MAX_DRILL_PORTS {
+        return Err(format!(
+            "a drill takes at most {MAX_DRILL_NETS} dst and {MAX_DRILL_PORTS} ports"
+        ));
+    }
+    let mut c = DrillConf {
+        serial,
+        fault: match spec.fault {
+            Fault::Refuse => FAULT_REFUSE,
+            Fault::Blackhole => FAULT_BLACKHOLE,
+            Fault::Delay => FAULT_DELAY,
+        },
+        errno: errno(spec.errno.as_deref())?,
+        threshold: (spec.probability * 4_294_967_296.0).round() as u64,
+        deadline_ns: now_ns + spec.duration_ms * 1_000_000,
+        max_faults: spec.max_faults.unwrap_or(0),
+        ..DrillConf::default()
+    };
+    if let Some(f) = spec.max_fraction {
+        if !(f > 0.0 && f <= 1.0) {
+            return Err(format!("max_fraction must be in (0, 1] (got {f})"));
+        }
+        c.max_permille = (f * 1000.0).round().max(1.0) as u32;
+        c.window_ns = spec.window_ms.unwrap_or(10_000) * 1_000_000;
+    }
+    for (i, d) in spec.dst.iter().enumerate() {
+        let net: IpNet = d.parse().map_err(|_| format!("dst {d:?} is not a CIDR"))?;
+        let net = policy::compile::mapped(&net);
+        c.nets[i] = DrillNet {
+            addr: mapped(std::net::IpAddr::V6(net.addr())),
+            prefix_len: net.prefix_len() as u32,
+        };
+    }
+    c.n_nets = spec.dst.len() as u32;
+    for (i, p) in spec.ports.iter().enumerate() {
+        let bad = || format!("ports: {p:?} is not a port or range");
+        let (a, b) = p.split_once('-').unwrap_or((p, p));
+        let (first, last) = (
+            a.parse::<u16>().map_err(|_| bad())?,
+            b.parse::<u16>().map_err(|_| bad())?,
+        );
+        c.ports[i] = PortRange { first, last };
+    }
+    c.n_ports = spec.ports.len() as u32;
+    Ok(c)
+}
+
+/// The errno value of a refuse fault (ECONNREFUSED when none is named).
+fn errno(name: Option<&str>) -> Result<u32, String> {
+    let name = name.unwrap_or("ECONNREFUSED");
+    policy::ERRNOS
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map(|(_, v)| *v as u32)
+        .ok_or_else(|| format!("unknown errno {name:?}"))
+}
+
+fn event(view: &DrillView, kind: &str, reason: Option<String>, unix_ms: u64) -> EventRecord {
+    EventRecord {
+        unix_ms,
+        kind: kind.into(),
+        scope: view.spec.scope.clone(),
+        drill: Some(view.spec.name.clone()),
+        reason,
+        ..EventRecord::default()
+    }
+}
