@@ -2,9 +2,14 @@
 //! the connect hooks within bounds the programs check themselves (a deadline, the
 //! daemon's lease, a cap on faults), and counted apart from sheds.
 //!
-//! `DRILLS` (written by the daemon) and `DRILL_COUNTS` (written by the programs) are
-//! arrays indexed by scope id: a scope has at most one drill at a time. `DRILL_SOCKS`
-//! marks a socket a blackhole or delay fault was given to, for `drill_egress`.
+//! A scope has at most one drill at a time, keyed by its scope id: `DRILL_ON` (an array,
+//! read inlined on every governed connect) holds its FAULT_*, 0 for none; `DRILLS` (a
+//! hash map without preallocation, so that an update swaps the whole value under a
+//! reader) its settings; `DRILL_COUNTS` (written by the programs) its counts.
+//! `DRILL_LEASE` is the lease of the daemon that owns these maps (none of them pinned):
+//! the next daemon's programs have maps of their own, and renew no drill of the one
+//! before. `DRILL_SOCKS` marks a socket a blackhole or delay fault was given to, for
+//! `drill_egress`.
 use crate::PortRange;
 
 /// connect() fails at once with the drill's errno; no SYN leaves.
@@ -28,7 +33,7 @@ pub struct DrillNet {
     pub prefix_len: u32,
 }
 
-/// Value of `DRILLS`, at the index of the drill's scope: all zero for none.
+/// Value of `DRILLS`, by the drill's scope id.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DrillConf {
@@ -67,13 +72,16 @@ pub struct DrillCounts {
     /// Attempts of the target made while the drill ran (its scope, destinations and
     /// ports, before the deadline, under the lease).
     pub attempts: u64,
-    /// Attempts given the fault. Reserved before the cap is checked, and given back
-    /// by an attempt over it, so concurrent attempts never fault more than the cap.
+    /// Places taken under `max_faults`: reserved before the cap is looked at, and given
+    /// back by an attempt over it, so concurrent attempts never fault more than the cap.
+    pub reserved: u64,
+    /// Attempts given the fault (counted once given: it never goes down).
     pub faulted: u64,
     /// Attempts the probability chose but a cap let through.
     pub capped: u64,
     /// The current window of the fraction cap: its start (CLOCK_MONOTONIC ns), and its
-    /// attempts and faults.
+    /// attempts and faults. Looked at, then added to: attempts racing each other may
+    /// pass the fraction by a few (`max_faults` is the exact cap).
     pub window_start: u64,
     pub window_attempts: u64,
     pub window_faulted: u64,

@@ -33,7 +33,9 @@ pub mod map {
     pub const PER_SOURCE_TOTALS: &str = "PER_SOURCE_TOTALS";
     pub const LISTENER_IDS: &str = "LISTENER_IDS";
     pub const CALLER_GUARDS: &str = "CALLER_GUARDS";
+    pub const DRILL_ON: &str = "DRILL_ON";
     pub const DRILLS: &str = "DRILLS";
+    pub const DRILL_LEASE: &str = "DRILL_LEASE";
     pub const DRILL_COUNTS: &str = "DRILL_COUNTS";
     pub const DRILL_SOCKS: &str = "DRILL_SOCKS";
     /// The maps pinned in the state directory, which outlive the daemon: what the
@@ -87,7 +89,9 @@ pub mod map {
         PER_SOURCE_TOTALS,
         LISTENER_IDS,
         CALLER_GUARDS,
+        DRILL_ON,
         DRILLS,
+        DRILL_LEASE,
         DRILL_COUNTS,
         DRILL_SOCKS,
     ];

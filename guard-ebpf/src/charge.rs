@@ -72,7 +72,7 @@ pub fn charge(
     // other faults are given to admitted sockets, by the connect hook). Seeded
     // connections exist already, and are never faulted.
     if may_shed && drill::fault_of(scope.scope_id) == FAULT_REFUSE {
-        let refused = drill::decide(scope.scope_id, &addr, port);
+        let refused = drill::decide(scope.scope_id, &addr, port, FAULT_REFUSE);
         if refused != 0 {
             return Charge::Shed((refused >> 8) as u32 & 0xffff);
         }

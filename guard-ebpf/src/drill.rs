@@ -1,68 +1,81 @@
 //! Chaos drills (guard_common::drill): the connect hooks ask `decide` whether an attempt
-//! of a scope gets its drill's fault; `drill_egress` drops the packets of a socket given
-//! a blackhole or a delay.
+//! of a scope gets its drill's fault; `drill_egress` drops the SYNs of a socket given a
+//! blackhole or a delay.
 //!
-//! Every bound is checked here, not by the daemon alone: the deadline, the daemon's
-//! lease (a daemon that dies ends its drills when the lease does), and the caps, which
-//! reserve before they look so that concurrent connects never fault more than the cap.
+//! Every bound is checked here, not by the daemon alone: the deadline, the lease of the
+//! daemon that owns the drill's maps (a daemon that dies ends its drills when that lease
+//! does, whoever starts next), and the cap, which reserves before it looks so that
+//! concurrent connects never fault more than `max_faults`.
 use aya_ebpf::{
     bindings::bpf_sock,
-    helpers::generated::{bpf_get_prandom_u32, bpf_ktime_get_ns, bpf_sk_fullsock},
+    helpers::generated::{
+        bpf_get_prandom_u32, bpf_ktime_get_ns, bpf_sk_fullsock, bpf_sk_storage_delete,
+    },
     macros::cgroup_skb,
     programs::SkBuffContext,
 };
 use guard_common::{
     SockState,
     drill::{DrillConf, DrillMark, DrillNet, FAULT_DELAY, FAULT_REFUSE, MAX_DRILL_NETS},
+    linux::TCP_SYN_SENT,
 };
 
 use crate::{
     accounting::{add, replace},
-    maps::{DRILL_COUNTS, DRILL_SOCKS, DRILLS, lease_held_at, sk_storage_of},
+    maps::{DRILL_COUNTS, DRILL_LEASE, DRILL_ON, DRILL_SOCKS, DRILLS, sk_storage_of},
 };
 
 const PASS: i32 = 1;
 const DROP: i32 = 0;
 
-/// The FAULT_* of the drill set on scope `scope_id`, 0 for none: one load, inlined,
-/// for every governed connect.
+/// The FAULT_* of the drill set on scope `scope_id`, 0 for none: one array load,
+/// inlined, for every governed connect.
 #[inline(always)]
 pub fn fault_of(scope_id: u32) -> u32 {
-    match DRILLS.get(scope_id) {
-        Some(c) if c.serial != 0 => c.fault,
-        _ => 0,
-    }
+    DRILL_ON.get(scope_id).copied().unwrap_or(0)
+}
+
+/// The drill of scope `scope_id` when it is set and in force at `now`: its serial
+/// matches, before its deadline, under its daemon's lease.
+#[inline(always)]
+fn in_force(scope_id: u32, now: u64) -> Option<&'static DrillConf> {
+    let conf = unsafe { DRILLS.get(&scope_id) }?;
+    let lease = DRILL_LEASE.get(0).copied().unwrap_or(0);
+    (conf.serial != 0 && now < conf.deadline_ns && now < lease).then_some(conf)
 }
 
 /// After an admission (`state` holds it): a blackhole or delay drill of its scope may
-/// give the socket `sk` its fault. Attempts shed before this are not the drill's.
+/// give the socket `sk` its fault; a socket it does not choose loses the mark of an
+/// earlier connect. Attempts shed before this are not the drill's.
 #[inline(always)]
 pub fn fault_admitted(sk: *mut bpf_sock, state: *mut SockState) {
     let scope_id = unsafe { (*state).dst.scope_id };
-    if fault_of(scope_id) > FAULT_REFUSE {
-        let (addr, port) = unsafe { ((*state).dst.addr, (*state).dst.port) };
-        let packed = decide(scope_id, &addr, port);
-        if packed != 0 {
-            mark(sk, packed);
-        }
+    let fault = fault_of(scope_id);
+    if fault <= FAULT_REFUSE {
+        return;
+    }
+    let (addr, port) = unsafe { ((*state).dst.addr, (*state).dst.port) };
+    let packed = decide(scope_id, &addr, port, fault);
+    if packed != 0 {
+        mark(sk, packed);
+    } else {
+        unsafe { bpf_sk_storage_delete((&raw const DRILL_SOCKS).cast_mut().cast(), sk.cast()) };
     }
 }
 
 /// The fault for an attempt of the scope `scope_id` toward `addr` (the maps' form) and
-/// `port` (host order), packed: 0 for none, else the FAULT_* in bits 0-7, in bits 8-23
-/// the errno (FAULT_REFUSE) or the scope id (the others, for `mark`), and the drill's
-/// serial in bits 32-63. A BPF subprogram: one path for the
-/// verifier through the connect hook, whatever the drill decides.
+/// `port` (host order), when its drill's fault is `fault`, packed: 0 for none, else the
+/// FAULT_* in bits 0-7, in bits 8-23 the errno (FAULT_REFUSE) or the scope id (the
+/// others, for `mark`), and the drill's serial in bits 32-63. A BPF subprogram: one
+/// path for the verifier through the connect hook, whatever the drill decides.
 #[inline(never)]
-pub fn decide(scope_id: u32, addr: &[u8; 16], port: u16) -> u64 {
-    let Some(conf) = DRILLS.get(scope_id) else {
+pub fn decide(scope_id: u32, addr: &[u8; 16], port: u16, fault: u32) -> u64 {
+    let now = unsafe { bpf_ktime_get_ns() };
+    let Some(conf) = in_force(scope_id, now) else {
         return 0;
     };
-    if conf.serial == 0 {
-        return 0;
-    }
-    let now = unsafe { bpf_ktime_get_ns() };
-    if now >= conf.deadline_ns || !lease_held_at(now) || !targets(conf, addr, port) {
+    // A drill set again meanwhile, with another fault: not this caller's to give.
+    if conf.fault != fault || !targets(conf, addr, port) {
         return 0;
     }
     let Some(c) = DRILL_COUNTS.get_ptr_mut(scope_id) else {
@@ -89,22 +102,22 @@ pub fn decide(scope_id: u32, addr: &[u8; 16], port: u16) -> u64 {
         return 0;
     }
     if windowed {
-        let faulted = add(unsafe { &raw mut (*c).window_faulted }, 1) + 1;
-        if faulted * 1000 > conf.max_permille as u64 * in_window {
-            add(unsafe { &raw mut (*c).window_faulted }, u64::MAX);
+        let faulted = unsafe { core::ptr::read_volatile(&raw const (*c).window_faulted) };
+        if (faulted + 1) * 1000 > conf.max_permille as u64 * in_window {
             add(unsafe { &raw mut (*c).capped }, 1);
             return 0;
         }
     }
-    let before = add(unsafe { &raw mut (*c).faulted }, 1);
+    let before = add(unsafe { &raw mut (*c).reserved }, 1);
     if conf.max_faults != 0 && before >= conf.max_faults {
-        add(unsafe { &raw mut (*c).faulted }, u64::MAX);
-        if windowed {
-            add(unsafe { &raw mut (*c).window_faulted }, u64::MAX);
-        }
+        add(unsafe { &raw mut (*c).reserved }, u64::MAX);
         add(unsafe { &raw mut (*c).capped }, 1);
         return 0;
     }
+    if windowed {
+        add(unsafe { &raw mut (*c).window_faulted }, 1);
+    }
+    add(unsafe { &raw mut (*c).faulted }, 1);
     let detail = if conf.fault == FAULT_REFUSE {
         conf.errno
     } else {
@@ -177,9 +190,10 @@ fn mark(sk: *mut bpf_sock, packed: u64) {
     }
 }
 
-/// cgroup_skb egress of the drilled scope's cgroups, attached while a blackhole or delay
-/// drill runs: a packet of a socket given a blackhole is dropped, and so is the first of
-/// a socket given a delay; tcp_connect() ignores the error (net/ipv4/tcp_output.c) and
+/// cgroup_skb egress of the governed cgroups, attached while a blackhole or delay drill
+/// runs: a SYN of a socket given a blackhole is dropped (while the socket is in
+/// SYN_SENT: nothing of a connection that got through), and so is the first of a
+/// socket given a delay; tcp_connect() ignores the error (net/ipv4/tcp_output.c) and
 /// the retransmit timer runs as for a lost SYN. Everything else passes, and so does
 /// every packet once the drill is over.
 #[cgroup_skb(egress)]
@@ -189,7 +203,7 @@ pub fn drill_egress(ctx: SkBuffContext) -> i32 {
         return PASS;
     }
     let sk = unsafe { bpf_sk_fullsock(sk) };
-    if sk.is_null() {
+    if sk.is_null() || unsafe { (*sk).state } != TCP_SYN_SENT {
         return PASS;
     }
     let m: *mut DrillMark = sk_storage_of(&raw const DRILL_SOCKS, sk, false);
@@ -197,17 +211,14 @@ pub fn drill_egress(ctx: SkBuffContext) -> i32 {
         return PASS;
     }
     let (scope_id, serial, fault) = unsafe { ((*m).scope_id, (*m).serial, (*m).fault) };
-    let Some(conf) = DRILLS.get(scope_id) else {
-        return PASS;
-    };
     let now = unsafe { bpf_ktime_get_ns() };
-    if conf.serial != serial || now >= conf.deadline_ns || !lease_held_at(now) {
-        return PASS;
+    match in_force(scope_id, now) {
+        Some(conf) if conf.serial == serial => {}
+        _ => return PASS,
     }
     if fault == FAULT_DELAY {
         let dropped = unsafe { &raw mut (*m).dropped };
-        // 32-bit swap through the 64-bit helper would touch the next field: one load
-        // and store, the socket's own packets being sent one at a time.
+        // A socket's packets are sent under its lock, one at a time.
         if unsafe { core::ptr::read_volatile(dropped) } != 0 {
             return PASS;
         }

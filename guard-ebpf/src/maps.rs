@@ -127,7 +127,14 @@ pub static SOCKS: SkStorage<SockState> = SkStorage::new();
 /// Internal counters (see guard_common::STAT_*), summed over CPUs by the daemon.
 /// Drills, by scope id (guard_common::drill).
 #[map]
-pub static DRILLS: Array<DrillConf> = Array::with_max_entries(MAX_SCOPE_IDS, 0);
+pub static DRILL_ON: Array<u32> = Array::with_max_entries(MAX_SCOPE_IDS, 0);
+
+#[map]
+pub static DRILLS: HashMap<u32, DrillConf> =
+    HashMap::with_max_entries(MAX_SCOPE_IDS, BPF_F_NO_PREALLOC);
+
+#[map]
+pub static DRILL_LEASE: Array<u64> = Array::with_max_entries(1, 0);
 
 #[map]
 pub static DRILL_COUNTS: Array<DrillCounts> = Array::with_max_entries(MAX_SCOPE_IDS, 0);

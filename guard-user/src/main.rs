@@ -342,24 +342,7 @@ fn drill(action: DrillAction) -> anyhow::Result<ExitCode> {
             .into_iter()
             .filter_map(|(k, v)| Some((k, v?)))
             .collect();
-            let spec = match (&file, flags.is_empty()) {
-                (Some(f), true) => policy::drill::load_file(f),
-                (f, _) => {
-                    let base = f
-                        .as_ref()
-                        .map(std::fs::read_to_string)
-                        .transpose()
-                        .map_err(|e| anyhow::anyhow!("reading the drill file: {e}"))?;
-                    let source = match f {
-                        Some(f) => format!("{} with the command line's flags", f.display()),
-                        None => "the command line's flags".into(),
-                    };
-                    policy::drill::parse(
-                        &policy::drill::from_flags(base.as_deref(), &flags),
-                        &source,
-                    )
-                }
-            };
+            let spec = policy::drill::load(file.as_deref(), &flags);
             let spec = match spec {
                 Ok(s) => s,
                 Err(e) => {

@@ -276,7 +276,8 @@ fn a_breaker_opening_elsewhere_aborts_the_drill() {
 
 /// The daemon SIGKILLed mid-drill: the programs keep faulting until the drill's
 /// deadline (here before the lease runs out), and nothing after it; then with a
-/// deadline past the lease, until the lease runs out.
+/// deadline past the lease, until the lease runs out. A daemon stopped by SIGTERM
+/// ends its drills at once.
 #[test]
 fn a_killed_daemons_drill_ends_at_its_deadline_or_its_lease() {
     let server = Server::start("127.0.0.1:0");
@@ -305,6 +306,58 @@ fn a_killed_daemons_drill_ends_at_its_deadline_or_its_lease() {
         // The next daemon adopts the counts, and ends with the test (detaching all).
         drop(Daemon::builder(&policy).adopting().start());
     }
+    // A daemon that exits on SIGTERM (keeping its state) ends its drills first.
+    let d = Daemon::builder(&policy).start();
+    start(&d, "t s refuse 1 5min 100000", &[]);
+    d.exit_keeping_state(libc::SIGTERM);
+    let out = cg.probe(Probe::connect(server.addr, 5, 1));
+    assert_eq!(out.ok, 5, "after SIGTERM: {out:?}");
+    drop(Daemon::builder(&policy).adopting().start());
+}
+
+/// An HTTP check that starts failing (503) aborts the drill, with the status; while it
+/// answers 200 the drill runs.
+#[test]
+fn a_failing_http_check_aborts_the_drill() {
+    let healthy = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}/healthz", listener.local_addr().unwrap());
+    let h = healthy.clone();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { continue };
+            let _ = std::io::Read::read(&mut conn, &mut [0u8; 1024]);
+            let status = if h.load(Ordering::SeqCst) {
+                "200 OK"
+            } else {
+                "503 Service Unavailable"
+            };
+            let _ = std::io::Write::write_all(
+                &mut conn,
+                format!("HTTP/1.1 {status}\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+                    .as_bytes(),
+            );
+        }
+    });
+    let cg = Cgroup::new("drill-http");
+    let d = Daemon::builder(Policy::new().scope(Scope::new("s", &cg.rel))).start();
+    start(&d, "h s refuse 0.5 5min 10", &["--abort-http", &url]);
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(
+        drill(&d, "h").state,
+        "running",
+        "while the check answers 200"
+    );
+    healthy.store(false, Ordering::SeqCst);
+    let v = wait_ended(&d, "h", Duration::from_secs(3));
+    assert_eq!(
+        (v.state.as_str(), v.reason.as_deref()),
+        (
+            "aborted",
+            Some(format!("the HTTP check failed: {url}: 503 Service Unavailable").as_str())
+        ),
+        "{v:?}"
+    );
 }
 
 /// Bad drills are refused with a clear error, and nothing starts.

@@ -8,7 +8,7 @@ use std::{
 
 use connguard_api::{
     control::Reply,
-    drill::{DrillSpec, DrillsReply},
+    drill::{DrillSpec, DrillsReply, Fault},
 };
 use guard_common::Counter;
 use http_body_util::Empty;
@@ -40,26 +40,44 @@ impl Daemon {
                 spec.name, spec.scope
             ));
         };
+        let (name, http) = (spec.name.clone(), spec.abort.http.clone());
+        // A drill that drops packets is set only once `drill_egress` is attached: else
+        // its marked sockets' SYNs would leave.
+        let drops = spec.fault != Fault::Refuse;
+        if drops {
+            lock(&self.drills).starting(true);
+            if let Err(e) = self.sync_drill_egress() {
+                lock(&self.drills).starting(false);
+                self.detach_unused_egress();
+                return Reply::error(format!("drill {name:?}: attaching drill_egress: {e:#}"));
+            }
+        }
         let counters = self.scope_counters();
-        let http = spec.abort.http.clone();
-        let name = spec.name.clone();
-        let started = lock(&self.drills).start(
-            spec,
-            Target {
-                scope_id,
-                scopes: &scopes,
-                counters: &counters,
-                now_ns: guard_common::monotonic_ns(),
-                unix_ms_at_boot: unix_ms_at_boot(),
-            },
-        );
+        let started = {
+            let mut drills = lock(&self.drills);
+            if drops {
+                drills.starting(false);
+            }
+            drills.start(
+                spec,
+                Target {
+                    scope_id,
+                    scopes: &scopes,
+                    counters: &counters,
+                    now_ns: guard_common::monotonic_ns(),
+                    unix_ms_at_boot: unix_ms_at_boot(),
+                },
+            )
+        };
         let (view, event) = match started {
             Ok(s) => s,
-            Err(why) => return Reply::error(format!("drill {name:?}: {why}")),
+            Err(why) => {
+                self.detach_unused_egress();
+                return Reply::error(format!("drill {name:?}: {why}"));
+            }
         };
         log::info!("{}", event.line());
         lock(&self.events).push_own(event);
-        self.sync_drill_egress();
         if let Some(url) = http {
             spawn_http_check(self.drills.clone(), name, url);
         }
@@ -72,7 +90,7 @@ impl Daemon {
         match stopped {
             Ok((view, event)) => {
                 lock(&self.events).push_own(event);
-                self.sync_drill_egress();
+                self.detach_unused_egress();
                 Reply::Drills(DrillsReply { drills: vec![view] })
             }
             Err(why) => Reply::error(why),
@@ -89,6 +107,9 @@ impl Daemon {
     pub(super) fn drill_tick(&self) -> anyhow::Result<()> {
         if !lock(&self.drills).any() {
             return Ok(());
+        }
+        if let Err(e) = self.sync_drill_egress() {
+            log::error!("drills: attaching drill_egress: {e:#}");
         }
         let scopes = self.policy_scopes();
         let counters = self.scope_counters();
@@ -109,19 +130,32 @@ impl Daemon {
             }
         }
         if ended {
-            self.sync_drill_egress();
+            self.detach_unused_egress();
         }
         Ok(())
     }
 
-    /// Attaches `drill_egress` to the governed cgroups while a drill drops packets,
-    /// and detaches it when none does.
-    fn sync_drill_egress(&self) {
-        let wanted = lock(&self.drills).drop_packets();
-        if let Err(e) = self.programs.sync_drill_egress(wanted) {
-            log::error!(
-                "drills: attaching drill_egress: {e:#}; blackhole and delay faults are counted, not made"
-            );
+    /// Ends every running drill: the daemon stops (its programs would fault on until
+    /// the drills' lease ran out).
+    pub(super) fn end_drills(&self) {
+        let events = lock(&self.drills).end_all("the daemon stopped", unix_ms_at_boot());
+        let mut log = lock(&self.events);
+        for e in events {
+            log.push_own(e);
+        }
+    }
+
+    /// Attaches `drill_egress` to the governed cgroups while a drill drops packets, and
+    /// detaches it when none does.
+    fn sync_drill_egress(&self) -> anyhow::Result<()> {
+        self.programs
+            .sync_drill_egress(|| lock(&self.drills).drop_packets())
+    }
+
+    /// `sync_drill_egress` after a drill ended or failed to start.
+    fn detach_unused_egress(&self) {
+        if let Err(e) = self.sync_drill_egress() {
+            log::warn!("drills: drill_egress: {e:#}");
         }
     }
 

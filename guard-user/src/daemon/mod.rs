@@ -22,7 +22,8 @@
 //!   snapshot takes. Only `Scrapes`' two methods take it, first.
 //! - `status` (the policy's generation and last error), `counts` (the counters, and the
 //!   TIME_WAIT rates sampled from them), `port_watch`, `events`, `lease`, `drills`: each
-//!   taken alone, with no other lock taken while it is held.
+//!   taken with no other lock taken while it is held (`drills` may be taken last, under
+//!   the programs' locks, to decide `drill_egress`).
 //!
 //! A snapshot takes each lock in turn, copies what it needs and lets it go before the
 //! next; it is built and sent with none held (but `scrapes`). The walks of the cgroup

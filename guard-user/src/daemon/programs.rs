@@ -1,7 +1,8 @@
 //! The loaded programs and where they are attached, under three locks taken in one
 //! order: the policy in force with the cgroups it governs (`Generations`), then the
 //! loaded object (`Ebpf`), then the listener guard, then the host-wide programs
-//! (`Backstop`, also held alone to read), or the drills' egress links. The object is reached only through
+//! (`Backstop`, also held alone to read); the drills' egress links come between the
+//! generations' lock and the object's (`sync_drill_egress`). The object is reached only through
 //! the generations' guard (`GenerationsGuard::ebpf`), and the listener guard through
 //! the object's (`EbpfGuard::listeners`), to attach; the listener guard is also held
 //! alone, by the methods here that take no other lock, for the listener watchers, which
@@ -31,7 +32,8 @@ pub struct Programs {
     ebpf: Mutex<Ebpf>,
     listeners: Mutex<ListenerGuard>,
     backstop: Mutex<Backstop>,
-    /// `drill_egress`'s links, by cgroup directory: taken after the object's lock.
+    /// `drill_egress`'s links, by cgroup directory: taken after the generations' lock,
+    /// before the object's (and, inside it, the daemon's drills).
     drill_egress: Mutex<Vec<(PathBuf, CgroupSkbLink)>>,
 }
 
@@ -65,17 +67,18 @@ impl Programs {
     }
 
     /// Attaches `drill_egress` to every cgroup the connection programs are attached to
-    /// (`wanted`), or detaches it from all. The program drops only packets of sockets a
-    /// drill marked; descendants of these cgroups run it too.
-    pub fn sync_drill_egress(&self, wanted: bool) -> anyhow::Result<()> {
+    /// while `wanted()` says so, or detaches it from all. The program drops only packets
+    /// of sockets a drill marked; descendants of these cgroups run it too. `wanted` is
+    /// asked holding this lock, so that concurrent calls apply the last answer.
+    pub fn sync_drill_egress(&self, wanted: impl Fn() -> bool) -> anyhow::Result<()> {
         let mut g = self.generations();
-        let dirs = if wanted {
-            g.attached_dirs()
-        } else {
-            Vec::new()
-        };
-        let (_, mut ebpf) = g.ebpf();
+        let dirs = g.attached_dirs();
         let mut links = lock(&self.drill_egress);
+        let dirs = if wanted() { dirs } else { Vec::new() };
+        if dirs.len() == links.len() && links.iter().all(|(d, _)| dirs.contains(d)) {
+            return Ok(());
+        }
+        let (_, mut ebpf) = g.ebpf();
         // A dropped link detaches (it is not pinned).
         links.retain(|(dir, _)| dirs.contains(dir));
         let mut first_error = None;

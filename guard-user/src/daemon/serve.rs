@@ -100,6 +100,7 @@ pub fn serve(
             }
         };
         let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Stopping]);
+        daemon.end_drills();
         anyhow::Ok(detach)
     });
     // tcx links detach when the process exits; clsact filters (kernels before 6.6) do

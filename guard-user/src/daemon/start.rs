@@ -279,6 +279,10 @@ pub fn adopt(opts: &Options, host: Host, loaded: Loaded) -> anyhow::Result<(Arc<
         features.has(Feature::Tcx),
         loaded.per_syn,
     )?;
+    let mut drills = Drills::new(loaded.drill_maps, opts.lease);
+    drills
+        .renew_lease()
+        .context("holding the drills' lease (DRILL_LEASE)")?;
     let daemon = Arc::new(Daemon {
         controls,
         policy_path: opts.policy.clone(),
@@ -303,7 +307,7 @@ pub fn adopt(opts: &Options, host: Host, loaded: Loaded) -> anyhow::Result<(Arc<
         port_watch: Mutex::new(PortWatch::new(loaded.port_use)),
         events: Mutex::default(),
         lease: Mutex::new(loaded.lease),
-        drills: Arc::new(Mutex::new(Drills::new(loaded.drill_maps))),
+        drills: Arc::new(Mutex::new(drills)),
         scrapes: Scrapes::default(),
         fleet,
     });

@@ -43,7 +43,10 @@ impl Daemon {
         self.jobs.spawn(
             "lease",
             lease::RENEW,
-            Arc::new(move || lock(&d.lease).renew()),
+            Arc::new(move || {
+                lock(&d.lease).renew()?;
+                lock(&d.drills).renew_lease()
+            }),
         );
         let d = self.clone();
         self.jobs.spawn(

@@ -1,10 +1,12 @@
-//! Chaos drills (docs/drills.md): the daemon's side. A drill is set in `DRILLS` at its
-//! scope's id, with its counts zeroed first; the programs decide and count every fault
-//! (guard_common::drill). Here the daemon ends drills: at their deadline (the programs
-//! already fault nothing past it), on `drill stop`, when their scope leaves the policy,
-//! and when the steady state breaks (`tick`): a watched scope sheds or opens a breaker,
-//! the target's success ratio falls, or the HTTP check fails.
-use std::collections::VecDeque;
+//! Chaos drills (docs/drills.md): the daemon's side. A drill is set at its scope's id:
+//! counts zeroed, settings written (`DRILLS`), then its fault turned on (`DRILL_ON`);
+//! the programs decide and count every fault (guard_common::drill), under a lease this
+//! daemon renews (`DRILL_LEASE`). Here the daemon ends drills: at their deadline (the
+//! programs already fault nothing past it), on `drill stop`, when their scope leaves the
+//! policy, when the daemon stops, and when the steady state breaks (`tick`): a watched
+//! scope sheds or opens a breaker, the target's success ratio falls, or the HTTP check
+//! fails.
+use std::{collections::VecDeque, time::Duration};
 
 use aya::maps::{Array, MapData};
 use connguard_api::{
@@ -21,15 +23,24 @@ use guard_common::{
 };
 use ipnet::IpNet;
 
-use crate::{kernel::maps::DrillMaps, policy};
+use crate::{
+    kernel::maps::{DrillMaps, Hashed},
+    policy,
+};
 
 /// Ended drills kept for `drill list`.
 const KEEP_ENDED: usize = 32;
 
 pub struct Drills {
-    conf: Array<MapData, DrillConf>,
+    on: Array<MapData, u32>,
+    conf: Hashed<u32, DrillConf>,
     counts: Array<MapData, DrillCounts>,
+    lease: Array<MapData, u64>,
+    lease_length: Duration,
     running: Vec<Running>,
+    /// Drills being started that drop packets: `drill_egress` is attached for them
+    /// before they are set.
+    starting_drops: usize,
     /// Newest first.
     ended: VecDeque<DrillView>,
     last_serial: u32,
@@ -61,11 +72,17 @@ pub struct Target<'a> {
 }
 
 impl Drills {
-    pub fn new(maps: DrillMaps) -> Drills {
+    /// The drills of a daemon whose programs fault under a lease of `lease_length`,
+    /// renewed with the daemon's own (`renew_lease`).
+    pub fn new(maps: DrillMaps, lease_length: Duration) -> Drills {
         Drills {
+            on: maps.on,
             conf: maps.conf,
             counts: maps.counts,
+            lease: maps.lease,
+            lease_length,
             running: Vec::new(),
+            starting_drops: 0,
             ended: VecDeque::new(),
             last_serial: 0,
         }
@@ -114,8 +131,12 @@ impl Drills {
             .set(t.scope_id, DrillCounts::default(), 0)
             .map_err(|e| format!("zeroing DRILL_COUNTS: {e}"))?;
         self.conf
-            .set(t.scope_id, conf, 0)
+            .insert(t.scope_id, conf, 0)
             .map_err(|e| format!("writing DRILLS: {e}"))?;
+        if let Err(e) = self.on.set(t.scope_id, conf.fault, 0) {
+            let _ = self.conf.remove(&t.scope_id);
+            return Err(format!("writing DRILL_ON: {e}"));
+        }
         let view = DrillView {
             state: "running".into(),
             reason: None,
@@ -161,12 +182,42 @@ impl Drills {
         }
     }
 
-    /// Whether a running drill drops packets (blackhole, delay): `drill_egress` must be
-    /// attached.
+    /// Whether a drill that drops packets (blackhole, delay) runs or is being started:
+    /// `drill_egress` must be attached.
     pub fn drop_packets(&self) -> bool {
-        self.running
-            .iter()
-            .any(|r| r.view.spec.fault != Fault::Refuse)
+        self.starting_drops > 0
+            || self
+                .running
+                .iter()
+                .any(|r| r.view.spec.fault != Fault::Refuse)
+    }
+
+    /// A drill that drops packets is about to start (`drops`), or has started or failed
+    /// to (`!drops`): `drill_egress` stays attached meanwhile.
+    pub fn starting(&mut self, drops: bool) {
+        if drops {
+            self.starting_drops += 1;
+        } else {
+            self.starting_drops = self.starting_drops.saturating_sub(1);
+        }
+    }
+
+    /// Holds the drills' lease for its length from now.
+    pub fn renew_lease(&mut self) -> anyhow::Result<()> {
+        let until =
+            guard_common::monotonic_ns().saturating_add(self.lease_length.as_nanos() as u64);
+        Ok(self.lease.set(0, until, 0)?)
+    }
+
+    /// Ends every running drill, for `why` (the daemon stops).
+    pub fn end_all(&mut self, why: &str, unix_ms_at_boot: u64) -> Vec<EventRecord> {
+        let now = guard_common::monotonic_ns();
+        (0..self.running.len())
+            .map(|_| {
+                self.end(0, "ended", why.to_string(), now, unix_ms_at_boot)
+                    .1
+            })
+            .collect()
     }
 
     /// Whether a drill runs.
@@ -202,7 +253,10 @@ impl Drills {
             }
             let ending = if now_ns >= r.deadline_ns {
                 Some(("ended", "deadline".to_string()))
-            } else if !scopes.iter().any(|(id, _)| *id == r.scope_id) {
+            } else if !scopes
+                .iter()
+                .any(|(id, name)| *id == r.scope_id && *name == r.view.spec.scope)
+            {
                 Some(("aborted", "its scope left the policy".to_string()))
             } else {
                 r.broken(counters, &counts, now_ns)
@@ -251,10 +305,14 @@ impl Drills {
         unix_ms_at_boot: u64,
     ) -> (DrillView, EventRecord) {
         let r = self.running.remove(i);
-        // Cleared first, then counted: no fault comes after the clear.
-        if let Err(e) = self.conf.set(r.scope_id, DrillConf::default(), 0) {
+        // Turned off, then removed, then counted. A connect that read the drill before
+        // the removal may still be faulted within its cap; none after.
+        if let Err(e) = self.on.set(r.scope_id, 0, 0) {
             // The programs still check the deadline and the lease.
-            log::error!("clearing drill {:?} from DRILLS: {e}", r.view.spec.name);
+            log::error!("turning drill {:?} off in DRILL_ON: {e}", r.view.spec.name);
+        }
+        if let Err(e) = self.conf.remove(&r.scope_id) {
+            log::error!("removing drill {:?} from DRILLS: {e}", r.view.spec.name);
         }
         let counts = self.counts.get(&r.scope_id, 0).unwrap_or_default();
         let mut view = r.view;

@@ -58,10 +58,12 @@ pub struct ListenerMaps {
 }
 
 /// Drills (guard_common::drill), by scope id: what the daemon sets, what the programs
-/// count.
+/// count, and the lease they fault under.
 pub struct DrillMaps {
-    pub conf: Array<MapData, DrillConf>,
+    pub on: Array<MapData, u32>,
+    pub conf: Hashed<u32, DrillConf>,
     pub counts: Array<MapData, DrillCounts>,
+    pub lease: Array<MapData, u64>,
 }
 
 /// The maps the daemon uses. SOCKS and DRILL_SOCKS (socket storage) are the programs'
@@ -110,8 +112,10 @@ impl Maps {
             },
             lease: take(ebpf, map::LEASE)?,
             drills: DrillMaps {
+                on: take(ebpf, map::DRILL_ON)?,
                 conf: take(ebpf, map::DRILLS)?,
                 counts: take(ebpf, map::DRILL_COUNTS)?,
+                lease: take(ebpf, map::DRILL_LEASE)?,
             },
         })
     }

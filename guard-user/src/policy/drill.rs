@@ -1,6 +1,6 @@
 //! Drill files (docs/drills.md): TOML, read into a validated `DrillSpec`. Errors name
 //! file, line, column and reason; unknown keys are errors. `connguard drill start`'s
-//! flags are written as such a file (`from_flags`), so both are checked the same way.
+//! flags are written into such a file (`load`), so both are checked the same way.
 use std::{ops::Range, path::Path};
 
 use connguard_api::drill::{AbortSpec, DrillSpec, Fault};
@@ -236,14 +236,23 @@ fn bounded<'a, T>(
     Ok(list)
 }
 
-/// `connguard drill start`'s flags as a drill file's text (keys in the order given),
-/// over the file's own keys when `base` (a file's text) is given: each flag a line
-/// `key = value`, values as TOML. The text is then read by `parse`, so a flag's error
-/// names its line in it.
-pub fn from_flags(base: Option<&str>, flags: &[(&str, toml::Value)]) -> String {
-    let mut table: toml::Table = base
-        .and_then(|b| toml::from_str(b).ok())
-        .unwrap_or_default();
+/// `connguard drill start`'s drill: the file alone, or the flags (`key`, or
+/// `abort.key`, and a TOML value) over the file's keys, or the flags alone. Flags are
+/// written into the file's table and the whole read as drill text, so that both are
+/// checked the same way; a file that is no TOML table is refused at its own place.
+pub fn load(file: Option<&Path>, flags: &[(&str, toml::Value)]) -> Result<DrillSpec, PolicyError> {
+    let (mut table, source) = match file {
+        Some(path) if flags.is_empty() => return load_file(path),
+        Some(path) => {
+            let (text, name) = read(path)?;
+            let table: toml::Table = match toml::from_str(&text) {
+                Ok(t) => t,
+                Err(_) => return parse(&text, &name),
+            };
+            (table, format!("{name} with the command line's flags"))
+        }
+        None => (toml::Table::new(), "the command line's flags".to_string()),
+    };
     for (key, value) in flags {
         match key.strip_prefix("abort.") {
             Some(sub) => {
@@ -259,7 +268,7 @@ pub fn from_flags(base: Option<&str>, flags: &[(&str, toml::Value)]) -> String {
             }
         }
     }
-    toml::to_string(&table).unwrap_or_default()
+    parse(&toml::to_string(&table).unwrap_or_default(), &source)
 }
 
 #[cfg(test)]
@@ -343,17 +352,26 @@ min_success_ratio = 0.5
 
     #[test]
     fn flags_override_the_file_and_are_checked_alike() {
-        let text = from_flags(
-            Some(GOOD),
+        let dir = std::env::temp_dir().join(format!("drill-{}.toml", std::process::id()));
+        std::fs::write(&dir, GOOD).unwrap();
+        let d = load(
+            Some(&dir),
             &[
                 ("probability", toml::Value::Float(1.0)),
                 ("abort.min_attempts", toml::Value::Integer(5)),
             ],
-        );
-        let d = parse(&text, "command line").unwrap();
+        )
+        .unwrap();
         assert_eq!((d.probability, d.abort.min_attempts), (1.0, 5));
-        let text = from_flags(None, &[("name", toml::Value::String("x".into()))]);
-        let err = parse(&text, "command line").unwrap_err().to_string();
-        assert!(err.contains("missing field"), "{err}");
+        std::fs::write(&dir, "name = \"x\"\nscope = [").unwrap();
+        let err = load(Some(&dir), &[("probability", toml::Value::Float(1.0))]).unwrap_err();
+        assert_eq!(
+            (err.file.as_str(), err.line),
+            (dir.to_str().unwrap(), 2),
+            "{err}"
+        );
+        std::fs::remove_file(&dir).unwrap();
+        let err = load(None, &[("name", toml::Value::String("x".into()))]).unwrap_err();
+        assert!(err.to_string().contains("missing field"), "{err}");
     }
 }

@@ -19,6 +19,13 @@ pub fn stats(snap: &Snapshot) -> String {
         );
     }
     let _ = writeln!(out, "internal errors (fail-open): {}", snap.internal_errors);
+    let running = snap.drills.iter().filter(|d| d.state == "running").count();
+    if running > 0 {
+        let _ = writeln!(
+            out,
+            "chaos drills running: {running} (see connguard drill list; their faults are not sheds)"
+        );
+    }
     if snap.lost_events > 0 {
         let _ = writeln!(
             out,
