@@ -108,9 +108,9 @@ impl Drills {
         let watched = t
             .scopes
             .iter()
-            .filter(|(id, name)| match spec.abort.watch.is_empty() {
-                true => *id != t.scope_id,
-                false => spec.abort.watch.contains(name),
+            .filter(|(id, name)| {
+                *id != t.scope_id
+                    && (spec.abort.watch.is_empty() || spec.abort.watch.contains(name))
             })
             .map(|(id, name)| {
                 let c = t.counters.get(*id as usize).copied().unwrap_or_default();
