@@ -191,13 +191,13 @@ fn delay_drops_the_first_syn_only() {
         assert_eq!(out.ok, 1, "{what}: {out:?}");
         t.elapsed()
     };
+    // Both include the probe's own start; the retransmit adds about 1 s.
     let delayed = timed("delayed");
-    assert!(
-        delayed >= Duration::from_millis(900),
-        "delayed by {delayed:?}"
-    );
     let at_once = timed("past the cap");
-    assert!(at_once < Duration::from_millis(900), "took {at_once:?}");
+    assert!(
+        delayed.saturating_sub(at_once) >= Duration::from_millis(700),
+        "delayed {delayed:?}, past the cap {at_once:?}"
+    );
     let v = drill(&d, "dl");
     assert_eq!((v.attempts, v.faulted, v.capped), (2, 1, 1), "{v:?}");
 }
@@ -283,25 +283,32 @@ fn a_killed_daemons_drill_ends_at_its_deadline_or_its_lease() {
     let server = Server::start("127.0.0.1:0");
     let cg = Cgroup::new("drill-kill");
     let policy = Policy::new().scope(Scope::new("s", &cg.rel));
-    for (duration, lease, ends_in) in [("3s", "30", 3), ("5min", "3", 3)] {
+    // (duration, lease): the deadline comes first; then the lease does.
+    for (duration, lease) in [("4s", "30"), ("5min", "4")] {
         let d = Daemon::builder(&policy).args(&["--lease", lease]).start();
         let v = start(&d, &format!("k s refuse 1 {duration} 100000"), &[]);
         let started = Instant::now();
         d.exit_keeping_state(libc::SIGKILL);
+        // The last renewal was before the exit.
+        let killed = Instant::now();
         let out = cg.probe(Probe::connect(server.addr, 5, 1));
         assert_eq!(
             out.errors("ECONNREFUSED"),
             5,
             "with no daemon, before the end: {out:?}"
         );
-        let end = started + Duration::from_secs(ends_in);
+        let end = if lease == "30" {
+            started + Duration::from_secs(4)
+        } else {
+            killed + Duration::from_secs(4)
+        };
         std::thread::sleep(
             end.saturating_duration_since(Instant::now()) + Duration::from_millis(300),
         );
         let out = cg.probe(Probe::connect(server.addr, 5, 1));
         assert_eq!(
             out.ok, 5,
-            "{duration} drill, {lease} s lease, after {ends_in} s: {out:?} ({v:?})"
+            "{duration} drill, {lease} s lease: {out:?} ({v:?})"
         );
         // The next daemon adopts the counts, and ends with the test (detaching all).
         drop(Daemon::builder(&policy).adopting().start());
