@@ -4,8 +4,9 @@
 //!
 //! A scope has at most one drill at a time, keyed by its scope id: `DRILL_ON` (an array,
 //! read inlined on every governed connect) holds its FAULT_*, 0 for none; `DRILLS` (a
-//! hash map without preallocation, so that an update swaps the whole value under a
-//! reader) its settings; `DRILL_COUNTS` (written by the programs) its counts.
+//! hash map without preallocation: an update replaces the element rather than writing
+//! into the one a connect may be reading, though a removed element's memory may be
+//! given to the next) its settings; `DRILL_COUNTS` (written by the programs) its counts.
 //! `DRILL_LEASE` is the lease of the daemon that owns these maps (none of them pinned):
 //! the next daemon's programs have maps of their own, and renew no drill of the one
 //! before. `DRILL_SOCKS` marks a socket a blackhole or delay fault was given to, for
@@ -14,8 +15,8 @@ use crate::PortRange;
 
 /// connect() fails at once with the drill's errno; no SYN leaves.
 pub const FAULT_REFUSE: u32 = 1;
-/// Every packet of the connection is dropped on its way out: the client waits its own
-/// connect timeout.
+/// The connection's SYNs are dropped on their way out (its packets while it is in
+/// SYN_SENT): the client waits its own connect timeout.
 pub const FAULT_BLACKHOLE: u32 = 2;
 /// The first SYN is dropped on its way out: the retransmit (about 1 s later, TCP's
 /// initial RTO) connects.
@@ -74,6 +75,7 @@ pub struct DrillCounts {
     pub attempts: u64,
     /// Places taken under `max_faults`: reserved before the cap is looked at, and given
     /// back by an attempt over it, so concurrent attempts never fault more than the cap.
+    /// Read as signed (two's complement).
     pub reserved: u64,
     /// Attempts given the fault (counted once given: it never goes down).
     pub faulted: u64,
@@ -91,8 +93,8 @@ pub struct DrillCounts {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DrillMark {
-    /// The scope id of the drill (its index in `DRILLS`), and its serial: the mark
-    /// holds only while that drill is set, before its deadline.
+    /// The scope id of the drill (its key in `DRILLS`), and its serial: the mark holds
+    /// only while that drill is set, before its deadline.
     pub scope_id: u32,
     pub serial: u32,
     /// FAULT_BLACKHOLE or FAULT_DELAY.

@@ -108,8 +108,10 @@ pub fn decide(scope_id: u32, addr: &[u8; 16], port: u16, fault: u32) -> u64 {
             return 0;
         }
     }
-    let before = add(unsafe { &raw mut (*c).reserved }, 1);
-    if conf.max_faults != 0 && before >= conf.max_faults {
+    // Signed: an attempt of the drill before, on this scope, giving its place back
+    // after the counts were zeroed takes them below 0, which caps nothing.
+    let before = add(unsafe { &raw mut (*c).reserved }, 1) as i64;
+    if conf.max_faults != 0 && before >= conf.max_faults as i64 {
         add(unsafe { &raw mut (*c).reserved }, u64::MAX);
         add(unsafe { &raw mut (*c).capped }, 1);
         return 0;

@@ -41,6 +41,8 @@ pub struct Drills {
     /// Drills being started that drop packets: `drill_egress` is attached for them
     /// before they are set.
     starting_drops: usize,
+    /// The daemon is exiting (`end_all`): no drill starts.
+    stopping: bool,
     /// Newest first.
     ended: VecDeque<DrillView>,
     last_serial: u32,
@@ -83,6 +85,7 @@ impl Drills {
             lease_length,
             running: Vec::new(),
             starting_drops: 0,
+            stopping: false,
             ended: VecDeque::new(),
             last_serial: 0,
         }
@@ -94,6 +97,9 @@ impl Drills {
         spec: DrillSpec,
         t: Target,
     ) -> Result<(DrillView, EventRecord), String> {
+        if self.stopping {
+            return Err("the daemon is stopping".into());
+        }
         if self.running.iter().any(|r| r.view.spec.name == spec.name) {
             return Err(format!("a drill named {:?} is running", spec.name));
         }
@@ -211,6 +217,7 @@ impl Drills {
 
     /// Ends every running drill, for `why` (the daemon stops).
     pub fn end_all(&mut self, why: &str, unix_ms_at_boot: u64) -> Vec<EventRecord> {
+        self.stopping = true;
         let now = guard_common::monotonic_ns();
         (0..self.running.len())
             .map(|_| {
