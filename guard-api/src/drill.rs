@@ -51,8 +51,8 @@ pub struct DrillSpec {
     pub duration_ms: u64,
     /// At most this many faulted attempts in all.
     pub max_faults: Option<u64>,
-    /// At most this fraction of the target's attempts faulted in each window of
-    /// `window_ms` (10 s when absent).
+    /// At most this fraction of the target's attempts faulted in the sliding window
+    /// of the last `window_ms` (10 s when absent).
     pub max_fraction: Option<f64>,
     pub window_ms: Option<u64>,
     pub abort: AbortSpec,

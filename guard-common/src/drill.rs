@@ -57,8 +57,8 @@ pub struct DrillConf {
     pub deadline_ns: u64,
     /// At most this many faults in all; 0: no such cap.
     pub max_faults: u64,
-    /// At most `max_permille` thousandths of the target's attempts faulted in each
-    /// window of `window_ns`; `window_ns` 0: no such cap.
+    /// At most `max_permille` thousandths of the target's attempts faulted in the
+    /// sliding window of the last `window_ns`; `window_ns` 0: no such cap.
     pub window_ns: u64,
     pub max_permille: u32,
     pub _pad: u32,
@@ -81,12 +81,15 @@ pub struct DrillCounts {
     pub faulted: u64,
     /// Attempts the probability chose but a cap let through.
     pub capped: u64,
-    /// The current window of the fraction cap: its start (CLOCK_MONOTONIC ns), and its
-    /// attempts and faults. Looked at, then added to: attempts racing each other may
-    /// pass the fraction by a few (`max_faults` is the exact cap).
+    /// The fraction cap's sliding window, estimated from two fixed windows: the
+    /// current one's start (CLOCK_MONOTONIC ns), attempts and faults, and the one
+    /// before's attempts and faults. Looked at, then added to: attempts racing each
+    /// other may pass the fraction by a few (`max_faults` is the exact cap).
     pub window_start: u64,
     pub window_attempts: u64,
     pub window_faulted: u64,
+    pub prev_attempts: u64,
+    pub prev_faulted: u64,
 }
 
 /// Value of `DRILL_SOCKS`: the fault a socket was given.

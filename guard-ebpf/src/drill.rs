@@ -16,7 +16,9 @@ use aya_ebpf::{
 };
 use guard_common::{
     SockState,
-    drill::{DrillConf, DrillMark, DrillNet, FAULT_DELAY, FAULT_REFUSE, MAX_DRILL_NETS},
+    drill::{
+        DrillConf, DrillCounts, DrillMark, DrillNet, FAULT_DELAY, FAULT_REFUSE, MAX_DRILL_NETS,
+    },
     linux::TCP_SYN_SENT,
 };
 
@@ -83,26 +85,17 @@ pub fn decide(scope_id: u32, addr: &[u8; 16], port: u16, fault: u32) -> u64 {
     };
     add(unsafe { &raw mut (*c).attempts }, 1);
     let windowed = conf.window_ns != 0;
-    let mut in_window = 0;
-    if windowed {
-        let start = unsafe { core::ptr::read_volatile(&raw const (*c).window_start) };
-        // The attempt that moves the window on empties it; attempts racing it may count
-        // in either window.
-        if now.wrapping_sub(start) >= conf.window_ns
-            && replace(unsafe { &raw mut (*c).window_start }, start, now)
-        {
-            unsafe {
-                core::ptr::write_volatile(&raw mut (*c).window_attempts, 0);
-                core::ptr::write_volatile(&raw mut (*c).window_faulted, 0);
-            }
-        }
-        in_window = add(unsafe { &raw mut (*c).window_attempts }, 1) + 1;
-    }
+    // The sliding window's attempts, this one included (0 without the cap).
+    let in_window = if windowed {
+        window_attempts(c, conf.window_ns, now)
+    } else {
+        0
+    };
     if unsafe { bpf_get_prandom_u32() } as u64 >= conf.threshold {
         return 0;
     }
     if windowed {
-        let faulted = unsafe { core::ptr::read_volatile(&raw const (*c).window_faulted) };
+        let faulted = window_faulted(c, conf.window_ns, now);
         if (faulted + 1) * 1000 > conf.max_permille as u64 * in_window {
             add(unsafe { &raw mut (*c).capped }, 1);
             return 0;
@@ -126,6 +119,63 @@ pub fn decide(scope_id: u32, addr: &[u8; 16], port: u16, fault: u32) -> u64 {
         scope_id
     };
     (conf.fault & 0xff) as u64 | ((detail & 0xffff) as u64) << 8 | (conf.serial as u64) << 32
+}
+
+/// The fraction cap's sliding window of `window` ns ending at `now`, estimated from two
+/// fixed windows (the current one, and the one before it weighted by how much of it
+/// the sliding window still covers): counts this attempt in the current window, and
+/// returns the window's attempts. The attempt that finds the current window over moves
+/// it on; attempts racing it may count in either.
+#[inline(always)]
+fn window_attempts(c: *mut DrillCounts, window: u64, now: u64) -> u64 {
+    let start = unsafe { core::ptr::read_volatile(&raw const (*c).window_start) };
+    let elapsed = now.saturating_sub(start);
+    if elapsed >= window {
+        // Right after the current window: it becomes the one before; later: both empty.
+        let next = if elapsed < 2 * window { start + window } else { now };
+        if replace(unsafe { &raw mut (*c).window_start }, start, next) {
+            let (a, f) = if elapsed < 2 * window {
+                unsafe {
+                    (
+                        core::ptr::read_volatile(&raw const (*c).window_attempts),
+                        core::ptr::read_volatile(&raw const (*c).window_faulted),
+                    )
+                }
+            } else {
+                (0, 0)
+            };
+            unsafe {
+                core::ptr::write_volatile(&raw mut (*c).prev_attempts, a);
+                core::ptr::write_volatile(&raw mut (*c).prev_faulted, f);
+                core::ptr::write_volatile(&raw mut (*c).window_attempts, 0);
+                core::ptr::write_volatile(&raw mut (*c).window_faulted, 0);
+            }
+        }
+    }
+    let current = add(unsafe { &raw mut (*c).window_attempts }, 1) + 1;
+    current + weighted(unsafe { &raw const (*c).prev_attempts }, c, window, now)
+}
+
+/// The sliding window's faults, as `window_attempts` counts attempts.
+#[inline(always)]
+fn window_faulted(c: *mut DrillCounts, window: u64, now: u64) -> u64 {
+    let current = unsafe { core::ptr::read_volatile(&raw const (*c).window_faulted) };
+    current + weighted(unsafe { &raw const (*c).prev_faulted }, c, window, now)
+}
+
+/// `*prev` (a count of the window before the current one) times the share of that
+/// window the sliding window ending at `now` still covers; in ms, so that a day's
+/// window times millions of attempts fits.
+#[inline(always)]
+fn weighted(prev: *const u64, c: *mut DrillCounts, window: u64, now: u64) -> u64 {
+    let start = unsafe { core::ptr::read_volatile(&raw const (*c).window_start) };
+    let window_ms = window / 1_000_000;
+    let into_ms = (now.saturating_sub(start) / 1_000_000).min(window_ms);
+    if window_ms == 0 {
+        return 0;
+    }
+    let prev = unsafe { core::ptr::read_volatile(prev) };
+    prev * (window_ms - into_ms) / window_ms
 }
 
 /// Whether the drill targets `addr` and `port`.

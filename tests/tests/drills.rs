@@ -202,6 +202,24 @@ fn delay_drops_the_first_syn_only() {
     assert_eq!((v.attempts, v.faulted, v.capped), (2, 1, 1), "{v:?}");
 }
 
+/// max_fraction 0.5 with p = 1, one connect at a time: every second attempt of the
+/// sliding window is faulted, 50 of 100.
+#[test]
+fn max_fraction_faults_that_share_of_the_window() {
+    let server = Server::start("127.0.0.1:0");
+    let cg = Cgroup::new("drill-frac");
+    let d = Daemon::builder(Policy::new().scope(Scope::new("s", &cg.rel))).start();
+    start(
+        &d,
+        "f s refuse 1 5min 100000",
+        &["--max-fraction", "0.5", "--window", "1min"],
+    );
+    let out = cg.probe(Probe::connect(server.addr, 100, 1));
+    assert_eq!((out.errors("ECONNREFUSED"), out.ok), (50, 50), "{out:?}");
+    let v = drill(&d, "f");
+    assert_eq!((v.attempts, v.faulted, v.capped), (100, 50, 50), "{v:?}");
+}
+
 /// A cap of 10 with p = 1 and 64 threads connecting at once: exactly 10 faulted.
 #[test]
 fn the_cap_holds_under_64_threads() {
