@@ -16,6 +16,16 @@ pub enum Fault {
     Blackhole,
     /// The first SYN never leaves: the retransmit connects, about 1 s later.
     Delay,
+    /// The connect meets a RST, as from an overloaded listener: ECONNREFUSED (after
+    /// EINPROGRESS when non-blocking). Nothing leaves the host.
+    Reset,
+}
+
+impl Fault {
+    /// Whether `drill_egress` drops the faulted sockets' packets.
+    pub fn drops_packets(self) -> bool {
+        matches!(self, Fault::Blackhole | Fault::Delay)
+    }
 }
 
 impl fmt::Display for Fault {
@@ -24,6 +34,7 @@ impl fmt::Display for Fault {
             Fault::Refuse => "refuse",
             Fault::Blackhole => "blackhole",
             Fault::Delay => "delay",
+            Fault::Reset => "reset",
         })
     }
 }

@@ -21,6 +21,11 @@ pub const FAULT_BLACKHOLE: u32 = 2;
 /// The first SYN is dropped on its way out: the retransmit (about 1 s later, TCP's
 /// initial RTO) connects.
 pub const FAULT_DELAY: u32 = 3;
+/// The connect is sent to port 0 of the loopback address instead, where no socket can
+/// listen: the loopback stack answers the SYN with a RST, and the client sees what an
+/// overloaded listener's RST gives it (ECONNREFUSED, after EINPROGRESS when
+/// non-blocking). Nothing leaves the host.
+pub const FAULT_RESET: u32 = 4;
 
 /// Most destination prefixes and port ranges of one drill.
 pub const MAX_DRILL_NETS: usize = 4;
@@ -92,7 +97,7 @@ pub struct DrillCounts {
     pub prev_faulted: u64,
 }
 
-/// Value of `DRILL_SOCKS`: the fault a socket was given.
+/// Value of `DRILL_SOCKS`: the blackhole or delay fault a socket was given.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DrillMark {

@@ -21,6 +21,9 @@ use crate::{
 
 const ALLOW: i32 = 1;
 const DENY: i32 = 0;
+/// `admit`'s answer for an attempt a drill resets: the hook sends it to the loopback's
+/// port 0 (`to_closed_port4`, `to_closed_port6`), then allows it.
+const RESET: i32 = 2;
 const SOCK_STREAM: u32 = 1;
 
 /// 1 when cgroup sock_addr programs may call bpf_set_retval (Linux 6.1+), as the
@@ -42,11 +45,21 @@ pub fn connect4(ctx: SockAddrContext) -> i32 {
         return ALLOW;
     }
     let sa = unsafe { &*ctx.sock_addr };
-    admit(
+    match admit(
         &ctx,
         ipv4_mapped(sa.user_ip4),
         u16::from_be(sa.user_port as u16),
-    )
+    ) {
+        RESET => {
+            let sa = ctx.sock_addr;
+            unsafe {
+                (*sa).user_ip4 = LOOPBACK4;
+                (*sa).user_port = 0;
+            }
+            ALLOW
+        }
+        verdict => verdict,
+    }
 }
 
 #[cgroup_sock_addr(connect6)]
@@ -63,7 +76,29 @@ pub fn connect6(ctx: SockAddrContext) -> i32 {
         sa.user_ip6[3],
     ];
     // `::ffff:a.b.c.d` is already the IPv4 key (IPv4 is stored IPv4-mapped).
-    admit(&ctx, words_addr(words), u16::from_be(sa.user_port as u16))
+    match admit(&ctx, words_addr(words), u16::from_be(sa.user_port as u16)) {
+        RESET => {
+            // Read again from the context: `words` kept live across `admit` would take
+            // stack the verifier's 512 bytes cannot spare.
+            let sa = ctx.sock_addr;
+            let mapped = unsafe {
+                (*sa).user_ip6[0] == 0 && (*sa).user_ip6[1] == 0 && (*sa).user_ip6[2] == MAPPED_PREFIX
+            };
+            unsafe {
+                if mapped {
+                    (*sa).user_ip6[3] = LOOPBACK4;
+                } else {
+                    (*sa).user_ip6[0] = 0;
+                    (*sa).user_ip6[1] = 0;
+                    (*sa).user_ip6[2] = 0;
+                    (*sa).user_ip6[3] = u32::from_ne_bytes([0, 0, 0, 1]);
+                }
+                (*sa).user_port = 0;
+            }
+            ALLOW
+        }
+        verdict => verdict,
+    }
 }
 
 /// `addr`: the destination in the maps' form; `port`: host order.
@@ -107,16 +142,25 @@ fn admit(ctx: &SockAddrContext, addr: [u8; 16], port: u16) -> i32 {
             DENY
         }
         Charge::Admitted => {
-            drill::fault_admitted(sk, state);
+            let reset = drill::fault_admitted(sk, state);
             // Before the port search, whose failure only a state callback asked for here
             // sees. Where the kernel refuses the option, TCP_CONNECT_CB asks, and the
             // tracepoint sees what comes before.
             let _ = ask_state_callback(ctx.as_ptr());
-            ALLOW
+            if reset { RESET } else { ALLOW }
         }
         Charge::NoScope => ALLOW,
     }
 }
+
+/// A drill's reset sends the connect to port 0 of the loopback address (127.0.0.1,
+/// `::ffff:127.0.0.1` for an IPv4 destination of an IPv6 socket, else `::1`), where no
+/// socket can listen, so the loopback stack answers the SYN with a RST
+/// (tcp_v4_send_reset). The admission stays charged to the destination asked for, which
+/// the socket's storage holds.
+const LOOPBACK4: u32 = u32::from_ne_bytes([127, 0, 0, 1]);
+/// The third word of an IPv4-mapped IPv6 address, in memory order.
+const MAPPED_PREFIX: u32 = u32::from_ne_bytes([0, 0, 0xff, 0xff]);
 
 /// Makes the refused connect() fail with `errno` (bpf_set_retval(-errno)). The verifier
 /// checks that the argument lies in [-4095, 0] as a 64-bit value (7.2's verifier does;

@@ -17,7 +17,8 @@ use aya_ebpf::{
 use guard_common::{
     SockState,
     drill::{
-        DrillConf, DrillCounts, DrillMark, DrillNet, FAULT_DELAY, FAULT_REFUSE, MAX_DRILL_NETS,
+        DrillConf, DrillCounts, DrillMark, DrillNet, FAULT_DELAY, FAULT_REFUSE, FAULT_RESET,
+        MAX_DRILL_NETS,
     },
     linux::TCP_SYN_SENT,
 };
@@ -46,23 +47,28 @@ fn in_force(scope_id: u32, now: u64) -> Option<&'static DrillConf> {
     (conf.serial != 0 && now < conf.deadline_ns && now < lease).then_some(conf)
 }
 
-/// After an admission (`state` holds it): a blackhole or delay drill of its scope may
-/// give the socket `sk` its fault; a socket it does not choose loses the mark of an
-/// earlier connect. Attempts shed before this are not the drill's.
+/// After an admission (`state` holds it): a blackhole, delay or reset drill of its
+/// scope may give the socket `sk` its fault; a socket it does not choose loses the mark
+/// of an earlier connect. Attempts shed before this are not the drill's. Returns
+/// whether the connect is to be reset (the caller sends it to the loopback's port 0).
 #[inline(always)]
-pub fn fault_admitted(sk: *mut bpf_sock, state: *mut SockState) {
+pub fn fault_admitted(sk: *mut bpf_sock, state: *mut SockState) -> bool {
     let scope_id = unsafe { (*state).dst.scope_id };
     let fault = fault_of(scope_id);
     if fault <= FAULT_REFUSE {
-        return;
+        return false;
     }
     let (addr, port) = unsafe { ((*state).dst.addr, (*state).dst.port) };
     let packed = decide(scope_id, &addr, port, fault);
+    if packed & 0xff == FAULT_RESET as u64 {
+        return true;
+    }
     if packed != 0 {
         mark(sk, packed);
     } else {
         unsafe { bpf_sk_storage_delete((&raw const DRILL_SOCKS).cast_mut().cast(), sk.cast()) };
     }
+    false
 }
 
 /// The fault for an attempt of the scope `scope_id` toward `addr` (the maps' form) and

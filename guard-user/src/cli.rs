@@ -429,9 +429,9 @@ See also:
     ///
     /// A drill faults the connects of one scope (optionally to some destinations and
     /// ports): refuse (connect() fails at once with an errno, no SYN sent), blackhole
-    /// (the SYN never leaves; the client waits its own timeout) or delay (the first SYN
-    /// never leaves; the retransmit connects about 1 s later), each attempt with a
-    /// probability. The programs cap its faults (max_faults in all, max_fraction of the
+    /// (the SYN never leaves; the client waits its own timeout), delay (the first SYN
+    /// never leaves; the retransmit connects about 1 s later) or reset (the connect
+    /// meets a RST, as from an overloaded listener), each attempt with a probability. The programs cap its faults (max_faults in all, max_fraction of the
     /// target's attempts a window), fault nothing past its deadline or once the daemon's
     /// lease lapses, and count the faults apart from sheds. The daemon aborts it when a
     /// watched scope sheds or opens a breaker, when the target's success ratio falls
@@ -587,7 +587,7 @@ pub struct DrillStart {
     /// The scope whose connects are faulted.
     #[arg(long)]
     pub scope: Option<String>,
-    /// refuse, blackhole or delay.
+    /// refuse, blackhole, delay or reset.
     #[arg(long)]
     pub fault: Option<String>,
     /// The chance an attempt of the target is faulted, in [0, 1].

@@ -1,5 +1,5 @@
 //! Chaos drills on real sockets: faults the connect hooks make on purpose (refuse,
-//! blackhole, delay), the blast-radius cap under 64 threads, the abort when another scope's
+//! blackhole, delay, reset), the blast-radius cap under 64 threads, the abort when another scope's
 //! breaker opens, the deadline the programs keep with the daemon SIGKILLed, and bad
 //! drills refused.
 use std::{
@@ -54,6 +54,16 @@ fn drill(d: &Daemon, name: &str) -> DrillView {
         .into_iter()
         .find(|v| v.spec.name == name)
         .unwrap_or_else(|| panic!("no drill {name}"))
+}
+
+/// The server's accepted connections, once they reach `n` or 2 s passed (its accept
+/// loop polls).
+fn accepted(server: &Server, n: u64) -> u64 {
+    let until = Instant::now() + Duration::from_secs(2);
+    while server.accepted.load(Ordering::SeqCst) < n && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    server.accepted.load(Ordering::SeqCst)
 }
 
 /// Polls drill `name` until it is no longer running, within `within`.
@@ -168,13 +178,33 @@ fn blackhole_lets_no_syn_reach_the_server() {
         timeout_ms: Some(1000),
     });
     assert_eq!(out.ok, 1, "past the cap: {out:?}");
-    let until = Instant::now() + Duration::from_secs(2);
-    while server.accepted.load(Ordering::SeqCst) == 0 && Instant::now() < until {
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    assert_eq!(server.accepted.load(Ordering::SeqCst), 1);
+    assert_eq!(accepted(&server, 1), 1);
     let s = d.wait_scope("s", Duration::from_secs(5), |s| s.counts.active == 0);
     assert_eq!(s.counts.active, 0, "{s:?}");
+}
+
+/// reset: each connect fails with ECONNREFUSED after its SYN met a RST (on the
+/// loopback: the server accepts nothing), is admitted and released toward the server;
+/// past the cap the next connects.
+#[test]
+fn reset_refuses_after_a_rst_and_counts_the_admission() {
+    let server = Server::start("127.0.0.1:0");
+    let cg = Cgroup::new("drill-reset");
+    let d = Daemon::builder(Policy::new().scope(Scope::new("s", &cg.rel))).start();
+    start(&d, "r s reset 1 5min 5", &[]);
+    let out = cg.probe(Probe::connect(server.addr, 5, 1));
+    assert_eq!(out.errors("ECONNREFUSED"), 5, "{out:?}");
+    let out = cg.probe(Probe::connect(server.addr, 1, 1));
+    assert_eq!(out.ok, 1, "past the cap: {out:?}");
+    assert_eq!(accepted(&server, 1), 1);
+    let s = d.wait_scope("s", Duration::from_secs(5), |s| s.counts.active == 0);
+    assert_eq!(
+        (s.counts.admitted, s.counts.shed, s.counts.active),
+        (6, 0, 0),
+        "{s:?}"
+    );
+    let v = drill(&d, "r");
+    assert_eq!((v.attempts, v.faulted, v.capped), (6, 5, 1), "{v:?}");
 }
 
 /// delay: the first SYN never leaves, the retransmit (1 s later, TCP's initial RTO)

@@ -8,7 +8,7 @@ use std::{
 
 use connguard_api::{
     control::Reply,
-    drill::{DrillSpec, DrillsReply, Fault},
+    drill::{DrillSpec, DrillsReply},
 };
 use guard_common::Counter;
 use http_body_util::Empty;
@@ -43,7 +43,7 @@ impl Daemon {
         let (name, http) = (spec.name.clone(), spec.abort.http.clone());
         // A drill that drops packets is set only once `drill_egress` is attached: else
         // its marked sockets' SYNs would leave.
-        let drops = spec.fault != Fault::Refuse;
+        let drops = spec.fault.drops_packets();
         if drops {
             lock(&self.drills).starting(true);
             if let Err(e) = self.sync_drill_egress() {

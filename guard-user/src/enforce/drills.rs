@@ -17,7 +17,7 @@ use guard_common::{
     Counter, PortRange,
     addr::mapped,
     drill::{
-        DrillConf, DrillCounts, DrillNet, FAULT_BLACKHOLE, FAULT_DELAY, FAULT_REFUSE,
+        DrillConf, DrillCounts, DrillNet, FAULT_BLACKHOLE, FAULT_DELAY, FAULT_REFUSE, FAULT_RESET,
         MAX_DRILL_NETS, MAX_DRILL_PORTS,
     },
 };
@@ -195,7 +195,7 @@ impl Drills {
             || self
                 .running
                 .iter()
-                .any(|r| r.view.spec.fault != Fault::Refuse)
+                .any(|r| r.view.spec.fault.drops_packets())
     }
 
     /// A drill that drops packets is about to start (`drops`), or has started or failed
@@ -368,12 +368,13 @@ impl Running {
             .get(self.scope_id as usize)
             .copied()
             .unwrap_or_default();
-        // Refused attempts are neither admitted nor shed; blackholed ones are admitted;
-        // delayed ones connect.
+        // Refused attempts are neither admitted nor shed; blackholed and reset ones are
+        // admitted; delayed ones connect.
         let (refused, failed) = match self.view.spec.fault {
             Fault::Refuse => (counts.faulted, counts.faulted),
             Fault::Blackhole => (0, counts.faulted),
             Fault::Delay => (0, 0),
+            Fault::Reset => (0, counts.faulted),
         };
         let attempts = target.admitted + target.shed + refused;
         let failures = failed + target.shed;
@@ -421,6 +422,7 @@ fn conf(spec: &DrillSpec, serial: u32, now_ns: u64) -> Result<DrillConf, String>
             Fault::Refuse => FAULT_REFUSE,
             Fault::Blackhole => FAULT_BLACKHOLE,
             Fault::Delay => FAULT_DELAY,
+            Fault::Reset => FAULT_RESET,
         },
         errno: errno(spec.errno.as_deref())?,
         threshold: (spec.probability * 4_294_967_296.0).round() as u64,

@@ -75,10 +75,11 @@ pub fn parse(text: &str, file: &str) -> Result<DrillSpec, PolicyError> {
         "refuse" => Fault::Refuse,
         "blackhole" => Fault::Blackhole,
         "delay" => Fault::Delay,
+        "reset" => Fault::Reset,
         other => {
             return Err(at(
                 raw.fault.span(),
-                format!("unknown fault {other:?}; use refuse, blackhole or delay"),
+                format!("unknown fault {other:?}; use refuse, blackhole, delay or reset"),
             ));
         }
     };
@@ -325,7 +326,7 @@ min_success_ratio = 0.5
             (
                 "fault = \"refuse\"",
                 "fault = \"drop\"",
-                "d.toml:6:9: unknown fault \"drop\"; use refuse, blackhole or delay",
+                "d.toml:6:9: unknown fault \"drop\"; use refuse, blackhole, delay or reset",
             ),
             (
                 "fault = \"refuse\"",
