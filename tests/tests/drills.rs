@@ -48,6 +48,13 @@ fn list(d: &Daemon) -> Vec<DrillView> {
     .drills
 }
 
+/// A cgroup `prefix-*` and a daemon whose policy makes it scope "s".
+fn governed(prefix: &str) -> (Cgroup, Daemon) {
+    let cg = Cgroup::new(prefix);
+    let d = Daemon::builder(Policy::new().scope(Scope::new("s", &cg.rel))).start();
+    (cg, d)
+}
+
 /// The drill `name` as the daemon reports it.
 fn drill(d: &Daemon, name: &str) -> DrillView {
     list(d)
@@ -130,10 +137,9 @@ fn refuse_faults_its_target_alone_at_its_probability() {
     assert_eq!(after.ok, 100, "after the drill: {after:?}");
     let metrics = d.get("/metrics").1;
     assert!(
-        metrics
-            .lines()
-            .any(|l| l.starts_with("connguard_drill_faults_total{")
-                && l.ends_with(&format!(" {refused}"))),
+        metrics.lines().any(|l| l.starts_with(
+            r#"connguard_drill_faults_total{drill="p30",scope="a",fault="refuse",started=""#
+        ) && l.ends_with(&format!(" {refused}"))),
         "{metrics}"
     );
     let kinds: Vec<String> = d
@@ -153,8 +159,7 @@ fn blackhole_lets_no_syn_reach_the_server() {
     ns.exec("ip", &["link", "set", "lo", "up"]);
     let addr: SocketAddr = "127.0.0.1:9411".parse().unwrap();
     let server = Server::start_in(&ns.path(), &addr.to_string());
-    let cg = Cgroup::new("drill-bh");
-    let d = Daemon::builder(Policy::new().scope(Scope::new("s", &cg.rel))).start();
+    let (cg, d) = governed("drill-bh");
     start(&d, "bh s blackhole 1 5min 3", &[]);
     let out = cg.probe(Probe::Shedlat {
         netns: ns.path(),
@@ -189,8 +194,7 @@ fn blackhole_lets_no_syn_reach_the_server() {
 #[test]
 fn reset_refuses_after_a_rst_and_counts_the_admission() {
     let server = Server::start("127.0.0.1:0");
-    let cg = Cgroup::new("drill-reset");
-    let d = Daemon::builder(Policy::new().scope(Scope::new("s", &cg.rel))).start();
+    let (cg, d) = governed("drill-reset");
     start(&d, "r s reset 1 5min 5", &[]);
     let out = cg.probe(Probe::connect(server.addr, 5, 1));
     assert_eq!(out.errors("ECONNREFUSED"), 5, "{out:?}");
@@ -212,8 +216,7 @@ fn reset_refuses_after_a_rst_and_counts_the_admission() {
 #[test]
 fn delay_drops_the_first_syn_only() {
     let server = Server::start("127.0.0.1:0");
-    let cg = Cgroup::new("drill-delay");
-    let d = Daemon::builder(Policy::new().scope(Scope::new("s", &cg.rel))).start();
+    let (cg, d) = governed("drill-delay");
     start(&d, "dl s delay 1 5min 1", &[]);
     let timed = |what: &str| {
         let t = Instant::now();
@@ -237,8 +240,7 @@ fn delay_drops_the_first_syn_only() {
 #[test]
 fn max_fraction_faults_that_share_of_the_window() {
     let server = Server::start("127.0.0.1:0");
-    let cg = Cgroup::new("drill-frac");
-    let d = Daemon::builder(Policy::new().scope(Scope::new("s", &cg.rel))).start();
+    let (cg, d) = governed("drill-frac");
     start(
         &d,
         "f s refuse 1 5min 100000",
@@ -254,8 +256,7 @@ fn max_fraction_faults_that_share_of_the_window() {
 #[test]
 fn the_cap_holds_under_64_threads() {
     let server = Server::start("127.0.0.1:0");
-    let cg = Cgroup::new("drill-cap");
-    let d = Daemon::builder(Policy::new().scope(Scope::new("s", &cg.rel))).start();
+    let (cg, d) = governed("drill-cap");
     start(&d, "k10 s refuse 1 5min 10", &[]);
     let out = cg.probe(Probe::connect(server.addr, 640, 64));
     assert_eq!((out.errors("ECONNREFUSED"), out.ok), (10, 630), "{out:?}");
@@ -394,8 +395,7 @@ fn a_failing_http_check_aborts_the_drill() {
             );
         }
     });
-    let cg = Cgroup::new("drill-http");
-    let d = Daemon::builder(Policy::new().scope(Scope::new("s", &cg.rel))).start();
+    let (cg, d) = governed("drill-http");
     start(&d, "h s refuse 0.5 5min 10", &["--abort-http", &url]);
     std::thread::sleep(Duration::from_millis(1500));
     assert_eq!(
@@ -418,8 +418,7 @@ fn a_failing_http_check_aborts_the_drill() {
 /// Bad drills are refused with a clear error, and nothing starts.
 #[test]
 fn bad_drills_are_refused() {
-    let cg = Cgroup::new("drill-bad");
-    let d = Daemon::builder(Policy::new().scope(Scope::new("s", &cg.rel))).start();
+    let (cg, d) = governed("drill-bad");
     let good = [
         ("--name", "x"),
         ("--scope", "s"),

@@ -251,8 +251,7 @@ impl Drills {
                 .unwrap_or_default();
             let r = &mut self.running[i];
             let first_capped = r.view.capped == 0 && counts.capped != 0;
-            (r.view.attempts, r.view.faulted, r.view.capped) =
-                (counts.attempts, counts.faulted, counts.capped);
+            counted(&mut r.view, &counts);
             if first_capped {
                 let at = unix_ms_at_boot + now_ns / 1_000_000;
                 let why = format!("cap reached after {} fault(s)", counts.faulted);
@@ -287,7 +286,7 @@ impl Drills {
             .map(|r| {
                 let mut v = r.view.clone();
                 if let Ok(c) = self.counts.get(&r.scope_id, 0) {
-                    (v.attempts, v.faulted, v.capped) = (c.attempts, c.faulted, c.capped);
+                    counted(&mut v, &c);
                 }
                 v
             })
@@ -323,8 +322,7 @@ impl Drills {
         }
         let counts = self.counts.get(&r.scope_id, 0).unwrap_or_default();
         let mut view = r.view;
-        (view.attempts, view.faulted, view.capped) =
-            (counts.attempts, counts.faulted, counts.capped);
+        counted(&mut view, &counts);
         view.state = state.into();
         view.reason = Some(why.clone());
         let at = unix_ms_at_boot + now_ns / 1_000_000;
@@ -462,11 +460,14 @@ fn conf(spec: &DrillSpec, serial: u32, now_ns: u64) -> Result<DrillConf, String>
 /// The errno value of a refuse fault (ECONNREFUSED when none is named).
 fn errno(name: Option<&str>) -> Result<u32, String> {
     let name = name.unwrap_or("ECONNREFUSED");
-    policy::ERRNOS
-        .iter()
-        .find(|(n, _)| *n == name)
-        .map(|(_, v)| *v as u32)
+    policy::errno(name)
+        .map(|v| v as u32)
         .ok_or_else(|| format!("unknown errno {name:?}"))
+}
+
+/// `view` with the programs' counts `c`.
+fn counted(view: &mut DrillView, c: &DrillCounts) {
+    (view.attempts, view.faulted, view.capped) = (c.attempts, c.faulted, c.capped);
 }
 
 fn event(view: &DrillView, kind: &str, reason: Option<String>, unix_ms: u64) -> EventRecord {

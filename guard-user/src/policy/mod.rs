@@ -417,6 +417,11 @@ pub const ERRNOS: &[(&str, i32)] = &[
     ("EAGAIN", libc::EAGAIN),
 ];
 
+/// The value of the errno named `name`, when it is one of [`ERRNOS`].
+pub fn errno(name: &str) -> Option<i32> {
+    ERRNOS.iter().find(|(n, _)| *n == name).map(|(_, v)| *v)
+}
+
 /// Every scope and rule of the policy, named for messages, with its limits and breaker.
 fn levels(p: &Policy) -> impl Iterator<Item = (String, &Limits, &Option<BreakerPolicy>)> {
     p.scopes.iter().flat_map(|s| {

@@ -1019,8 +1019,8 @@ pub(super) fn parse_errno(
     let Some(e) = e else {
         return Ok(None);
     };
-    match ERRNOS.iter().find(|(n, _)| *n == e.get_ref().as_str()) {
-        Some((_, v)) => Ok(Some(*v)),
+    match super::errno(e.get_ref()) {
+        Some(v) => Ok(Some(v)),
         None => {
             let known: Vec<_> = ERRNOS.iter().map(|(n, _)| *n).collect();
             Err(at(
