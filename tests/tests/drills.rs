@@ -395,7 +395,7 @@ fn a_failing_http_check_aborts_the_drill() {
             );
         }
     });
-    let (cg, d) = governed("drill-http");
+    let (_cg, d) = governed("drill-http");
     start(&d, "h s refuse 0.5 5min 10", &["--abort-http", &url]);
     std::thread::sleep(Duration::from_millis(1500));
     assert_eq!(
@@ -418,7 +418,7 @@ fn a_failing_http_check_aborts_the_drill() {
 /// Bad drills are refused with a clear error, and nothing starts.
 #[test]
 fn bad_drills_are_refused() {
-    let (cg, d) = governed("drill-bad");
+    let (_cg, d) = governed("drill-bad");
     let good = [
         ("--name", "x"),
         ("--scope", "s"),
