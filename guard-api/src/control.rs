@@ -157,6 +157,7 @@ pub struct ErrorReply {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::policy::Labelled;
 
     #[test]
     fn requests_read_back_as_written() {
@@ -174,6 +175,13 @@ mod tests {
             Request::DrillStart(Box::new(crate::drill::DrillSpec {
                 name: "db".into(),
                 scope: "orders".into(),
+                pod: Some(
+                    crate::policy::Pods::new()
+                        .namespace("shop")
+                        .label("app", "orders"),
+                ),
+                container: None,
+                unit: Some("orders.service".into()),
                 dst: vec!["10.0.0.0/8".into()],
                 ports: vec!["5432".into()],
                 fault: crate::drill::Fault::Refuse,

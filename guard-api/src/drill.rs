@@ -5,6 +5,8 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
+use crate::policy::{Containers, Pods};
+
 /// The fault a drill injects into the connects of its target.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -39,15 +41,24 @@ impl fmt::Display for Fault {
     }
 }
 
-/// A drill, validated: its target (a scope of the policy in force, and optionally
-/// destinations and ports), its fault, and its bounds.
+/// A drill, validated: its target (a scope of the policy in force, or workloads it
+/// governs, and optionally destinations and ports), its fault, and its bounds.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DrillSpec {
     /// Unique among the daemon's running drills.
     pub name: String,
-    /// The scope whose connects the drill faults (workloads: the scope that selects
-    /// them).
+    /// The scope whose connects the drill faults. A request that names workloads may
+    /// leave it empty: the daemon sets it to the scope that governs them.
+    #[serde(default)]
     pub scope: String,
+    /// Workloads of the scope the drill faults alone, selected as a scope selects them:
+    /// pods, containers, systemd units. None of them: the whole scope.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod: Option<Pods>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub container: Option<Containers>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unit: Option<String>,
     /// Destination addresses or CIDRs (at most 4; none: every destination).
     pub dst: Vec<String>,
     /// Destination ports or ranges, like `8080` or `9000-9100` (at most 4; none: every
@@ -102,6 +113,11 @@ pub struct DrillView {
     pub started_unix_ms: u64,
     pub deadline_unix_ms: u64,
     pub ended_unix_ms: Option<u64>,
+    /// The workloads the drill's pod, container and unit selectors resolved to when it
+    /// started, with their cgroups: `pod shop/orders-1 (kubepods/.../pod1234)`. Empty
+    /// for a drill of a whole scope.
+    #[serde(default)]
+    pub workloads: Vec<String>,
     /// Attempts of the target while the drill ran, the faults given, and the attempts
     /// the probability chose that a cap let through (counted by the programs).
     pub attempts: u64,

@@ -1,6 +1,7 @@
-//! Chaos drills: a fault injected on purpose into the connects of one scope, decided in
-//! the connect hooks within bounds the programs check themselves (a deadline, the
-//! daemon's lease, a cap on faults), and counted apart from sheds.
+//! Chaos drills: a fault injected on purpose into the connects of one scope (or of
+//! some of its workloads' cgroups), decided in the connect hooks within bounds the
+//! programs check themselves (a deadline, the daemon's lease, a cap on faults), and
+//! counted apart from sheds.
 //!
 //! A scope has at most one drill at a time, keyed by its scope id: `DRILL_ON` (an array,
 //! read inlined on every governed connect) holds its FAULT_*, 0 for none; `DRILLS` (a
@@ -30,6 +31,8 @@ pub const FAULT_RESET: u32 = 4;
 /// Most destination prefixes and port ranges of one drill.
 pub const MAX_DRILL_NETS: usize = 4;
 pub const MAX_DRILL_PORTS: usize = 4;
+/// Most cgroups (pods, containers, units) one drill narrows its scope to.
+pub const MAX_DRILL_CGROUPS: usize = 16;
 
 /// A destination prefix: `addr` in the maps' form, `prefix_len` of its 128 bits.
 #[repr(C)]
@@ -37,6 +40,18 @@ pub const MAX_DRILL_PORTS: usize = 4;
 pub struct DrillNet {
     pub addr: [u8; 16],
     pub prefix_len: u32,
+}
+
+/// A cgroup a drill narrows its scope to: the connects of tasks in it or below it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DrillCgroup {
+    /// Its cgroup id (the directory's inode number).
+    pub id: u64,
+    /// Its depth below the daemon's cgroup2 mount (0: the mount's root); the programs
+    /// add the mount's own level to compare it with bpf_get_current_ancestor_cgroup_id.
+    pub level: u32,
+    pub _pad: u32,
 }
 
 /// Value of `DRILLS`, by the drill's scope id.
@@ -66,7 +81,11 @@ pub struct DrillConf {
     /// sliding window of the last `window_ns`; `window_ns` 0: no such cap.
     pub window_ns: u64,
     pub max_permille: u32,
-    pub _pad: u32,
+    /// The workloads the drill narrows its scope to: `n_cgroups` cgroups (0: the whole
+    /// scope). An attempt is the drill's when the connecting task is in one of them or
+    /// below it.
+    pub n_cgroups: u32,
+    pub cgroups: [DrillCgroup; MAX_DRILL_CGROUPS],
 }
 
 /// Value of `DRILL_COUNTS`, at the index of the drill's scope; every field updated

@@ -9,7 +9,8 @@
 use aya_ebpf::{
     bindings::bpf_sock,
     helpers::generated::{
-        bpf_get_prandom_u32, bpf_ktime_get_ns, bpf_sk_fullsock, bpf_sk_storage_delete,
+        bpf_get_current_ancestor_cgroup_id, bpf_get_prandom_u32, bpf_ktime_get_ns,
+        bpf_sk_fullsock, bpf_sk_storage_delete,
     },
     macros::cgroup_skb,
     programs::SkBuffContext,
@@ -18,7 +19,7 @@ use guard_common::{
     SockState,
     drill::{
         DrillConf, DrillCounts, DrillMark, DrillNet, FAULT_DELAY, FAULT_REFUSE, FAULT_RESET,
-        MAX_DRILL_NETS,
+        MAX_DRILL_CGROUPS, MAX_DRILL_NETS,
     },
     linux::TCP_SYN_SENT,
 };
@@ -26,6 +27,7 @@ use guard_common::{
 use crate::{
     accounting::{add, replace},
     maps::{DRILL_COUNTS, DRILL_LEASE, DRILL_ON, DRILL_SOCKS, DRILLS, sk_storage_of},
+    scope::mount_level,
 };
 
 const PASS: i32 = 1;
@@ -83,7 +85,7 @@ pub fn decide(scope_id: u32, addr: &[u8; 16], port: u16, fault: u32) -> u64 {
         return 0;
     };
     // A drill set again meanwhile, with another fault: not this caller's to give.
-    if conf.fault != fault || !targets(conf, addr, port) {
+    if conf.fault != fault || !targets(conf, addr, port) || !in_cgroups(conf) {
         return 0;
     }
     let Some(c) = DRILL_COUNTS.get_ptr_mut(scope_id) else {
@@ -182,6 +184,30 @@ fn weighted(prev: *const u64, c: *mut DrillCounts, window: u64, now: u64) -> u64
     }
     let prev = unsafe { core::ptr::read_volatile(prev) };
     prev * (window_ms - into_ms) / window_ms
+}
+
+/// Whether the connecting task is in one of the cgroups the drill narrows its scope
+/// to, or below one (every task of the scope when it names none).
+#[inline(always)]
+fn in_cgroups(conf: &DrillConf) -> bool {
+    if conf.n_cgroups == 0 {
+        return true;
+    }
+    let Some(base) = mount_level() else {
+        return false;
+    };
+    for i in 0..MAX_DRILL_CGROUPS {
+        if i as u32 >= conf.n_cgroups {
+            break;
+        }
+        let cg = &conf.cgroups[i];
+        // An ancestor level deeper than the task's cgroup reads 0, never an id.
+        let id = unsafe { bpf_get_current_ancestor_cgroup_id((base + cg.level) as i32) };
+        if id == cg.id {
+            return true;
+        }
+    }
+    false
 }
 
 /// Whether the drill targets `addr` and `port`.

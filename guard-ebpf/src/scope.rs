@@ -52,7 +52,7 @@ pub fn current_in_root() -> bool {
 /// host, deeper in a cgroup namespace (the ancestor ids bpf_get_current_ancestor_cgroup_id
 /// returns count from the kernel's root). None for a task outside that mount's tree.
 #[inline(always)]
-fn mount_level() -> Option<u32> {
+pub fn mount_level() -> Option<u32> {
     let root = CGROUP_ROOT.get(0).copied().unwrap_or(0);
     for level in 0..=MAX_CGROUP_LEVEL {
         let id = unsafe { bpf_get_current_ancestor_cgroup_id(level as i32) };

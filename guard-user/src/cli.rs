@@ -427,8 +427,8 @@ See also:
     },
     /// Run chaos drills: connect faults injected on purpose, bounded by the kernel.
     ///
-    /// A drill faults the connects of one scope (optionally to some destinations and
-    /// ports): refuse (connect() fails at once with an errno, no SYN sent), blackhole
+    /// A drill faults the connects of one scope, or of some of its pods, containers or
+    /// units (optionally to some destinations and ports): refuse (connect() fails at once with an errno, no SYN sent), blackhole
     /// (the SYN never leaves; the client waits its own timeout), delay (the first SYN
     /// never leaves; the retransmit connects about 1 s later) or reset (the connect
     /// meets a RST, as from an overloaded listener), each attempt with a probability. The programs cap its faults (max_faults in all, max_fraction of the
@@ -584,9 +584,27 @@ pub struct DrillStart {
     pub file: Option<PathBuf>,
     #[arg(long)]
     pub name: Option<String>,
-    /// The scope whose connects are faulted.
+    /// The scope whose connects are faulted (with a workload flag: the scope of the
+    /// workloads to fault, when they are in several).
     #[arg(long)]
     pub scope: Option<String>,
+    /// Fault the systemd units so named (a glob) alone, within their scope.
+    #[arg(long, value_name = "UNIT")]
+    pub unit: Option<String>,
+    /// Fault the pods of this namespace (a glob) alone; with --pod-label, those
+    /// labelled so.
+    #[arg(long, value_name = "NAMESPACE")]
+    pub pod_namespace: Option<String>,
+    /// Fault the pods with this label alone (repeat for more; all must match).
+    #[arg(long, value_name = "KEY=VALUE")]
+    pub pod_label: Vec<String>,
+    /// Fault the containers so named (a glob) alone; with --container-label, those
+    /// labelled so.
+    #[arg(long, value_name = "NAME")]
+    pub container: Option<String>,
+    /// Fault the containers with this label alone (repeat for more; all must match).
+    #[arg(long, value_name = "KEY=VALUE")]
+    pub container_label: Vec<String>,
     /// refuse, blackhole, delay or reset.
     #[arg(long)]
     pub fault: Option<String>,

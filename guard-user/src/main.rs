@@ -303,6 +303,11 @@ fn drill(action: DrillAction) -> anyhow::Result<ExitCode> {
                 file,
                 name,
                 scope,
+                unit,
+                pod_namespace,
+                pod_label,
+                container,
+                container_label,
                 fault,
                 probability,
                 duration,
@@ -316,14 +321,30 @@ fn drill(action: DrillAction) -> anyhow::Result<ExitCode> {
                 abort_http,
                 socket,
             } = *args;
+            use anyhow::Context;
             use toml::Value;
             let text = |v: Option<String>| v.map(Value::String);
             let list = |v: Vec<String>| {
                 (!v.is_empty()).then(|| Value::Array(v.into_iter().map(Value::String).collect()))
             };
+            let labels = |v: Vec<String>| -> anyhow::Result<Option<Value>> {
+                let mut t = toml::Table::new();
+                for l in v {
+                    let (k, val) = l
+                        .split_once('=')
+                        .with_context(|| format!("label {l:?}: write it KEY=VALUE"))?;
+                    t.insert(k.to_string(), Value::String(val.to_string()));
+                }
+                Ok((!t.is_empty()).then_some(Value::Table(t)))
+            };
             let flags: Vec<(&str, Value)> = [
                 ("name", text(name)),
                 ("scope", text(scope)),
+                ("unit", text(unit)),
+                ("pod.namespace", text(pod_namespace)),
+                ("pod.labels", labels(pod_label)?),
+                ("container.name", text(container)),
+                ("container.labels", labels(container_label)?),
                 ("fault", text(fault)),
                 ("probability", probability.map(Value::Float)),
                 ("duration", text(duration)),

@@ -441,6 +441,53 @@ fn pods_are_governed_when_their_sandbox_starts() {
     assert_eq!(s.members.len(), connguard_api::stats::MEMBERS_LISTED);
 }
 
+/// A drill that names a pod by its labels faults that pod's connects alone (its app
+/// container's cgroup lies below the pod's), in the scope that governs it; another pod
+/// of the same scope connects. The drill lists the pod with its cgroup.
+#[test]
+fn a_pod_drill_faults_that_pod_alone() {
+    let _one = one_daemon();
+    let node = Node::start();
+    let shop = Policy::new().scope(Scope::named("shop").pod(Pods::new().namespace("shop")));
+    let d = node.daemon(&shop);
+    let orders = node.containerd.run_pod(&spec("orders-1", "orders", &[]));
+    let cart = node.containerd.run_pod(&spec("cart-1", "cart", &[]));
+    d.wait_scope("shop", Duration::from_secs(5), |s| s.member_count == 2);
+    let out = d.cli(&[
+        "drill",
+        "start",
+        "--name",
+        "orders-down",
+        "--pod-namespace",
+        "shop",
+        "--pod-label",
+        "app=orders",
+        "--fault",
+        "refuse",
+        "--probability",
+        "1",
+        "--duration",
+        "5min",
+        "--max-faults",
+        "100",
+    ]);
+    assert!(out.status.success(), "{out:?}");
+    let app = node.app(&orders, "orders-1-app");
+    assert_eq!(admitted(&app), (0, ATTEMPTS, 0), "{app:?}");
+    let app = node.app(&cart, "cart-1-app");
+    assert_eq!(admitted(&app), (ATTEMPTS, 0, 0), "{app:?}");
+    let list = d.cli(&["drill", "list", "--json"]);
+    let reply: connguard_api::drill::DrillsReply =
+        serde_json::from_slice(&list.stdout).expect("drill list --json");
+    let v = &reply.drills[0];
+    assert_eq!(v.spec.scope, "shop");
+    assert_eq!(
+        v.workloads,
+        [format!("pod shop/orders-1 (/{})", orders.cgroup)]
+    );
+    assert_eq!((v.attempts, v.faulted), (ATTEMPTS, ATTEMPTS), "{v:?}");
+}
+
 #[test]
 fn a_labelled_podman_container_is_governed() {
     let _one = one_daemon();

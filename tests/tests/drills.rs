@@ -151,6 +151,66 @@ fn refuse_faults_its_target_alone_at_its_probability() {
     assert_eq!(kinds, ["drill_started", "drill_ended"]);
 }
 
+/// A drill that names a unit (with no scope) faults the connects of that unit's cgroup
+/// and below it alone, in the scope that governs it: another unit of that scope is
+/// untouched. The daemon runs in a cgroup namespace rooted at a systemd-shaped tree, so
+/// the programs find the unit's cgroup below the mount's own level. A unit that does
+/// not exist is refused.
+#[test]
+fn a_unit_drill_faults_that_unit_alone() {
+    let server = Server::start("127.0.0.1:0");
+    let root = Cgroup::new("drill-units");
+    let slice = root.child("shop.slice");
+    let (a, b) = (slice.child("a.service"), slice.child("b.service"));
+    let below_a = a.child("worker");
+    let d = Daemon::builder(Policy::new().scope(Scope::new("s", "shop.slice")))
+        .in_cgroup_namespace(&root)
+        .start();
+    let args = |name: &str, unit: &str| {
+        d.cli(&[
+            "drill",
+            "start",
+            "--name",
+            name,
+            "--unit",
+            unit,
+            "--fault",
+            "refuse",
+            "--probability",
+            "1",
+            "--duration",
+            "5min",
+            "--max-faults",
+            "1000",
+        ])
+    };
+    let out = args("unit-a", "a.service");
+    assert!(out.status.success(), "{out:?}");
+    let v = drill(&d, "unit-a");
+    assert_eq!(v.spec.scope, "s", "{v:?}");
+    assert_eq!(v.workloads, ["unit a.service (/shop.slice/a.service)"]);
+    let faulted = a.probe(Probe::connect(server.addr, 100, 4));
+    assert_eq!(faulted.errors("ECONNREFUSED"), 100, "{faulted:?}");
+    let below = below_a.probe(Probe::connect(server.addr, 50, 4));
+    assert_eq!(
+        below.errors("ECONNREFUSED"),
+        50,
+        "below the unit: {below:?}"
+    );
+    let other = b.probe(Probe::connect(server.addr, 100, 4));
+    assert_eq!(other.ok, 100, "the scope's other unit: {other:?}");
+    let v = drill(&d, "unit-a");
+    assert_eq!((v.attempts, v.faulted, v.capped), (150, 150, 0), "{v:?}");
+    assert_eq!(d.scope("s").counts.admitted, 100);
+
+    let out = args("missing", "none.service");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("unit none.service selects no workload on this node"),
+        "{err}"
+    );
+}
+
 /// blackhole: clients with a 1 s connect timeout time out, no SYN reaches the server,
 /// and the faults equal the timeouts; past the cap the next connect goes through.
 #[test]

@@ -10,13 +10,18 @@ use connguard_api::{
     control::Reply,
     drill::{DrillSpec, DrillsReply},
 };
-use guard_common::Counter;
+use guard_common::{Counter, drill::DrillCgroup};
 use http_body_util::Empty;
 use hyper_util::{client::legacy::Client, rt::TokioExecutor};
 
 use super::{Daemon, lock};
 use crate::{
-    enforce::drills::{Drills, Target},
+    enforce::{
+        drill_target,
+        drills::{Drills, Target},
+    },
+    host::cgroup::cgroup_id,
+    policy,
     report::events::unix_ms_at_boot,
 };
 
@@ -28,7 +33,11 @@ const HTTP_EVERY: Duration = Duration::from_millis(500);
 const HTTP_TIMEOUT: Duration = Duration::from_millis(400);
 
 impl Daemon {
-    pub(super) fn drill_start(&self, spec: DrillSpec) -> Reply {
+    pub(super) fn drill_start(&self, mut spec: DrillSpec) -> Reply {
+        let (cgroups, workloads) = match self.drill_workloads(&mut spec) {
+            Ok(t) => t,
+            Err(why) => return Reply::error(format!("drill {:?}: {why}", spec.name)),
+        };
         let scopes = self.policy_scopes();
         let Some(scope_id) = scopes
             .iter()
@@ -62,6 +71,8 @@ impl Daemon {
                 spec,
                 Target {
                     scope_id,
+                    cgroups: &cgroups,
+                    workloads,
                     scopes: &scopes,
                     counters: &counters,
                     now_ns: guard_common::monotonic_ns(),
@@ -143,6 +154,41 @@ impl Daemon {
         for e in events {
             log.push_own(e);
         }
+    }
+
+    /// The cgroups a drill that names workloads narrows its scope to, and their
+    /// workloads with their paths (none for a drill of a whole scope); `spec`'s scope
+    /// is set to the one that governs them. Resolved once, at the start: a workload
+    /// that starts later is not the drill's.
+    fn drill_workloads(
+        &self,
+        spec: &mut DrillSpec,
+    ) -> Result<(Vec<DrillCgroup>, Vec<String>), String> {
+        let selectors = policy::drill::workload_selectors(spec)?;
+        if selectors.is_empty() {
+            return Ok((Vec::new(), Vec::new()));
+        }
+        let what: Vec<String> = selectors.iter().map(ToString::to_string).collect();
+        let found = self.workloads.select(&selectors)?;
+        let policy = self
+            .programs
+            .generations()
+            .policy()
+            .ok_or("no policy is in force")?;
+        let narrowed = drill_target::narrow(&policy, &spec.scope, &what.join(" and "), &found)?;
+        spec.scope = narrowed.scope;
+        narrowed
+            .cgroups
+            .iter()
+            .map(|(rel, who)| {
+                let id = cgroup_id(&self.workloads.mount().join(rel))
+                    .map_err(|e| format!("{who}: {e:#}"))?;
+                let level = rel.split('/').filter(|s| !s.is_empty()).count() as u32;
+                let cgroup = DrillCgroup { id, level, _pad: 0 };
+                Ok((cgroup, format!("{who} (/{rel})")))
+            })
+            .collect::<Result<Vec<_>, String>>()
+            .map(|v| v.into_iter().unzip())
     }
 
     /// Attaches `drill_egress` to the governed cgroups while a drill drops packets, and

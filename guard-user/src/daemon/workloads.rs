@@ -10,7 +10,7 @@
 //! counts kept. A pod's cgroup is so governed when its sandbox starts, before its app
 //! containers run below it.
 use std::{
-    collections::BTreeSet,
+    collections::{BTreeMap, BTreeSet},
     path::Path,
     sync::{Arc, Mutex},
     time::{Duration, Instant, UNIX_EPOCH},
@@ -28,7 +28,7 @@ use crate::{
         Policy,
         workloads::{resolve, same_scopes, sources},
     },
-    workload::{self, Registry, WorkloadSelector, systemd},
+    workload::{self, Identity, Registry, WorkloadSelector, systemd},
 };
 
 /// How long the start waits for each runtime it follows to list its workloads, so that
@@ -73,17 +73,7 @@ impl Workloads {
         };
         let base = w.base();
         let started = w.follow(&base);
-        let deadline = Instant::now() + START_WAIT;
-        while Instant::now() < deadline
-            && !started.iter().all(|source| {
-                w.registry
-                    .sources()
-                    .iter()
-                    .any(|s| s.source == *source && (s.connected || s.failures > 0))
-            })
-        {
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        w.wait_listed(&started);
         Ok(w)
     }
 
@@ -91,6 +81,27 @@ impl Workloads {
     /// those it started.
     pub fn follow(&self, policy: &Policy) -> Vec<&'static str> {
         let (pods, containers) = sources(policy);
+        let named = |kind: &str| {
+            let scopes: Vec<&str> = policy
+                .scopes
+                .iter()
+                .filter(|s| s.workloads.iter().any(|w| w.kind() == kind))
+                .map(|s| s.name.as_str())
+                .collect();
+            format!("the {kind} selectors of scope(s) {}", scopes.join(", "))
+        };
+        self.follow_sources(pods, containers, named)
+    }
+
+    /// Starts following containerd (`pods`) and the Docker Engine API (`containers`)
+    /// when not followed yet, saying in the log why (`why`, given "pod" or
+    /// "container"); returns those it started.
+    fn follow_sources(
+        &self,
+        pods: bool,
+        containers: bool,
+        why: impl Fn(&str) -> String,
+    ) -> Vec<&'static str> {
         let mut followed = lock(&self.followed);
         let mut started = Vec::new();
         for (needed, source, kind) in [
@@ -100,17 +111,11 @@ impl Workloads {
             if !needed || !followed.insert(source) {
                 continue;
             }
-            let scopes: Vec<&str> = policy
-                .scopes
-                .iter()
-                .filter(|s| s.workloads.iter().any(|w| w.kind() == kind))
-                .map(|s| s.name.as_str())
-                .collect();
             let (registry, socket) = (self.registry.clone(), self.socket(source).to_path_buf());
             log::info!(
-                "following {source} at {} for the {kind} selectors of scope(s) {}",
+                "following {source} at {} for {}",
                 socket.display(),
-                scopes.join(", ")
+                why(kind)
             );
             match source {
                 "containerd" => self
@@ -125,11 +130,66 @@ impl Workloads {
         started
     }
 
+    /// Waits (START_WAIT at most) until each of `sources` has listed its workloads or
+    /// failed once.
+    fn wait_listed(&self, sources: &[&str]) {
+        let deadline = Instant::now() + START_WAIT;
+        while Instant::now() < deadline
+            && !sources.iter().all(|source| {
+                self.registry
+                    .sources()
+                    .iter()
+                    .any(|s| s.source == *source && (s.connected || s.failures > 0))
+            })
+        {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// The cgroups `selectors` select on this node now, each with its workload (a
+    /// drill's target). The runtimes pod and container selectors need are followed
+    /// first when they are not yet; one that cannot be reached is an error.
+    pub fn select(
+        &self,
+        selectors: &[WorkloadSelector],
+    ) -> Result<BTreeMap<String, Identity>, String> {
+        let needs = |kind: &str| selectors.iter().any(|s| s.kind() == kind);
+        let started = self.follow_sources(needs("pod"), needs("container"), |kind| {
+            format!("a drill's {kind} selector")
+        });
+        self.wait_listed(&started);
+        for (kind, source) in [("pod", "containerd"), ("container", "docker")] {
+            let status = self
+                .registry
+                .sources()
+                .into_iter()
+                .find(|s| s.source == source);
+            if needs(kind) && !status.as_ref().is_some_and(|s| s.connected) {
+                let why = status
+                    .and_then(|s| s.last_error)
+                    .unwrap_or_else(|| "not connected".into());
+                return Err(format!(
+                    "{kind} selectors need {source} at {}: {why}",
+                    self.socket(source).display()
+                ));
+            }
+        }
+        Ok(selectors
+            .iter()
+            .flat_map(|s| self.registry.select(s))
+            .collect())
+    }
+
     fn socket(&self, source: &str) -> &Path {
         match source {
             "containerd" => &self.sockets.containerd_socket,
             _ => &self.sockets.docker_socket,
         }
+    }
+
+    /// The cgroup2 mount the workloads' cgroups are named below.
+    pub fn mount(&self) -> &Path {
+        self.registry.mount()
     }
 
     pub fn base(&self) -> Arc<Policy> {

@@ -17,8 +17,8 @@ use guard_common::{
     Counter, PortRange,
     addr::mapped,
     drill::{
-        DrillConf, DrillCounts, DrillNet, FAULT_BLACKHOLE, FAULT_DELAY, FAULT_REFUSE, FAULT_RESET,
-        MAX_DRILL_NETS, MAX_DRILL_PORTS,
+        DrillCgroup, DrillConf, DrillCounts, DrillNet, FAULT_BLACKHOLE, FAULT_DELAY, FAULT_REFUSE,
+        FAULT_RESET, MAX_DRILL_CGROUPS, MAX_DRILL_NETS, MAX_DRILL_PORTS,
     },
 };
 use ipnet::IpNet;
@@ -65,6 +65,10 @@ struct Running {
 /// What a drill's start needs of the daemon's other state.
 pub struct Target<'a> {
     pub scope_id: u32,
+    /// The cgroups the drill narrows its scope to (none: the whole scope), and the
+    /// workloads they are the cgroups of, as `DrillView::workloads` names them.
+    pub cgroups: &'a [DrillCgroup],
+    pub workloads: Vec<String>,
     /// Every scope of the policy in force, by id.
     pub scopes: &'a [(u32, String)],
     /// The scope counters, by id.
@@ -110,7 +114,14 @@ impl Drills {
             ));
         }
         self.last_serial = self.last_serial.wrapping_add(1).max(1);
-        let conf = conf(&spec, self.last_serial, t.now_ns)?;
+        let mut conf = conf(&spec, self.last_serial, t.now_ns)?;
+        if t.cgroups.len() > MAX_DRILL_CGROUPS {
+            return Err(format!(
+                "a drill takes at most {MAX_DRILL_CGROUPS} workloads"
+            ));
+        }
+        conf.cgroups[..t.cgroups.len()].copy_from_slice(t.cgroups);
+        conf.n_cgroups = t.cgroups.len() as u32;
         let watched = t
             .scopes
             .iter()
@@ -152,6 +163,7 @@ impl Drills {
             attempts: 0,
             faulted: 0,
             capped: 0,
+            workloads: t.workloads,
             spec,
         };
         let event = event(&view, "drill_started", None, view.started_unix_ms);

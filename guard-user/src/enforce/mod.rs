@@ -4,6 +4,7 @@
 pub mod audit;
 pub mod breakers;
 pub mod counters;
+pub mod drill_target;
 pub mod drills;
 pub mod generations;
 pub mod ids;

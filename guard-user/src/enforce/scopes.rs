@@ -48,6 +48,22 @@ pub fn walk(root: &Path, policy: &Policy) -> anyhow::Result<Tree> {
     Ok(walk_below(root, "", None, policy))
 }
 
+/// The scope (its index in `policy`) that governs the cgroup at `rel` (below the
+/// mount, "" for the root), as `walk_below` decides: the first that selects it, else
+/// its nearest selected ancestor's.
+pub fn governing(policy: &Policy, rel: &str) -> Option<usize> {
+    let mut at = rel;
+    loop {
+        if let Some(i) = policy.scopes.iter().position(|s| s.selector.selects(at)) {
+            return Some(i);
+        }
+        if at.is_empty() {
+            return None;
+        }
+        at = at.rsplit_once('/').map_or("", |(parent, _)| parent);
+    }
+}
+
 /// The subtree at `dir` (path `rel` below the mount), whose parent is governed by
 /// scope `inherited`. A cgroup that a scope selects is governed by it (the first such
 /// scope in the file); any other cgroup by its nearest selected ancestor.

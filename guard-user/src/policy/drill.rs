@@ -3,18 +3,22 @@
 //! flags are written into such a file (`load`), so both are checked the same way.
 use std::{ops::Range, path::Path};
 
-use connguard_api::drill::{AbortSpec, DrillSpec, Fault};
+use connguard_api::{
+    drill::{AbortSpec, DrillSpec, Fault},
+    policy::{Containers, Pods},
+};
 use guard_common::drill::{MAX_DRILL_NETS, MAX_DRILL_PORTS};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use toml::Spanned;
 
 use super::{
     PolicyError,
     parse::{
-        PortSpec, at_least_one, bad_name, fraction, locator, parse_duration, parse_errno,
-        parse_net, parse_ports, read,
+        PortSpec, RawContainer, RawPod, at_least_one, bad_name, fraction, locator, parse_duration,
+        parse_errno, parse_net, parse_ports, parse_workloads, read,
     },
 };
+use crate::workload::WorkloadSelector;
 
 /// The longest drill: a drill is a bounded experiment, not a standing fault.
 const MAX_DURATION_MS: u64 = 24 * 60 * 60 * 1000;
@@ -23,7 +27,10 @@ const MAX_DURATION_MS: u64 = 24 * 60 * 60 * 1000;
 #[serde(deny_unknown_fields)]
 struct RawDrill {
     name: Spanned<String>,
-    scope: Spanned<String>,
+    scope: Option<Spanned<String>>,
+    pod: Option<RawPod>,
+    container: Option<RawContainer>,
+    unit: Option<Spanned<String>>,
     #[serde(default)]
     dst: Vec<Spanned<String>>,
     #[serde(default)]
@@ -37,6 +44,22 @@ struct RawDrill {
     window: Option<Spanned<String>>,
     #[serde(default)]
     abort: RawAbort,
+}
+
+/// A drill's workload selectors alone, as `DrillSpec` carries them.
+#[derive(Deserialize, Serialize, Default)]
+struct Workloads {
+    pod: Option<Pods>,
+    container: Option<Containers>,
+    unit: Option<String>,
+}
+
+/// A drill's workload selectors alone, as the parser reads them.
+#[derive(Deserialize)]
+struct RawWorkloads {
+    pod: Option<RawPod>,
+    container: Option<RawContainer>,
+    unit: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize, Default)]
@@ -63,11 +86,27 @@ pub fn parse(text: &str, file: &str) -> Result<DrillSpec, PolicyError> {
     let at = locator(text, file);
     let raw: RawDrill = toml::from_str(text)
         .map_err(|e| at(e.span().unwrap_or(0..0), e.message().trim().to_string()))?;
-    for (key, name) in [("name", &raw.name), ("scope", &raw.scope)] {
-        if let Some(why) = bad_name(name.get_ref()) {
+    for (key, name) in [("name", Some(&raw.name)), ("scope", raw.scope.as_ref())] {
+        if let Some(name) = name
+            && let Some(why) = bad_name(name.get_ref())
+        {
             return Err(at(name.span(), format!("{key} {why}")));
         }
     }
+    let (selectors, _) = parse_workloads(
+        raw.pod.as_ref(),
+        raw.container.as_ref(),
+        raw.unit.as_ref(),
+        &at,
+    )?;
+    if raw.scope.is_none() && selectors.is_empty() {
+        return Err(at(
+            raw.name.span(),
+            "a drill needs a target: scope, or the pod, container or unit it faults".into(),
+        ));
+    }
+    // The selectors in the form the control socket carries; the text was read above.
+    let workloads: Workloads = toml::from_str(text).unwrap_or_default();
     if raw.name.get_ref().contains(char::is_whitespace) {
         return Err(at(raw.name.span(), "name must not contain spaces".into()));
     }
@@ -127,7 +166,7 @@ pub fn parse(text: &str, file: &str) -> Result<DrillSpec, PolicyError> {
         (Some(w), None) => return Err(at(w.span(), "window is for max_fraction".into())),
         (Some(w), Some(_)) => Some(ms(w, "window", &at)?),
     };
-    let dst = bounded(&raw.dst, MAX_DRILL_NETS, "dst", &raw.scope, &at)?
+    let dst = bounded(&raw.dst, MAX_DRILL_NETS, "dst", &raw.name, &at)?
         .iter()
         .map(|d| {
             parse_net(d.get_ref())
@@ -135,7 +174,7 @@ pub fn parse(text: &str, file: &str) -> Result<DrillSpec, PolicyError> {
                 .map_err(|why| at(d.span(), why))
         })
         .collect::<Result<_, _>>()?;
-    let ports = bounded(&raw.ports, MAX_DRILL_PORTS, "ports", &raw.scope, &at)?
+    let ports = bounded(&raw.ports, MAX_DRILL_PORTS, "ports", &raw.name, &at)?
         .iter()
         .map(|p| {
             parse_ports(p.get_ref())
@@ -148,7 +187,10 @@ pub fn parse(text: &str, file: &str) -> Result<DrillSpec, PolicyError> {
         .collect::<Result<_, _>>()?;
     Ok(DrillSpec {
         name: raw.name.into_inner(),
-        scope: raw.scope.into_inner(),
+        scope: raw.scope.map(Spanned::into_inner).unwrap_or_default(),
+        pod: workloads.pod,
+        container: workloads.container,
+        unit: workloads.unit,
         dst,
         ports,
         fault,
@@ -237,8 +279,29 @@ fn bounded<'a, T>(
     Ok(list)
 }
 
+/// The workload selectors of `spec` (none for a drill of a whole scope), read as a
+/// drill file's are.
+pub fn workload_selectors(spec: &DrillSpec) -> Result<Vec<WorkloadSelector>, String> {
+    let text = toml::to_string(&Workloads {
+        pod: spec.pod.clone(),
+        container: spec.container.clone(),
+        unit: spec.unit.clone(),
+    })
+    .map_err(|e| e.to_string())?;
+    let at = locator(&text, "the drill's workloads");
+    let raw: RawWorkloads = toml::from_str(&text).map_err(|e| e.message().to_string())?;
+    parse_workloads(
+        raw.pod.as_ref(),
+        raw.container.as_ref(),
+        raw.unit.as_ref(),
+        &at,
+    )
+    .map(|(selectors, _)| selectors)
+    .map_err(|e| e.to_string())
+}
+
 /// `connguard drill start`'s drill: the file alone, or the flags (`key`, or
-/// `abort.key`, and a TOML value) over the file's keys, or the flags alone. Flags are
+/// `table.key` such as `abort.http`, and a TOML value) over the file's keys, or the flags alone. Flags are
 /// written into the file's table and the whole read as drill text, so that both are
 /// checked the same way; a file that is no TOML table is refused at its own place.
 pub fn load(file: Option<&Path>, flags: &[(&str, toml::Value)]) -> Result<DrillSpec, PolicyError> {
@@ -255,12 +318,13 @@ pub fn load(file: Option<&Path>, flags: &[(&str, toml::Value)]) -> Result<DrillS
         None => (toml::Table::new(), "the command line's flags".to_string()),
     };
     for (key, value) in flags {
-        match key.strip_prefix("abort.") {
-            Some(sub) => {
-                let abort = table
-                    .entry("abort")
+        // `abort.http`, `pod.namespace`: a key of the table so named.
+        match key.split_once('.') {
+            Some((outer, sub)) => {
+                let inner = table
+                    .entry(outer)
                     .or_insert_with(|| toml::Value::Table(Default::default()));
-                if let toml::Value::Table(t) = abort {
+                if let toml::Value::Table(t) = inner {
                     t.insert(sub.to_string(), value.clone());
                 }
             }
@@ -349,6 +413,57 @@ min_success_ratio = 0.5
             let err = parse(&text, "d.toml").unwrap_err().to_string();
             assert!(err.starts_with(want), "{from:?} -> {to:?}: {err}");
         }
+    }
+
+    #[test]
+    fn a_drill_may_name_workloads_instead_of_a_scope() {
+        let text = GOOD.replace(
+            "scope = \"orders\"",
+            "pod = { namespace = \"shop\", labels = { app = \"orders\" } }",
+        );
+        let d = parse(&text, "d.toml").unwrap();
+        assert_eq!(d.scope, "");
+        let pods = d.pod.clone().unwrap();
+        assert_eq!(pods.namespace.as_deref(), Some("shop"));
+        assert_eq!(pods.labels.labels["app"], "orders");
+        let selectors = workload_selectors(&d).unwrap();
+        assert_eq!(selectors.len(), 1);
+        assert_eq!(selectors[0].to_string(), "pod namespace=shop app=orders");
+
+        let err = parse(&GOOD.replace("scope = \"orders\"\n", ""), "d.toml").unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "d.toml:2:8: a drill needs a target: scope, or the pod, container or unit it faults"
+        );
+        let err = parse(
+            &GOOD.replace("scope = \"orders\"", "unit = \"orders\""),
+            "d.toml",
+        )
+        .unwrap_err();
+        assert!(
+            err.to_string()
+                .starts_with("d.toml:3:8: unit \"orders\": a unit name ends in"),
+            "{err}"
+        );
+        let d = load(
+            None,
+            &[
+                ("name", toml::Value::String("u".into())),
+                ("unit", toml::Value::String("orders.service".into())),
+                ("fault", toml::Value::String("refuse".into())),
+                ("probability", toml::Value::Float(1.0)),
+                ("duration", toml::Value::String("1min".into())),
+                ("max_faults", toml::Value::Integer(5)),
+                ("container.name", toml::Value::String("web-*".into())),
+            ],
+        )
+        .unwrap();
+        let selectors: Vec<String> = workload_selectors(&d)
+            .unwrap()
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        assert_eq!(selectors, ["container name=web-*", "unit orders.service"]);
     }
 
     #[test]

@@ -119,7 +119,7 @@ struct RawScope {
 /// `pod = { namespace = "shop", labels = { app = "orders" }, match_expressions = [...] }`.
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
-struct RawPod {
+pub(super) struct RawPod {
     namespace: Option<Spanned<String>>,
     #[serde(default)]
     labels: BTreeMap<Spanned<String>, Spanned<String>>,
@@ -130,7 +130,7 @@ struct RawPod {
 /// `container = { name = "orders-*", labels = { app = "orders" }, match_expressions = [...] }`.
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
-struct RawContainer {
+pub(super) struct RawContainer {
     name: Option<Spanned<String>>,
     #[serde(default)]
     labels: BTreeMap<Spanned<String>, Spanned<String>>,
@@ -280,7 +280,8 @@ pub fn parse(text: &str, file: &str) -> Result<Policy, PolicyError> {
             .cgroup
             .as_ref()
             .map(|c| c.get_ref().trim().trim_matches('/').to_string());
-        let (workloads, units) = parse_workloads(&s, &at)?;
+        let (workloads, units) =
+            parse_workloads(s.pod.as_ref(), s.container.as_ref(), s.unit.as_ref(), &at)?;
         if cgroup.is_none() && workloads.is_empty() {
             return Err(at(
                 s.name.span(),
@@ -584,15 +585,17 @@ fn parse_fleet(
     Ok((fleet, budgets))
 }
 
-/// A scope's `pod`, `container` and `unit` selectors, and the units apart (its
-/// selector decides them from the cgroups' paths).
-fn parse_workloads(
-    s: &RawScope,
+/// The `pod`, `container` and `unit` selectors of a scope (or a drill), and the units
+/// apart (a scope's selector decides them from the cgroups' paths).
+pub(super) fn parse_workloads(
+    pod: Option<&RawPod>,
+    container: Option<&RawContainer>,
+    unit: Option<&Spanned<String>>,
     at: &impl Fn(Range<usize>, String) -> PolicyError,
 ) -> Result<(Vec<WorkloadSelector>, Vec<UnitSelector>), PolicyError> {
     let mut out = Vec::new();
     let mut units = Vec::new();
-    if let Some(p) = &s.pod {
+    if let Some(p) = pod {
         let labels = label_selector(&p.labels, &p.match_expressions, at)?;
         // Only a namespace or name given can be a bad glob.
         let namespace = p.namespace.as_ref();
@@ -600,14 +603,14 @@ fn parse_workloads(
             .map_err(|e| at(namespace.map_or(0..0, |n| n.span()), e.0))?;
         out.push(WorkloadSelector::Pod(selector));
     }
-    if let Some(c) = &s.container {
+    if let Some(c) = container {
         let labels = label_selector(&c.labels, &c.match_expressions, at)?;
         let name = c.name.as_ref();
         let selector = ContainerSelector::new(name.map(|n| n.get_ref().trim()), labels)
             .map_err(|e| at(name.map_or(0..0, |n| n.span()), e.0))?;
         out.push(WorkloadSelector::Container(selector));
     }
-    if let Some(u) = &s.unit {
+    if let Some(u) = unit {
         let unit = UnitSelector::new(u.get_ref().trim()).map_err(|e| at(u.span(), e.0))?;
         units.push(unit.clone());
         out.push(WorkloadSelector::Unit(unit));

@@ -252,6 +252,9 @@ pub fn drills(reply: &DrillsReply) -> String {
             s.probability,
             caps.join(", ")
         );
+        if !d.workloads.is_empty() {
+            let _ = writeln!(out, "  workloads: {}", d.workloads.join(", "));
+        }
         if !s.dst.is_empty() || !s.ports.is_empty() {
             let _ = writeln!(out, "  dst {:?} ports {:?}", s.dst, s.ports);
         }
