@@ -204,6 +204,23 @@ mod tests {
         ] {
             assert_eq!(Request::parse(&format!("{r}\n")), Ok(r));
         }
+        // A drill of a client that names no workloads, nor they a scope.
+        let old = r#"drill start {"name":"db","scope":"orders","dst":[],"ports":[],"fault":"refuse","errno":null,"probability":1.0,"duration_ms":1000,"max_faults":1,"max_fraction":null,"window_ms":null,"abort":{"watch":[],"on_shedding":true,"on_breaker_open":true,"min_success_ratio":null,"window_ms":1000,"min_attempts":1,"http":null}}"#;
+        let Ok(Request::DrillStart(spec)) = Request::parse(old) else {
+            panic!("{old}");
+        };
+        assert_eq!(
+            (spec.scope.as_str(), spec.pod, spec.unit),
+            ("orders", None, None)
+        );
+        let unit_only = old.replace(r#""scope":"orders""#, r#""unit":"orders.service""#);
+        let Ok(Request::DrillStart(spec)) = Request::parse(&unit_only) else {
+            panic!("{unit_only}");
+        };
+        assert_eq!(
+            (spec.scope.as_str(), spec.unit.as_deref()),
+            ("", Some("orders.service"))
+        );
         assert_eq!(
             Request::parse("stats x"),
             Err("\"x\" is not a number, in request \"stats x\"".into())

@@ -51,12 +51,15 @@ pub struct DrillSpec {
     /// leave it empty: the daemon sets it to the scope that governs them.
     #[serde(default)]
     pub scope: String,
-    /// Workloads of the scope the drill faults alone, selected as a scope selects them:
-    /// pods, containers, systemd units. None of them: the whole scope.
+    /// Workloads of the scope the drill faults alone, selected as a scope selects them
+    /// (several selectors: the workloads of any of them). None of them: the whole
+    /// scope. Pods:
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pod: Option<Pods>,
+    /// Containers of the Docker Engine API:
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub container: Option<Containers>,
+    /// systemd units, a name or a glob:
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub unit: Option<String>,
     /// Destination addresses or CIDRs (at most 4; none: every destination).
@@ -90,8 +93,9 @@ pub struct AbortSpec {
     pub on_shedding: bool,
     /// Abort when a breaker opens in a watched scope.
     pub on_breaker_open: bool,
-    /// Abort when the target's success ratio (attempts neither shed nor given a refuse
-    /// or blackhole fault) falls below this over `window_ms`, once the window holds
+    /// Abort when the target scope's success ratio (attempts neither shed nor given a
+    /// refuse, blackhole or reset fault; the whole scope's, for a drill that names
+    /// workloads) falls below this over `window_ms`, once the window holds
     /// `min_attempts` attempts.
     pub min_success_ratio: Option<f64>,
     pub window_ms: u64,
@@ -114,7 +118,7 @@ pub struct DrillView {
     pub deadline_unix_ms: u64,
     pub ended_unix_ms: Option<u64>,
     /// The workloads the drill's pod, container and unit selectors resolved to when it
-    /// started, with their cgroups: `pod shop/orders-1 (kubepods/.../pod1234)`. Empty
+    /// started, with their cgroups: `pod shop/orders-1 (/kubepods/.../pod1234)`. Empty
     /// for a drill of a whole scope.
     #[serde(default)]
     pub workloads: Vec<String>,

@@ -428,14 +428,16 @@ See also:
     /// Run chaos drills: connect faults injected on purpose, bounded by the kernel.
     ///
     /// A drill faults the connects of one scope, or of some of its pods, containers or
-    /// units (optionally to some destinations and ports): refuse (connect() fails at once with an errno, no SYN sent), blackhole
-    /// (the SYN never leaves; the client waits its own timeout), delay (the first SYN
-    /// never leaves; the retransmit connects about 1 s later) or reset (the connect
-    /// meets a RST, as from an overloaded listener), each attempt with a probability. The programs cap its faults (max_faults in all, max_fraction of the
-    /// target's attempts a window), fault nothing past its deadline or once the daemon's
-    /// lease lapses, and count the faults apart from sheds. The daemon aborts it when a
-    /// watched scope sheds or opens a breaker, when the target's success ratio falls
-    /// below a threshold, or when an HTTP check fails. The file format is in
+    /// units (optionally to some destinations and ports): refuse (connect() fails at
+    /// once with an errno, no SYN sent), blackhole (the SYN never leaves; the client
+    /// waits its own timeout), delay (the first SYN never leaves; the retransmit
+    /// connects about 1 s later) or reset (the connect meets a RST, as from an
+    /// overloaded listener), each attempt with a probability. The programs cap its
+    /// faults (max_faults in all, max_fraction of the target's attempts a window),
+    /// fault nothing past its deadline or once the daemon's lease lapses, and count the
+    /// faults apart from sheds. The daemon aborts it when a watched scope sheds or opens
+    /// a breaker, when the target's success ratio falls below a threshold, or when an
+    /// HTTP check fails. The file format is in
     /// docs/drills.md, under /usr/share/doc/connguard.
     #[command(after_long_help = concat!(asking_exit_status!(), "  A bad drill file is named with its line, column and reason.
 

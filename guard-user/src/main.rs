@@ -327,12 +327,12 @@ fn drill(action: DrillAction) -> anyhow::Result<ExitCode> {
             let list = |v: Vec<String>| {
                 (!v.is_empty()).then(|| Value::Array(v.into_iter().map(Value::String).collect()))
             };
-            let labels = |v: Vec<String>| -> anyhow::Result<Option<Value>> {
+            let labels = |flag: &str, v: Vec<String>| -> anyhow::Result<Option<Value>> {
                 let mut t = toml::Table::new();
                 for l in v {
                     let (k, val) = l
                         .split_once('=')
-                        .with_context(|| format!("label {l:?}: write it KEY=VALUE"))?;
+                        .with_context(|| format!("{flag} {l:?}: write it KEY=VALUE"))?;
                     t.insert(k.to_string(), Value::String(val.to_string()));
                 }
                 Ok((!t.is_empty()).then_some(Value::Table(t)))
@@ -342,9 +342,12 @@ fn drill(action: DrillAction) -> anyhow::Result<ExitCode> {
                 ("scope", text(scope)),
                 ("unit", text(unit)),
                 ("pod.namespace", text(pod_namespace)),
-                ("pod.labels", labels(pod_label)?),
+                ("pod.labels", labels("--pod-label", pod_label)?),
                 ("container.name", text(container)),
-                ("container.labels", labels(container_label)?),
+                (
+                    "container.labels",
+                    labels("--container-label", container_label)?,
+                ),
                 ("fault", text(fault)),
                 ("probability", probability.map(Value::Float)),
                 ("duration", text(duration)),
@@ -376,7 +379,23 @@ fn drill(action: DrillAction) -> anyhow::Result<ExitCode> {
         DrillAction::Stop { name, socket } => (socket, Request::DrillStop(name), false),
         DrillAction::List { json, socket } => (socket, Request::DrillList, json),
     };
+    let names_workloads = match &request {
+        Request::DrillStart(spec) => {
+            spec.pod.is_some() || spec.container.is_some() || spec.unit.is_some()
+        }
+        _ => false,
+    };
     let reply: DrillsReply = client::ask(&socket, request)?;
+    // A daemon that knows no workload selectors would run the drill on its whole scope.
+    if names_workloads && let Some(d) = reply.drills.first().filter(|d| d.workloads.is_empty()) {
+        let _: DrillsReply = client::ask(&socket, Request::DrillStop(d.spec.name.clone()))?;
+        eprintln!(
+            "drill {:?}: the daemon ran it on its whole scope, not on the workloads named \
+             (a daemon older than this command?); stopped it",
+            d.spec.name
+        );
+        return Ok(ExitCode::FAILURE);
+    }
     if json {
         println!("{}", serde_json::to_string_pretty(&reply)?);
     } else {

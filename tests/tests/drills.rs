@@ -155,7 +155,7 @@ fn refuse_faults_its_target_alone_at_its_probability() {
 /// and below it alone, in the scope that governs it: another unit of that scope is
 /// untouched. The daemon runs in a cgroup namespace rooted at a systemd-shaped tree, so
 /// the programs find the unit's cgroup below the mount's own level. A unit that does
-/// not exist is refused.
+/// not exist is refused; the drill ends once its unit's cgroup is gone.
 #[test]
 fn a_unit_drill_faults_that_unit_alone() {
     let server = Server::start("127.0.0.1:0");
@@ -203,11 +203,24 @@ fn a_unit_drill_faults_that_unit_alone() {
     assert_eq!((v.attempts, v.faulted, v.capped), (150, 150, 0), "{v:?}");
     assert_eq!(d.scope("s").counts.admitted, 100);
 
+    let started = d.events().into_iter().find(|e| e.kind == "drill_started");
+    assert_eq!(
+        started.and_then(|e| e.workload).as_deref(),
+        Some("unit a.service (/shop.slice/a.service)")
+    );
+
     let out = args("missing", "none.service");
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
         !out.status.success() && err.contains("unit none.service selects no workload on this node"),
         "{err}"
+    );
+    drop(below_a);
+    drop(a);
+    let v = wait_ended(&d, "unit-a", Duration::from_secs(2));
+    assert_eq!(
+        (v.state.as_str(), v.reason.as_deref()),
+        ("aborted", Some("every workload it targets is gone"))
     );
 }
 

@@ -2,6 +2,7 @@
 //! that ends them (enforce::drills::Drills::tick), `drill_egress` attached while a
 //! blackhole or delay drill runs, and the HTTP checks.
 use std::{
+    collections::BTreeSet,
     sync::{Arc, Mutex},
     time::Duration,
 };
@@ -18,7 +19,8 @@ use super::{Daemon, lock};
 use crate::{
     enforce::{
         drill_target,
-        drills::{Drills, Target},
+        drills::{Drills, Target, TargetCgroup},
+        scopes,
     },
     host::cgroup::cgroup_id,
     policy,
@@ -34,8 +36,8 @@ const HTTP_TIMEOUT: Duration = Duration::from_millis(400);
 
 impl Daemon {
     pub(super) fn drill_start(&self, mut spec: DrillSpec) -> Reply {
-        let (cgroups, workloads) = match self.drill_workloads(&mut spec) {
-            Ok(t) => t,
+        let workloads = match self.drill_workloads(&mut spec) {
+            Ok(w) => w,
             Err(why) => return Reply::error(format!("drill {:?}: {why}", spec.name)),
         };
         let scopes = self.policy_scopes();
@@ -71,7 +73,6 @@ impl Daemon {
                 spec,
                 Target {
                     scope_id,
-                    cgroups: &cgroups,
                     workloads,
                     scopes: &scopes,
                     counters: &counters,
@@ -119,8 +120,9 @@ impl Daemon {
         if !lock(&self.drills).any() {
             return Ok(());
         }
-        if let Err(e) = self.sync_drill_egress() {
-            log::error!("drills: attaching drill_egress: {e:#}");
+        let attached = self.sync_drill_egress().map_err(|e| format!("{e:#}"));
+        if let Some(line) = lock(&self.drills).egress_outcome(attached) {
+            log::warn!("{line}");
         }
         let scopes = self.policy_scopes();
         let counters = self.scope_counters();
@@ -160,35 +162,47 @@ impl Daemon {
     /// workloads with their paths (none for a drill of a whole scope); `spec`'s scope
     /// is set to the one that governs them. Resolved once, at the start: a workload
     /// that starts later is not the drill's.
-    fn drill_workloads(
-        &self,
-        spec: &mut DrillSpec,
-    ) -> Result<(Vec<DrillCgroup>, Vec<String>), String> {
+    fn drill_workloads(&self, spec: &mut DrillSpec) -> Result<Vec<TargetCgroup>, String> {
         let selectors = policy::drill::workload_selectors(spec)?;
         if selectors.is_empty() {
-            return Ok((Vec::new(), Vec::new()));
+            return Ok(Vec::new());
         }
-        let what: Vec<String> = selectors.iter().map(ToString::to_string).collect();
-        let found = self.workloads.select(&selectors)?;
+        let found: Vec<_> = selectors
+            .iter()
+            .map(ToString::to_string)
+            .zip(self.workloads.select(&selectors)?)
+            .collect();
         let policy = self
             .programs
             .generations()
             .policy()
             .ok_or("no policy is in force")?;
-        let narrowed = drill_target::narrow(&policy, &spec.scope, &what.join(" and "), &found)?;
+        let mount = self.workloads.mount();
+        // The scopes of a workload's cgroup and of those below it, as a walk governs
+        // them.
+        let scopes_of = |rel: &str| -> BTreeSet<usize> {
+            let own = scopes::governing(&policy, rel);
+            let tree = scopes::walk_below(&mount.join(rel), rel, own, &policy);
+            own.into_iter()
+                .chain(tree.governed.values().map(|g| g.scope))
+                .collect()
+        };
+        let narrowed = drill_target::narrow(&policy, &spec.scope, &found, scopes_of)?;
         spec.scope = narrowed.scope;
         narrowed
             .cgroups
             .iter()
             .map(|(rel, who)| {
-                let id = cgroup_id(&self.workloads.mount().join(rel))
-                    .map_err(|e| format!("{who}: {e:#}"))?;
+                let dir = mount.join(rel);
+                let id = cgroup_id(&dir).map_err(|e| format!("{who}: {e:#}"))?;
                 let level = rel.split('/').filter(|s| !s.is_empty()).count() as u32;
-                let cgroup = DrillCgroup { id, level, _pad: 0 };
-                Ok((cgroup, format!("{who} (/{rel})")))
+                Ok(TargetCgroup {
+                    dir,
+                    cgroup: DrillCgroup { id, level, _pad: 0 },
+                    name: format!("{who} (/{rel})"),
+                })
             })
-            .collect::<Result<Vec<_>, String>>()
-            .map(|v| v.into_iter().unzip())
+            .collect()
     }
 
     /// Attaches `drill_egress` to the governed cgroups while a drill drops packets, and

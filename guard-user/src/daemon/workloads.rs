@@ -35,6 +35,9 @@ use crate::{
 /// the first policy governs them; one that has not answered by then is retried in the
 /// background, and its workloads are governed when it lists them.
 const START_WAIT: Duration = Duration::from_secs(5);
+/// How long a drill's start waits for a runtime it begins following to list its
+/// workloads: well within the client's wait for the answer.
+const DRILL_LISTING: Duration = Duration::from_secs(2);
 
 pub struct Workloads {
     registry: Arc<Registry>,
@@ -73,7 +76,7 @@ impl Workloads {
         };
         let base = w.base();
         let started = w.follow(&base);
-        w.wait_listed(&started);
+        w.wait_listed(&started, START_WAIT);
         Ok(w)
     }
 
@@ -130,10 +133,10 @@ impl Workloads {
         started
     }
 
-    /// Waits (START_WAIT at most) until each of `sources` has listed its workloads or
+    /// Waits (`limit` at most) until each of `sources` has listed its workloads or
     /// failed once.
-    fn wait_listed(&self, sources: &[&str]) {
-        let deadline = Instant::now() + START_WAIT;
+    fn wait_listed(&self, sources: &[&str], limit: Duration) {
+        let deadline = Instant::now() + limit;
         while Instant::now() < deadline
             && !sources.iter().all(|source| {
                 self.registry
@@ -146,18 +149,19 @@ impl Workloads {
         }
     }
 
-    /// The cgroups `selectors` select on this node now, each with its workload (a
-    /// drill's target). The runtimes pod and container selectors need are followed
-    /// first when they are not yet; one that cannot be reached is an error.
+    /// The cgroups each of `selectors` selects on this node now, each with its
+    /// workload (a drill's target). The runtimes pod and container selectors need are
+    /// followed first when they are not yet (for the daemon's life, as for a policy);
+    /// one that cannot be reached is an error.
     pub fn select(
         &self,
         selectors: &[WorkloadSelector],
-    ) -> Result<BTreeMap<String, Identity>, String> {
+    ) -> Result<Vec<BTreeMap<String, Identity>>, String> {
         let needs = |kind: &str| selectors.iter().any(|s| s.kind() == kind);
         let started = self.follow_sources(needs("pod"), needs("container"), |kind| {
             format!("a drill's {kind} selector")
         });
-        self.wait_listed(&started);
+        self.wait_listed(&started, DRILL_LISTING);
         for (kind, source) in [("pod", "containerd"), ("container", "docker")] {
             let status = self
                 .registry
@@ -174,10 +178,7 @@ impl Workloads {
                 ));
             }
         }
-        Ok(selectors
-            .iter()
-            .flat_map(|s| self.registry.select(s))
-            .collect())
+        Ok(selectors.iter().map(|s| self.registry.select(s)).collect())
     }
 
     fn socket(&self, source: &str) -> &Path {

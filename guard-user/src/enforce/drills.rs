@@ -6,7 +6,7 @@
 //! policy, when the daemon stops, and when the steady state breaks (`tick`): a watched
 //! scope sheds or opens a breaker, the target's success ratio falls, or the HTTP check
 //! fails.
-use std::{collections::VecDeque, time::Duration};
+use std::{collections::VecDeque, path::PathBuf, time::Duration};
 
 use aya::maps::{Array, MapData};
 use connguard_api::{
@@ -24,6 +24,7 @@ use guard_common::{
 use ipnet::IpNet;
 
 use crate::{
+    host::cgroup::cgroup_id,
     kernel::maps::{DrillMaps, Hashed},
     policy,
 };
@@ -46,12 +47,16 @@ pub struct Drills {
     /// Newest first.
     ended: VecDeque<DrillView>,
     last_serial: u32,
+    /// The last error attaching `drill_egress`, logged once until it changes or clears.
+    egress_error: Option<String>,
 }
 
 struct Running {
     view: DrillView,
     scope_id: u32,
     deadline_ns: u64,
+    /// The directories and ids of the cgroups it narrows its scope to.
+    cgroups: Vec<(PathBuf, u64)>,
     /// Each watched scope's id and name, with its shed and breaker openings at the
     /// start.
     watched: Vec<(u32, String, u64, u64)>,
@@ -62,13 +67,21 @@ struct Running {
     http_failed: Option<String>,
 }
 
+/// A cgroup a drill narrows its scope to.
+pub struct TargetCgroup {
+    /// Its directory, looked at each tick: a drill whose cgroups are all gone ends.
+    pub dir: PathBuf,
+    pub cgroup: DrillCgroup,
+    /// The workload it is the cgroup of, with its path, as `DrillView::workloads`
+    /// names it.
+    pub name: String,
+}
+
 /// What a drill's start needs of the daemon's other state.
 pub struct Target<'a> {
     pub scope_id: u32,
-    /// The cgroups the drill narrows its scope to (none: the whole scope), and the
-    /// workloads they are the cgroups of, as `DrillView::workloads` names them.
-    pub cgroups: &'a [DrillCgroup],
-    pub workloads: Vec<String>,
+    /// The cgroups the drill narrows its scope to (none: the whole scope).
+    pub workloads: Vec<TargetCgroup>,
     /// Every scope of the policy in force, by id.
     pub scopes: &'a [(u32, String)],
     /// The scope counters, by id.
@@ -92,6 +105,7 @@ impl Drills {
             stopping: false,
             ended: VecDeque::new(),
             last_serial: 0,
+            egress_error: None,
         }
     }
 
@@ -113,15 +127,17 @@ impl Drills {
                 spec.scope, r.view.spec.name
             ));
         }
-        self.last_serial = self.last_serial.wrapping_add(1).max(1);
-        let mut conf = conf(&spec, self.last_serial, t.now_ns)?;
-        if t.cgroups.len() > MAX_DRILL_CGROUPS {
+        if t.workloads.len() > MAX_DRILL_CGROUPS {
             return Err(format!(
                 "a drill takes at most {MAX_DRILL_CGROUPS} workloads"
             ));
         }
-        conf.cgroups[..t.cgroups.len()].copy_from_slice(t.cgroups);
-        conf.n_cgroups = t.cgroups.len() as u32;
+        self.last_serial = self.last_serial.wrapping_add(1).max(1);
+        let mut conf = conf(&spec, self.last_serial, t.now_ns)?;
+        for (i, w) in t.workloads.iter().enumerate() {
+            conf.cgroups[i] = w.cgroup;
+        }
+        conf.n_cgroups = t.workloads.len() as u32;
         let watched = t
             .scopes
             .iter()
@@ -163,7 +179,7 @@ impl Drills {
             attempts: 0,
             faulted: 0,
             capped: 0,
-            workloads: t.workloads,
+            workloads: t.workloads.iter().map(|w| w.name.clone()).collect(),
             spec,
         };
         let event = event(&view, "drill_started", None, view.started_unix_ms);
@@ -171,6 +187,11 @@ impl Drills {
             view: view.clone(),
             scope_id: t.scope_id,
             deadline_ns: conf.deadline_ns,
+            cgroups: t
+                .workloads
+                .iter()
+                .map(|w| (w.dir.clone(), w.cgroup.id))
+                .collect(),
             watched,
             samples: VecDeque::new(),
             http_failed: None,
@@ -217,6 +238,21 @@ impl Drills {
             self.starting_drops += 1;
         } else {
             self.starting_drops = self.starting_drops.saturating_sub(1);
+        }
+    }
+
+    /// Notes the outcome of the last attach of `drill_egress` (`Err`: why it failed);
+    /// returns what to log, once for each new error and once when it clears.
+    pub fn egress_outcome(&mut self, outcome: Result<(), String>) -> Option<String> {
+        match outcome {
+            Err(why) if self.egress_error.as_ref() != Some(&why) => {
+                self.egress_error = Some(why.clone());
+                Some(format!("drills: attaching drill_egress: {why}"))
+            }
+            Ok(()) if self.egress_error.take().is_some() => {
+                Some("drills: drill_egress attached".into())
+            }
+            _ => None,
         }
     }
 
@@ -276,6 +312,13 @@ impl Drills {
                 .any(|(id, name)| *id == r.scope_id && *name == r.view.spec.scope)
             {
                 Some(("aborted", "its scope left the policy".to_string()))
+            } else if !r.cgroups.is_empty()
+                && !r
+                    .cgroups
+                    .iter()
+                    .any(|(dir, id)| cgroup_id(dir).is_ok_and(|now| now == *id))
+            {
+                Some(("aborted", "every workload it targets is gone".to_string()))
             } else {
                 r.broken(counters, &counts, now_ns)
                     .map(|why| ("aborted", why))
@@ -487,6 +530,7 @@ fn event(view: &DrillView, kind: &str, reason: Option<String>, unix_ms: u64) -> 
         unix_ms,
         kind: kind.into(),
         scope: view.spec.scope.clone(),
+        workload: (!view.workloads.is_empty()).then(|| view.workloads.join(", ")),
         drill: Some(view.spec.name.clone()),
         reason,
         ..EventRecord::default()

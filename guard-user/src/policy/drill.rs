@@ -47,7 +47,7 @@ struct RawDrill {
 }
 
 /// A drill's workload selectors alone, as `DrillSpec` carries them.
-#[derive(Deserialize, Serialize, Default)]
+#[derive(Deserialize, Serialize)]
 struct Workloads {
     pod: Option<Pods>,
     container: Option<Containers>,
@@ -105,8 +105,9 @@ pub fn parse(text: &str, file: &str) -> Result<DrillSpec, PolicyError> {
             "a drill needs a target: scope, or the pod, container or unit it faults".into(),
         ));
     }
-    // The selectors in the form the control socket carries; the text was read above.
-    let workloads: Workloads = toml::from_str(text).unwrap_or_default();
+    // The selectors in the form the control socket carries.
+    let workloads: Workloads = toml::from_str(text)
+        .map_err(|e| at(e.span().unwrap_or(0..0), e.message().trim().to_string()))?;
     if raw.name.get_ref().contains(char::is_whitespace) {
         return Err(at(raw.name.span(), "name must not contain spaces".into()));
     }
@@ -464,6 +465,19 @@ min_success_ratio = 0.5
             .map(ToString::to_string)
             .collect();
         assert_eq!(selectors, ["container name=web-*", "unit orders.service"]);
+        // Labels and match expressions as the control socket carries them.
+        let text = GOOD.replace(
+            "scope = \"orders\"",
+            "container = { labels = { app = \"web\" }, match_expressions = [{ key = \"tier\", operator = \"NotIn\", values = [\"db\"] }] }",
+        );
+        let d = parse(&text, "d.toml").unwrap();
+        let json = serde_json::to_string(&d).unwrap();
+        let back: DrillSpec = serde_json::from_str(&json).unwrap();
+        let selectors = workload_selectors(&back).unwrap();
+        assert_eq!(
+            selectors[0].to_string(),
+            "container app=web,tier notin (db)"
+        );
     }
 
     #[test]
