@@ -186,6 +186,8 @@ fn weighted(prev: *const u64, c: *mut DrillCounts, window: u64, now: u64) -> u64
     prev * (window_ms - into_ms) / window_ms
 }
 
+const _: () = assert!(MAX_DRILL_CGROUPS.is_power_of_two(), "the index mask needs it");
+
 /// Whether the connecting task is in one of the cgroups the drill narrows its scope
 /// to, or below one (every task of the scope when it names none).
 #[inline(always)]
@@ -200,6 +202,10 @@ fn in_cgroups(conf: &DrillConf) -> bool {
         if i as u32 >= conf.n_cgroups {
             break;
         }
+        // Older verifiers (6.1) lose the loop's bound and see a read past the array:
+        // the index is read back, which the compiler cannot see through, and masked,
+        // which bounds it for any verifier.
+        let i = unsafe { core::ptr::read_volatile(&i) } & (MAX_DRILL_CGROUPS - 1);
         let cg = &conf.cgroups[i];
         // An ancestor level deeper than the task's cgroup reads 0, never an id.
         let id = unsafe { bpf_get_current_ancestor_cgroup_id((base + cg.level) as i32) };
