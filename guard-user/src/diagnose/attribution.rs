@@ -72,7 +72,7 @@ impl TimeWaitRates {
 pub fn daemon_ports(
     netns: u64,
     rates: &HashMap<TimeWaitKey, f64>,
-    destinations: &[(CounterKey, Counter)],
+    destinations: &[Vec<(CounterKey, Counter)>],
     eaddrnotavail: &[(EaddrKey, u64)],
     scope_name: impl Fn(u32) -> String,
 ) -> DaemonPorts {
@@ -91,7 +91,7 @@ pub fn daemon_ports(
         e.1.insert(scope_name(k.scope_id));
     }
     let mut active: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
-    for (k, _) in destinations.iter().filter(|(_, c)| c.active > 0) {
+    for (k, _) in destinations.iter().flatten().filter(|(_, c)| c.active > 0) {
         active
             .entry(endpoint(unmapped(k.addr), k.port))
             .or_default()

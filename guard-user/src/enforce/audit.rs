@@ -116,6 +116,7 @@ impl Audit {
         let epochs: HashMap<CounterKey, u64> = before
             .destinations
             .iter()
+            .flatten()
             .map(|(k, c)| (*k, c.epoch))
             .collect();
         let mut live = HashMap::new();
@@ -280,6 +281,7 @@ fn counters(dump: &CounterDump) -> HashMap<Key, Counter> {
     let destinations = dump
         .destinations
         .iter()
+        .flatten()
         .map(|(k, c)| (Key::Destination(*k), *c));
     let rules = (0u32..).zip(&dump.rules).map(|(id, c)| (Key::Rule(id), *c));
     let scopes = (0u32..)

@@ -23,7 +23,9 @@ pub struct Counters {
 
 /// Everything the counters hold at one moment, for a snapshot built elsewhere.
 pub struct CounterDump {
-    pub destinations: Vec<(CounterKey, Counter)>,
+    /// In the chunks the kernel gave them (`batch::chunks`), for a consumer to free as
+    /// it goes.
+    pub destinations: Vec<Vec<(CounterKey, Counter)>>,
     /// Indexed by scope id and by rule id.
     pub scopes: Vec<Counter>,
     pub rules: Vec<Counter>,
@@ -72,9 +74,9 @@ impl Counters {
         self.maps.rule_counters.get(&id, 0).ok()
     }
 
-    /// Every destination counter in the kernel.
-    pub fn destinations(&self) -> Vec<(CounterKey, Counter)> {
-        batch::entries(&self.maps.counters)
+    /// Every destination counter in the kernel, in chunks (`batch::chunks`).
+    pub fn destinations(&self) -> Vec<Vec<(CounterKey, Counter)>> {
+        batch::chunks(&self.maps.counters)
     }
 
     /// Forgets destination entries that stayed idle (no active connection, no new
@@ -89,7 +91,7 @@ impl Counters {
         let now_ns = guard_common::monotonic_ns();
         let breakers: HashMap<CounterKey, Breaker> =
             batch::entries(&self.maps.breakers).into_iter().collect();
-        for (key, c) in self.destinations() {
+        for (key, c) in self.destinations().into_iter().flatten() {
             if breakers
                 .get(&key)
                 .is_some_and(|b| b.status & 0xff != BREAKER_CLOSED as u64)
@@ -159,7 +161,7 @@ impl Counters {
         let scopes = clear(&mut self.maps.scope_counters, scopes);
         let rules = clear(&mut self.maps.rule_counters, rules);
         if !scopes.is_empty() {
-            for (key, _) in self.destinations() {
+            for (key, _) in self.destinations().into_iter().flatten() {
                 if scopes.contains(&key.scope_id) {
                     let _ = self.maps.counters.remove(&key);
                     let _ = self.maps.breakers.remove(&key);

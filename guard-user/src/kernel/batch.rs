@@ -103,10 +103,30 @@ fn batched<T>(read: impl FnOnce() -> io::Result<T>) -> Option<T> {
 /// Every entry of a hash map. Entries that a concurrent delete removes mid-dump may be
 /// missing, as with aya's iterator.
 pub fn entries<T: Borrow<MapData>, K: Pod, V: Pod>(map: &HashMap<T, K, V>) -> Vec<(K, V)> {
-    if let Some(all) = batched(|| lookup_batch(map.map())) {
-        return all;
+    let mut out = Vec::new();
+    let read = |keys: &[K], values: &[V]| {
+        out.extend(keys.iter().copied().zip(values.iter().copied()));
+    };
+    if batched(|| lookup_batch(map.map(), read)).is_some() {
+        return out;
     }
+    // A batch that failed midway gave some entries: the read starts over.
     map.iter().filter_map(Result::ok).collect()
+}
+
+/// Every entry of a hash map, as `entries` reads them, in the chunks the kernel gave
+/// them (CHUNK entries at most each): a caller that turns a large map into something
+/// else can free each chunk as it goes, rather than hold the whole map beside what it
+/// makes.
+pub fn chunks<T: Borrow<MapData>, K: Pod, V: Pod>(map: &HashMap<T, K, V>) -> Vec<Vec<(K, V)>> {
+    let mut out = Vec::new();
+    let read = |keys: &[K], values: &[V]| {
+        out.push(keys.iter().copied().zip(values.iter().copied()).collect());
+    };
+    if batched(|| lookup_batch(map.map(), read)).is_some() {
+        return out;
+    }
+    vec![map.iter().filter_map(Result::ok).collect()]
 }
 
 /// Entries `0..n` of an array map (`n` at most its size), in index order.
@@ -160,9 +180,11 @@ fn array_batch<V: Pod>(map: &MapData, n: u32) -> io::Result<Vec<V>> {
     Ok(values)
 }
 
-/// The whole map with `BPF_MAP_LOOKUP_BATCH`. `K` and `V` have the map's key and value
-/// sizes (aya's `HashMap::try_from` checked them).
-fn lookup_batch<K: Pod, V: Pod>(map: &MapData) -> io::Result<Vec<(K, V)>> {
+/// The whole map with `BPF_MAP_LOOKUP_BATCH`, given to `read` a call's entries at a
+/// time (none given twice). `K` and `V` have the map's key and value sizes (aya's
+/// `HashMap::try_from` checked them). An error after some calls: `read` has had their
+/// entries.
+fn lookup_batch<K: Pod, V: Pod>(map: &MapData, mut read: impl FnMut(&[K], &[V])) -> io::Result<()> {
     let fd = map.fd().as_fd().as_raw_fd();
     // Pod types are plain bytes: all zeros is a valid value.
     let zero_key: K = unsafe { std::mem::zeroed() };
@@ -177,7 +199,6 @@ fn lookup_batch<K: Pod, V: Pod>(map: &MapData) -> io::Result<Vec<(K, V)>> {
     // stopped.
     let mut in_position: Option<u64> = None;
     let mut out_position = 0u64;
-    let mut out = Vec::new();
     loop {
         let mut attr = BatchAttr {
             in_batch: in_position.as_ref().map_or(0, |p| p as *const u64 as u64),
@@ -195,9 +216,11 @@ fn lookup_batch<K: Pod, V: Pod>(map: &MapData) -> io::Result<Vec<(K, V)>> {
             // ENOENT: the walk ended; `count` holds the last entries.
             None | Some(libc::ENOENT) => {
                 let n = attr.count as usize;
-                out.extend(keys[..n].iter().copied().zip(values[..n].iter().copied()));
+                if n > 0 {
+                    read(&keys[..n], &values[..n]);
+                }
                 if err.is_some() {
-                    return Ok(out);
+                    return Ok(());
                 }
                 in_position = Some(out_position);
             }

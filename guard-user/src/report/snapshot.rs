@@ -147,14 +147,16 @@ pub fn scopes(
     // Each scope's rows allocated once, at their number: grown by doubling, they would
     // take up to twice the memory, and a copy of the rows at each step.
     let mut rows_of: HashMap<u32, usize> = HashMap::new();
-    for (k, _) in &dump.destinations {
+    for (k, _) in dump.destinations.iter().flatten() {
         *rows_of.entry(k.scope_id).or_default() += 1;
     }
     let mut destinations_of: HashMap<u32, Vec<DestStats>> = rows_of
         .into_iter()
         .map(|(id, n)| (id, Vec::with_capacity(n)))
         .collect();
-    for (k, c) in dump.destinations {
+    // Chunk by chunk, each freed once its rows are made: the counters read and the
+    // rows made from them are not held whole at once.
+    for (k, c) in dump.destinations.into_iter().flatten() {
         let breaker = breakers
             .get(&k)
             .zip(ramps.of(&k))

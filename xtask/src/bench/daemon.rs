@@ -26,6 +26,11 @@ use super::{
     testbed::{PORT, REFUSAL_PORT, Testbed},
 };
 
+/// The audit period of `connguard run` as shipped (its default): the tests' daemons
+/// audit every second, which reads every counter twice a second and would be measured
+/// as the daemon's own idle CPU and peak memory.
+const SHIPPED_AUDIT: &[&str] = &["--audit", "30"];
+
 /// Selected cgroups removed and created again, for the window to governed.
 const RECREATIONS: usize = 100;
 /// Repetitions of each one-shot command (stats, scrape, ports, ss), alternated.
@@ -74,6 +79,7 @@ pub fn monitoring(tb: &Testbed, sizes: &Sizes) -> anyhow::Result<Monitoring> {
             .listener(listener_guard(&tb.ns, Mode::Observe)),
     )
     .metrics()
+    .args(SHIPPED_AUDIT)
     .start();
     tb.spray(sizes.many_destinations)?;
     let (mut stats_ms, mut scrape_ms, mut destinations) = (Vec::new(), Vec::new(), 0);
@@ -193,7 +199,7 @@ pub fn ports(tb: &Testbed, sizes: &Sizes) -> anyhow::Result<PortsOneShot> {
 /// The daemon's memory and CPU, idle and under churn, with the churns' destinations
 /// tracked.
 pub fn usage(tb: &Testbed, sizes: &Sizes) -> anyhow::Result<DaemonUsage> {
-    let d = Daemon::builder(&tb.policy).start();
+    let d = Daemon::builder(&tb.policy).args(SHIPPED_AUDIT).start();
     tb.spray(sizes.destinations)?;
     let idle = measure_usage(d.pid(), sizes.usage_window, || {
         std::thread::sleep(Duration::from_millis(100));
