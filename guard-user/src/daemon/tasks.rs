@@ -14,7 +14,7 @@ use super::{
 use crate::{
     diagnose::attribution::SAMPLE_EVERY,
     enforce::{
-        audit::{Correction, Count, Key},
+        audit::{self, Correction, Count, Key},
         lease, port_watch,
     },
     kernel::features::{Feature, KernelFeatures},
@@ -182,9 +182,9 @@ impl Daemon {
     /// count that differs for two audits in a row (see `enforce::audit`).
     fn audit(&self) -> anyhow::Result<()> {
         let ids = self.programs.generations().ids();
-        let before = lock(&self.counts).counters.dump(ids.counts());
+        let before = audit::reading(lock(&self.counts).counters.dump(ids.counts()));
         let live = self.audit.recount(&before)?;
-        let after = lock(&self.counts).counters.dump(ids.counts());
+        let after = audit::reading(lock(&self.counts).counters.dump(ids.counts()));
         let made = self.audit.compare(&before, &live, &after);
         let rules = ids.rule_names();
         let scope = |id| ids.scope_name(id).unwrap_or("?").to_string();

@@ -56,12 +56,57 @@ pub enum Count {
 impl Count {
     const ALL: [Count; 2] = [Count::Active, Count::Connecting];
 
-    fn of(self, c: &Counter) -> u64 {
+    fn of(self, c: &Brief) -> u64 {
         match self {
             Count::Active => c.active,
             Count::Connecting => c.connecting,
         }
     }
+}
+
+/// What an audit compares of one counter, read at one moment: a fraction of a
+/// `Counter`, so that two readings of every counter stay small beside the map.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Brief {
+    active: u64,
+    connecting: u64,
+    admitted: u64,
+    shed: u64,
+    would_shed: u64,
+    /// A destination entry's `epoch`.
+    epoch: u64,
+}
+
+impl From<&Counter> for Brief {
+    fn from(c: &Counter) -> Brief {
+        Brief {
+            active: c.active,
+            connecting: c.connecting,
+            admitted: c.admitted,
+            shed: c.shed,
+            would_shed: c.would_shed,
+            epoch: c.epoch,
+        }
+    }
+}
+
+/// Every counter of a dump, by key, as an audit compares them (`reading`).
+pub struct Reading(HashMap<Key, Brief>);
+
+/// The counters of `dump`, kept as an audit compares them; the dump's destination
+/// chunks are freed as they are read.
+pub fn reading(dump: CounterDump) -> Reading {
+    let rules = (0u32..)
+        .zip(&dump.rules)
+        .map(|(id, c)| (Key::Rule(id), c.into()));
+    let scopes = (0u32..)
+        .zip(&dump.scopes)
+        .map(|(id, c)| (Key::Scope(id), c.into()));
+    let mut all: HashMap<Key, Brief> = rules.chain(scopes).collect();
+    for (k, c) in dump.destinations.into_iter().flatten() {
+        all.insert(Key::Destination(k), (&c).into());
+    }
+    Reading(all)
 }
 
 /// Live sockets, by counter and count.
@@ -112,13 +157,7 @@ impl Audit {
 
     /// Live admissions and handshakes by counter, from every socket's storage in every
     /// network namespace; `before` gives the destination entries' epochs.
-    pub fn recount(&self, before: &CounterDump) -> anyhow::Result<Live> {
-        let epochs: HashMap<CounterKey, u64> = before
-            .destinations
-            .iter()
-            .flatten()
-            .map(|(k, c)| (*k, c.epoch))
-            .collect();
+    pub fn recount(&self, before: &Reading) -> anyhow::Result<Live> {
         let mut live = HashMap::new();
         for ns in netns::all() {
             let sockets = netns::within_open(&ns, || sockdiag::tcp_storages(self.socks.as_fd()))
@@ -127,7 +166,7 @@ impl Audit {
                 let Some(state) = sock_state(&s.storage) else {
                     continue;
                 };
-                for (key, connecting) in charged(&state, &epochs) {
+                for (key, connecting) in charged(&state, before) {
                     *live.entry((key, Count::Active)).or_default() += 1;
                     if connecting {
                         *live.entry((key, Count::Connecting)).or_default() += 1;
@@ -140,26 +179,23 @@ impl Audit {
 
     /// Compares `live` with the counters read `before` and `after` it, and corrects the
     /// differences this audit and the one before found alike.
-    pub fn compare(
-        &self,
-        before: &CounterDump,
-        live: &Live,
-        after: &CounterDump,
-    ) -> Vec<Correction> {
+    pub fn compare(&self, before: &Reading, live: &Live, after: &Reading) -> Vec<Correction> {
         let mut last = self.seen.lock().unwrap_or_else(PoisonError::into_inner);
-        let b = counters(before);
-        let a = counters(after);
+        let (b, a) = (&before.0, &after.0);
+        let zero = Brief::default();
+        // Only the counts that differ from the live ones, in order.
         let mut keys: Vec<(Key, Count)> = b
-            .keys()
-            .flat_map(|&k| Count::ALL.map(|c| (k, c)))
-            .chain(live.keys().copied())
+            .iter()
+            .flat_map(|(&k, c)| Count::ALL.map(|n| (k, n, n.of(c))))
+            .filter(|&(k, n, counted)| live.get(&(k, n)).copied().unwrap_or(0) != counted)
+            .map(|(k, n, _)| (k, n))
+            .chain(live.keys().filter(|(k, _)| !b.contains_key(k)).copied())
             .collect();
         keys.sort();
         keys.dedup();
         let mut seen = HashMap::new();
         let mut made = Vec::new();
         for (key, count) in keys {
-            let zero = Counter::default();
             let (cb, ca) = (b.get(&key).unwrap_or(&zero), a.get(&key).unwrap_or(&zero));
             let now = Seen {
                 counted: count.of(cb),
@@ -263,10 +299,11 @@ fn sock_state(value: &[u8]) -> Option<SockState> {
 /// The counters an admission holds (connect's charged bits: 0 destination, 1 rule, 2
 /// scope), each with whether its handshake is still counted there (the same bits of
 /// `connecting`); the destination only while its entry is the one it charged.
-fn charged(state: &SockState, epochs: &HashMap<CounterKey, u64>) -> Vec<(Key, bool)> {
+fn charged(state: &SockState, before: &Reading) -> Vec<(Key, bool)> {
     let dst = state.dst;
+    let epoch = before.0.get(&Key::Destination(dst)).map(|c| c.epoch);
     let levels = [
-        (epochs.get(&dst) == Some(&state.dst_epoch)).then_some(Key::Destination(dst)),
+        (epoch == Some(state.dst_epoch)).then_some(Key::Destination(dst)),
         (dst.rule_id != NO_RULE).then_some(Key::Rule(dst.rule_id)),
         Some(Key::Scope(dst.scope_id)),
     ];
@@ -274,18 +311,4 @@ fn charged(state: &SockState, epochs: &HashMap<CounterKey, u64>) -> Vec<(Key, bo
         .filter(|i| state.charged & (1 << i) != 0)
         .filter_map(|i| Some((levels[i]?, state.connecting & (1 << i) != 0)))
         .collect()
-}
-
-/// Every counter of a dump, by key.
-fn counters(dump: &CounterDump) -> HashMap<Key, Counter> {
-    let destinations = dump
-        .destinations
-        .iter()
-        .flatten()
-        .map(|(k, c)| (Key::Destination(*k), *c));
-    let rules = (0u32..).zip(&dump.rules).map(|(id, c)| (Key::Rule(id), *c));
-    let scopes = (0u32..)
-        .zip(&dump.scopes)
-        .map(|(id, c)| (Key::Scope(id), *c));
-    destinations.chain(rules).chain(scopes).collect()
 }

@@ -97,6 +97,8 @@ pub struct Sizes {
     per_source_syns: u64,
     listener_cpu_window: Duration,
     usage_window: Duration,
+    /// The daemon's idle CPU window: a full run's holds one audit (daemon::AUDIT_PERIOD).
+    idle_window: Duration,
     /// How long the fleet chaos runs.
     fleet_chaos: Duration,
 }
@@ -116,6 +118,7 @@ impl Sizes {
                 per_source_syns: 20_000,
                 listener_cpu_window: Duration::from_secs(20),
                 usage_window: Duration::from_secs(5),
+                idle_window: daemon::AUDIT_PERIOD + Duration::from_secs(2),
                 fleet_chaos: Duration::from_secs(300),
             },
             true => Sizes {
@@ -129,6 +132,7 @@ impl Sizes {
                 per_source_syns: 5_000,
                 listener_cpu_window: Duration::from_secs(5),
                 usage_window: Duration::from_secs(2),
+                idle_window: Duration::from_secs(2),
                 fleet_chaos: Duration::from_secs(30),
             },
         }

@@ -405,7 +405,7 @@ impl Report {
         }
         t.row([
             format!(
-                "peak (VmHWM) after the one-shots with {} destinations",
+                "peak (VmHWM) after the one-shots and an audit with {} destinations",
                 num(self.monitoring.destinations as f64, 0)
             ),
             num(self.monitoring.peak_rss_mib, 1),
