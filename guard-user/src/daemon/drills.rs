@@ -179,13 +179,11 @@ impl Daemon {
             .ok_or("no policy is in force")?;
         let mount = self.workloads.mount();
         // The scopes of a workload's cgroup and of those below it, as a walk governs
-        // them.
+        // them (the walk includes the cgroup itself).
         let scopes_of = |rel: &str| -> BTreeSet<usize> {
             let own = scopes::governing(&policy, rel);
             let tree = scopes::walk_below(&mount.join(rel), rel, own, &policy);
-            own.into_iter()
-                .chain(tree.governed.values().map(|g| g.scope))
-                .collect()
+            tree.governed.values().map(|g| g.scope).collect()
         };
         let narrowed = drill_target::narrow(&policy, &spec.scope, &found, scopes_of)?;
         spec.scope = narrowed.scope;
