@@ -383,6 +383,10 @@ pub const MAX_SCOPE_IDS: u32 = 4096;
 /// (one per scope and rule name pair), kept for the daemon's life like scope ids.
 pub const MAX_RULE_IDS: u32 = 65536;
 
+/// Destinations the destination counter map (`COUNTERS`) holds unless the daemon is
+/// told otherwise (`connguard run --max-destinations`).
+pub const DEFAULT_DESTINATIONS: u32 = 262_144;
+
 /// Key of `COUNTERS`: the destination level, one connection's (scope, rule or NO_RULE,
 /// address and port). The connection is also counted at its scope (`SCOPE_COUNTERS`)
 /// and, when a rule matched, at its rule (`RULE_COUNTERS`), arrays indexed by id.

@@ -10,7 +10,7 @@ use aya_ebpf::{
     maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, RingBuf},
 };
 use guard_common::{
-    Breaker, Candidates, CgroupKey, Counter, CounterKey, EaddrKey, IdKey, ListenerEntry,
+    Breaker, Candidates, CgroupKey, Counter, CounterKey, DEFAULT_DESTINATIONS, EaddrKey, IdKey, ListenerEntry,
     ListenerKey, MAX_RULE_IDS, MAX_SCOPE_IDS, PortUseKey, RstKey, RuleAddrKey, STAT_COUNT,
     ScopeConf, SockState, TimeWaitKey,
     callers::{
@@ -47,7 +47,7 @@ pub static RULES: LpmTrie<RuleAddrKey, Candidates> = LpmTrie::with_max_entries(6
 /// daemon when idle).
 #[map]
 pub static COUNTERS: HashMap<CounterKey, Counter> =
-    HashMap::with_max_entries(262144, BPF_F_NO_PREALLOC);
+    HashMap::with_max_entries(DEFAULT_DESTINATIONS, BPF_F_NO_PREALLOC);
 
 /// Connection counters at scope level, indexed by scope id (an array: the verifier
 /// inlines its lookups, and every entry exists, zeroed, from the start).

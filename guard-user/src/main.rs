@@ -60,6 +60,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             detach_on_exit,
             state_layout,
             audit,
+            max_destinations,
             runtimes,
         } => {
             let metrics = (metrics != "off").then_some(metrics);
@@ -75,6 +76,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 detach_on_exit,
                 state_layout,
                 audit: std::time::Duration::from_secs(audit),
+                max_destinations,
                 runtimes,
                 watch_policy: !no_watch_policy,
             })?;

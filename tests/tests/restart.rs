@@ -3,7 +3,7 @@
 use std::time::{Duration, Instant};
 
 use connguard_api::policy::{Limited, Mode, Policy, Scope};
-use connguard_tests::{Cgroup, Daemon, Probe, Server, budget_policy};
+use connguard_tests::{Cgroup, Daemon, Netns, Probe, Server, budget_policy, pinned_map_memory};
 use serde::Deserialize;
 
 const WAIT: Duration = Duration::from_secs(10);
@@ -295,6 +295,39 @@ fn set_scope_counter(counter: guard_common::Counter) {
     ];
     args.extend(value.iter().map(String::as_str));
     connguard_tests::run("bpftool", &args);
+}
+
+/// `--max-destinations` sizes the destination counter map where a daemon makes it: 4,100
+/// destinations in a map of 4,096 leave exactly 4 uncounted (`internal_errors`); a
+/// daemon that adopts the pinned map keeps its size, and says so.
+#[test]
+fn the_destination_map_is_made_at_the_size_asked_and_a_restart_keeps_it() {
+    let cg = Cgroup::new("restart-size");
+    let ns = Netns::new("cgsize");
+    ns.exec("ip", &["link", "set", "lo", "up"]);
+    let policy = Policy::new().scope(Scope::new("sized", &cg.rel).mode(Mode::Observe));
+    let d = Daemon::builder(&policy)
+        .args(&["--max-destinations", "4096"])
+        .start();
+    assert_eq!(pinned_map_memory("COUNTERS").1, 4096);
+    let spray = cg.probe(Probe::Spray {
+        netns: ns.path(),
+        count: 4100,
+        port: 9,
+    });
+    assert_eq!(spray.errors("ECONNREFUSED"), 4100, "{spray:?}");
+    assert_eq!(d.stats().internal_errors, 4);
+    d.exit_keeping_state(libc::SIGTERM);
+
+    let d = Daemon::builder(&policy)
+        .adopting()
+        .args(&["--max-destinations", "8192"])
+        .start();
+    assert_eq!(pinned_map_memory("COUNTERS").1, 4096);
+    wait_log(
+        &d,
+        "hold 4096 destinations, not the 8192 of --max-destinations",
+    );
 }
 
 /// Waits for `line` in the daemon's log: the audit logs a correction after making it.

@@ -93,6 +93,10 @@ enum Task {
         /// target/bench.json, and render that.
         #[arg(long)]
         fleet_chaos: bool,
+        /// Measure only the scaling points (rules, destinations, cgroups), into the last
+        /// run's target/bench.json, and render that.
+        #[arg(long, conflicts_with = "fleet_chaos")]
+        scaling: bool,
     },
 }
 
@@ -161,6 +165,7 @@ fn main() -> anyhow::Result<()> {
             write,
             render,
             fleet_chaos,
+            scaling,
         } => {
             if !render {
                 build()?;
@@ -170,6 +175,7 @@ fn main() -> anyhow::Result<()> {
                 write,
                 render,
                 fleet_chaos,
+                scaling,
             })
         }
         Task::Demo => {

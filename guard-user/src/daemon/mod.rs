@@ -104,6 +104,8 @@ pub struct Options {
     pub state_layout: u32,
     /// How often the counters are audited against the live sockets.
     pub audit: Duration,
+    /// The destination counter map's size, where this daemon makes it.
+    pub max_destinations: u32,
     /// Where the runtimes are, for pod and container selectors.
     pub runtimes: RuntimeSockets,
     /// Reload when the policy file changes (policy_watch).

@@ -188,7 +188,12 @@ pub fn load(opts: &Options, host: &Host) -> anyhow::Result<(Loaded, RingBuf<MapD
         mut ebpf,
         sock_ops_comm,
         per_syn,
-    } = object::load(features, state, policy::controls(policy))?;
+    } = object::load(
+        features,
+        state,
+        policy::controls(policy),
+        opts.max_destinations,
+    )?;
     let state_cb = backstop::probe_state_cb(&mut ebpf, &host.root);
     let backstop = Backstop::new(
         Tracepoints::new(state.links_dir()),

@@ -55,8 +55,14 @@ pub struct Loaded {
 /// pinned); the connection programs are attached to cgroups by `cgroup_links`, the
 /// host-wide ones (TP_BTF) by `backstop`, the probe loaded by its own. `features` must have
 /// passed `require`; `controls` (guard_common::CONTROL_* bits) are the connect hook's
-/// controls to load.
-pub fn load(features: &Features, state: &State, controls: u32) -> anyhow::Result<Loaded> {
+/// controls to load; `destinations`, the size of the destination counter map where it
+/// is made (a pinned one keeps its size).
+pub fn load(
+    features: &Features,
+    state: &State,
+    controls: u32,
+    destinations: u32,
+) -> anyhow::Result<Loaded> {
     let has_set_retval = u8::from(features.has(Feature::SetRetval));
     let offsets = if features.has(Feature::ListenerPerSyn) {
         super::btf::sock_offsets()
@@ -78,10 +84,12 @@ pub fn load(features: &Features, state: &State, controls: u32) -> anyhow::Result
     if let Some(o) = &offsets {
         loader.override_global("SOCK_OFFSETS", o, true);
     }
+    loader.map_max_entries(map::COUNTERS, destinations);
     for name in map::PINNED {
         loader.map_pin_path(name, state.map_path(name));
     }
     let mut ebpf = loader.load(OBJECT).context("loading the eBPF object")?;
+    warn_pinned_size(state, destinations);
     for name in CGROUP_SOCK_ADDR {
         let prog: &mut CgroupSockAddr = program(&mut ebpf, name)?.try_into()?;
         let started = std::time::Instant::now();
@@ -216,6 +224,22 @@ pub fn program_costs(ebpf: &Ebpf) -> Vec<ProgramCost> {
             })
         })
         .collect()
+}
+
+/// Says so when the adopted destination counter map's size is not the one asked for:
+/// a pinned map keeps the size it was made with.
+fn warn_pinned_size(state: &State, destinations: u32) {
+    let path = state.map_path(map::COUNTERS);
+    match aya::maps::MapInfo::from_pin(&path).map(|i| i.max_entries()) {
+        Ok(held) if held != destinations => log::warn!(
+            "the pinned destination counters ({}) hold {held} destinations, not the \
+             {destinations} of --max-destinations: a pinned map keeps its size until \
+             `connguard stop` removes the state",
+            path.display()
+        ),
+        Ok(_) => {}
+        Err(e) => log::warn!("reading {}: {e}", path.display()),
+    }
 }
 
 #[cfg(test)]

@@ -8,10 +8,12 @@ mod figures;
 mod fleet;
 mod listener_cpu;
 mod per_source;
+mod plot;
 mod refusal;
 mod render;
 mod report;
 mod rounds;
+mod scaling;
 mod targets;
 mod testbed;
 
@@ -31,6 +33,8 @@ pub struct Options {
     pub render: bool,
     /// Measure the fleet chaos alone, into the last run's target/bench.json.
     pub fleet_chaos: bool,
+    /// Measure the scaling points alone, into the last run's target/bench.json.
+    pub scaling: bool,
 }
 
 /// The page that holds the report, between its markers.
@@ -46,15 +50,22 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
         serde_json::from_str::<Report>(&text)
             .with_context(|| format!("{} is not a bench report", path.display()))
     };
-    let report = match (opts.render, opts.fleet_chaos) {
-        (true, _) => last()?,
-        (false, true) => {
+    let report = match (opts.render, opts.fleet_chaos, opts.scaling) {
+        (true, _, _) => last()?,
+        (false, true, _) => {
             let mut report = last()?;
             report.fleet_chaos = fleet::chaos(Sizes::new(opts.quick).fleet_chaos)?;
             std::fs::write(&path, serde_json::to_string_pretty(&report)?)?;
             report
         }
-        (false, false) => {
+        (false, false, true) => {
+            let mut report = last()?;
+            let _stats_off = rounds::BpfStats::set(false)?;
+            report.scaling = scaling::run(&Testbed::new(), &scaling::Sizes::new(opts.quick))?;
+            std::fs::write(&path, serde_json::to_string_pretty(&report)?)?;
+            report
+        }
+        (false, false, false) => {
             let report = measure(opts.quick)?;
             std::fs::write(&path, serde_json::to_string_pretty(&report)?)?;
             eprintln!("bench: JSON in {}", path.display());
@@ -66,6 +77,11 @@ pub fn run(opts: &Options) -> anyhow::Result<()> {
     if opts.write || !(report.run.quick || opts.quick) {
         crate::write_between_markers(PAGE, BEGIN, END, &markdown)?;
         eprintln!("bench: report written into {PAGE}");
+        if let Some(svg) = report.scaling_svg()? {
+            let path = crate::root().join(PAGE).with_file_name(plot::FILE);
+            std::fs::write(&path, svg).with_context(|| format!("writing {}", path.display()))?;
+            eprintln!("bench: scaling plot written into {}", path.display());
+        }
     }
     Ok(())
 }
@@ -151,6 +167,7 @@ fn measure(quick: bool) -> anyhow::Result<Report> {
     let listener_guard_cpu = listener_cpu::run(&sizes)?;
     let tb = Testbed::new();
     let churn = rounds::run(&tb, &sizes)?;
+    let scaling = scaling::run(&tb, &scaling::Sizes::new(quick))?;
     let cgroup_recreation = daemon::recreation()?;
     let refusal = refusal::at_connect(&tb)?;
     let inbound = refusal::inbound(&tb)?;
@@ -171,6 +188,7 @@ fn measure(quick: bool) -> anyhow::Result<Report> {
         daemon,
         listener_guard_cpu,
         fleet_chaos,
+        scaling,
     })
 }
 

@@ -4,7 +4,7 @@ use std::fmt;
 
 use super::{
     figures::{Percentiles, Summary, median},
-    report::{Close, Latency, Mode, Period, Report},
+    report::{Close, Dimension, Latency, Mode, Period, Report},
     targets::{self, Figure, Target, Verdict},
 };
 
@@ -16,6 +16,7 @@ impl Report {
             self.other_targets().to_string(),
             self.churn_table().to_string(),
             self.program_tables(),
+            self.scaling_table(),
             self.recreation_table().to_string(),
             self.refusal_tables(),
             self.listener_syn_table().to_string(),
@@ -446,6 +447,45 @@ impl Report {
             t.row(cells);
         }
         t
+    }
+}
+
+impl Report {
+    /// The scaling points, a row each, and their plot (none in a run without them).
+    fn scaling_table(&self) -> String {
+        if self.scaling.is_empty() {
+            return String::new();
+        }
+        let churns = self.scaling.first().map_or(0, |p| p.connect4_ns.len());
+        let mut t = Table::new([
+            format!(
+                "governed, reset close, as connguard holds more: eBPF ns per connection \
+                 (bpf_stats on), churns a point: {churns}"
+            ),
+            "size".into(),
+            "connect4: median (min–max)".into(),
+            "all programs: median (min–max)".into(),
+        ]);
+        let spread = |v: &[f64]| match Summary::of(v) {
+            Some(s) => format!("{} ({}–{})", num(s.median, 0), num(s.min, 0), num(s.max, 0)),
+            None => "–".into(),
+        };
+        for dimension in Dimension::ALL {
+            for p in self.scaling.iter().filter(|p| p.dimension == dimension) {
+                t.row([
+                    dimension.name().to_string(),
+                    num(p.size as f64, 0),
+                    spread(&p.connect4_ns),
+                    spread(&p.all_ns),
+                ]);
+            }
+        }
+        format!(
+            "{t}\nThe sizes not varied: 1,000 rules, 10,000 tracked destinations, 1 governed \
+             cgroup; every daemon's destination counter map sized for the largest.\n\n\
+             ![connect4 and all programs, ns per connection, by size]({})\n",
+            super::plot::FILE
+        )
     }
 }
 

@@ -93,6 +93,48 @@ pub struct Report {
     /// Empty in the JSON of a run before this measurement.
     #[serde(default)]
     pub fleet_chaos: FleetChaos,
+    /// Empty in the JSON of a run before this measurement.
+    #[serde(default)]
+    pub scaling: Vec<ScalePoint>,
+}
+
+/// What a scaling point varies (`bench::scaling`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Dimension {
+    /// Rules in the client's scope.
+    Rules,
+    /// Destinations tracked in the destination counter map.
+    Destinations,
+    /// Cgroups the scope selects (one glob over siblings), the client in one of them.
+    Cgroups,
+}
+
+impl Dimension {
+    pub const ALL: [Dimension; 3] = [
+        Dimension::Rules,
+        Dimension::Destinations,
+        Dimension::Cgroups,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Dimension::Rules => "rules in the scope",
+            Dimension::Destinations => "tracked destinations",
+            Dimension::Cgroups => "governed cgroups",
+        }
+    }
+}
+
+/// One size of one dimension, the others at the base: each churn's eBPF ns per
+/// connection (reset closes, bpf_stats on).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ScalePoint {
+    pub dimension: Dimension,
+    pub size: u64,
+    pub connect4_ns: Vec<f64>,
+    /// Every program.
+    pub all_ns: Vec<f64>,
 }
 
 /// Fleet chaos (`bench::fleet`): three daemons sharing a budget of 60 through etcd, with
@@ -486,6 +528,17 @@ pub mod sample {
                 client_restarts: 21,
                 server_peak: 60,
             },
+            scaling: Dimension::ALL
+                .into_iter()
+                .flat_map(|dimension| {
+                    [10, 1_000, 100_000].map(|size| ScalePoint {
+                        dimension,
+                        size,
+                        connect4_ns: vec![300.0, 310.0, 290.0],
+                        all_ns: vec![1_500.0, 1_520.0, 1_480.0],
+                    })
+                })
+                .collect(),
             per_source_syn: PerSourceSyn {
                 sources: 100_000,
                 syns: 20_000,

@@ -87,7 +87,7 @@ fn one(tb: &Testbed, sizes: &Sizes, churn: &mut Churn) -> anyhow::Result<()> {
 }
 
 /// Each program's bpf_stats between two snapshots of one daemon, over `connections`.
-fn program_rounds(
+pub fn program_rounds(
     before: &Snapshot,
     after: &Snapshot,
     connections: usize,

@@ -68,8 +68,8 @@ impl Testbed {
         });
         let client = Cgroup::new("bench-client");
         Testbed {
-            policy: thousand_rules(&client.rel, false),
-            with_controls: thousand_rules(&client.rel, true),
+            policy: rules(&client.rel, THOUSAND, false),
+            with_controls: rules(&client.rel, THOUSAND, true),
             client,
             other: Cgroup::new("bench-other"),
             ns,
@@ -95,7 +95,12 @@ impl Testbed {
 
     /// `n` refused connects to distinct loopback addresses: `n` new tracked destinations.
     pub fn spray(&self, n: usize) -> anyhow::Result<()> {
-        let out = self.client.probe(Probe::Spray {
+        self.spray_from(&self.client, n)
+    }
+
+    /// The same from `client`.
+    pub fn spray_from(&self, client: &Cgroup, n: usize) -> anyhow::Result<()> {
+        let out = client.probe(Probe::Spray {
             netns: self.ns.path(),
             count: n as u64,
             port: 9,
@@ -136,12 +141,15 @@ pub fn hold_open(
     Ok(held)
 }
 
-/// A policy of 1,000 rules: 999 on other networks, the last one matching loopback,
-/// with `controls` a rate, a handshake budget and a breaker besides its budget (none
-/// reached).
-fn thousand_rules(cgroup: &str, controls: bool) -> Policy {
+/// The rules of the testbed's policies.
+const THOUSAND: u16 = 1000;
+
+/// A policy of `n` rules for the cgroups `cgroup` selects: `n - 1` on other networks (a
+/// /24 each, in 10.0.0.0/8), the last one matching loopback, with `controls` a rate, a
+/// handshake budget and a breaker besides its budget (none reached).
+pub fn rules(cgroup: &str, n: u16, controls: bool) -> Policy {
     let mut scope = Scope::new("bench", cgroup).max_connections(1_000_000);
-    for i in 0..999u16 {
+    for i in 0..n.saturating_sub(1) {
         scope = scope.rule(
             Rule::new(&format!("r{i}"))
                 .dst([format!("10.{}.{}.0/24", i / 250, i % 250)])
