@@ -42,6 +42,8 @@ pub const STAT_COUNT: u32 = 3;
 /// values and sizes, and the meaning of their fields. A daemon adopts pinned state of its
 /// own layout only, so a change to any of them takes a new number: the next start
 /// then seeds its counts from the socket table instead of misreading the old maps.
+/// `COUNTERS` is the exception in size: the daemon that makes it sizes it
+/// (`--max-destinations`), and the next ones adopt it at that size.
 pub const STATE_LAYOUT: u32 = 8;
 
 /// setsockopt(2) level and option name of a seeding request: the daemon, at a start with

@@ -10,9 +10,9 @@ use aya_ebpf::{
     maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, RingBuf},
 };
 use guard_common::{
-    Breaker, Candidates, CgroupKey, Counter, CounterKey, DEFAULT_DESTINATIONS, EaddrKey, IdKey, ListenerEntry,
-    ListenerKey, MAX_RULE_IDS, MAX_SCOPE_IDS, PortUseKey, RstKey, RuleAddrKey, STAT_COUNT,
-    ScopeConf, SockState, TimeWaitKey,
+    Breaker, Candidates, CgroupKey, Counter, CounterKey, DEFAULT_DESTINATIONS, EaddrKey, IdKey,
+    ListenerEntry, ListenerKey, MAX_RULE_IDS, MAX_SCOPE_IDS, PortUseKey, RstKey, RuleAddrKey,
+    STAT_COUNT, ScopeConf, SockState, TimeWaitKey,
     callers::{
         CallerCount, CallerHold, CallerKey, MAX_CALLERS, MAX_SOURCES, PerSourceTotals, SourceState,
     },

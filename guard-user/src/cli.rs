@@ -217,14 +217,14 @@ See also:
         /// (renewed every second): how long a restart may take with no budget lifted.
         #[arg(long, value_name = "SECS", default_value_t = 5, value_parser = clap::value_parser!(u64).range(2..))]
         lease: u64,
-        /// How many destinations the kernel's destination counter map (COUNTERS) holds.
-        /// Kernel memory: 16 bytes per entry of this size rounded up to a power of two,
-        /// and about 230 bytes per destination tracked. When it is full, a
+        /// How many destinations the kernel's destination counter map (COUNTERS) holds:
+        /// each tracked one takes kernel memory, and time at every audit and `stats`
+        /// (docs/commands.md). When it is full, a
         /// connection to a destination not tracked is admitted without a counter of its
         /// own (`internal_errors`); its scope and rule budgets still hold. It applies when
         /// the map is made: a restart on pinned state keeps the size pinned (`connguard
         /// stop` removes the state).
-        #[arg(long, value_name = "N", default_value_t = guard_common::DEFAULT_DESTINATIONS, value_parser = clap::value_parser!(u32).range(1024..=4_194_304))]
+        #[arg(long, value_name = "N", default_value_t = guard_common::DEFAULT_DESTINATIONS, value_parser = clap::value_parser!(u32).range(1024..=1_048_576))]
         max_destinations: u32,
         /// Seconds between audits of the counters against the live sockets.
         #[arg(long, value_name = "SECS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]

@@ -326,7 +326,7 @@ fn the_destination_map_is_made_at_the_size_asked_and_a_restart_keeps_it() {
     assert_eq!(pinned_map_memory("COUNTERS").1, 4096);
     wait_log(
         &d,
-        "hold 4096 destinations, not the 8192 of --max-destinations",
+        "hold 4096 destinations, not the 8192 asked (--max-destinations)",
     );
 }
 

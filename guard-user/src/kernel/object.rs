@@ -89,7 +89,9 @@ pub fn load(
         loader.map_pin_path(name, state.map_path(name));
     }
     let mut ebpf = loader.load(OBJECT).context("loading the eBPF object")?;
-    warn_pinned_size(state, destinations);
+    if state.adopted {
+        warn_pinned_size(state, destinations);
+    }
     for name in CGROUP_SOCK_ADDR {
         let prog: &mut CgroupSockAddr = program(&mut ebpf, name)?.try_into()?;
         let started = std::time::Instant::now();
@@ -227,13 +229,13 @@ pub fn program_costs(ebpf: &Ebpf) -> Vec<ProgramCost> {
 }
 
 /// Says so when the adopted destination counter map's size is not the one asked for:
-/// a pinned map keeps the size it was made with.
+/// aya adopts a pinned map as it is, whatever size the loader asks.
 fn warn_pinned_size(state: &State, destinations: u32) {
     let path = state.map_path(map::COUNTERS);
     match aya::maps::MapInfo::from_pin(&path).map(|i| i.max_entries()) {
         Ok(held) if held != destinations => log::warn!(
             "the pinned destination counters ({}) hold {held} destinations, not the \
-             {destinations} of --max-destinations: a pinned map keeps its size until \
+             {destinations} asked (--max-destinations): a pinned map keeps its size until \
              `connguard stop` removes the state",
             path.display()
         ),

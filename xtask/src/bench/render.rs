@@ -5,6 +5,7 @@ use std::fmt;
 use super::{
     figures::{Percentiles, Summary, median},
     report::{Close, Dimension, Latency, Mode, Period, Report},
+    scaling::{BASE_CGROUPS, BASE_DESTINATIONS, BASE_RULES},
     targets::{self, Figure, Target, Verdict},
 };
 
@@ -481,9 +482,12 @@ impl Report {
             }
         }
         format!(
-            "{t}\nThe sizes not varied: 1,000 rules, 10,000 tracked destinations, 1 governed \
-             cgroup; every daemon's destination counter map sized for the largest.\n\n\
+            "{t}\nThe sizes a point does not set: {} rules, {} tracked destinations, {} \
+             governed cgroup; every daemon's destination counter map sized for the largest.\n\n\
              ![connect4 and all programs, ns per connection, by size]({})\n",
+            num(BASE_RULES as f64, 0),
+            num(BASE_DESTINATIONS as f64, 0),
+            num(BASE_CGROUPS as f64, 0),
             super::plot::FILE
         )
     }

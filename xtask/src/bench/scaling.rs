@@ -1,8 +1,9 @@
 //! How a governed connection's cost grows with what connguard holds: the rules of its
-//! scope, the destinations tracked, the cgroups governed. Each point is a daemon of its
-//! own (its policy, then a spray of refused connects for its destinations), the others'
-//! sizes at the base; every pass visits every point, in an order rotated each pass, and
-//! each visit reads the programs' costs (bpf_stats on) over churns with reset closes.
+//! scope (beside its destination), the destinations tracked, the cgroups governed. A
+//! point sets one of them, the others at the base; every pass visits every point, in an
+//! order rotated each pass, and each visit starts a daemon of its own (its policy, then a
+//! spray of refused connects for its destinations) and reads the programs' costs
+//! (bpf_stats on) over churns with reset closes.
 use anyhow::Context;
 use connguard_api::stats::Snapshot;
 use connguard_tests::{Cgroup, Daemon};
@@ -10,7 +11,7 @@ use connguard_tests::{Cgroup, Daemon};
 use super::{
     report::{Dimension, ScalePoint},
     rounds::{BpfStats, program_rounds},
-    testbed::{self, RESET_PORT, Testbed},
+    testbed::{self, Others, RESET_PORT, Testbed},
 };
 
 /// The sizes of each dimension, and its size while another varies.
@@ -67,8 +68,10 @@ impl Sizes {
     }
 }
 
-const BASE_RULES: u64 = 1_000;
-const BASE_DESTINATIONS: u64 = 10_000;
+/// The sizes a point does not set.
+pub const BASE_RULES: u64 = 1_000;
+pub const BASE_DESTINATIONS: u64 = 10_000;
+pub const BASE_CGROUPS: u64 = 1;
 
 /// The cgroups a scope selects with one glob: `n` siblings under a parent, the client
 /// in the first. The children go before the parent.
@@ -97,16 +100,18 @@ pub fn run(tb: &Testbed, sizes: &Sizes) -> anyhow::Result<Vec<ScalePoint>> {
         .map(|&n| (n, Governed::new(n)))
         .collect();
     // Every daemon makes its map this size, so that every point looks its destination
-    // up in a table of one size.
+    // up in a table of one size: room for the most sprayed and the churns' destination.
     let map_size = sizes.destinations.iter().max().copied().unwrap_or(0) + 1;
     let map_size = map_size.next_power_of_two().to_string();
+    let n = points.len();
     for pass in 0..sizes.passes {
-        let n = points.len();
+        // Each pass starts a third of the points further on.
+        let first = pass * n / sizes.passes;
         for k in 0..n {
-            let point = &mut points[(pass + k) % n];
+            let point = &mut points[(first + k) % n];
             let (rules, destinations, cgroups) = match point.dimension {
-                Dimension::Rules => (point.size, BASE_DESTINATIONS, 1),
-                Dimension::Destinations => (BASE_RULES, point.size, 1),
+                Dimension::Rules => (point.size, BASE_DESTINATIONS, BASE_CGROUPS),
+                Dimension::Destinations => (BASE_RULES, point.size, BASE_CGROUPS),
                 Dimension::Cgroups => (BASE_RULES, BASE_DESTINATIONS, point.size),
             };
             let governed = &groups
@@ -115,9 +120,12 @@ pub fn run(tb: &Testbed, sizes: &Sizes) -> anyhow::Result<Vec<ScalePoint>> {
                 .context("a cgroup set of every size")?
                 .1;
             let client = governed.children.first().context("a governed cgroup")?;
-            let policy = testbed::rules(&governed.glob(), rules as u16, false);
+            let rules = u16::try_from(rules).context("at most 65,535 rules")?;
+            let policy = testbed::rules(&governed.glob(), rules, Others::Beside, false);
+            // Neither an audit nor forgetting idle destinations during the visit.
             let d = Daemon::builder(&policy)
-                .args(&["--audit", "3600", "--max-destinations", &map_size])
+                .args(&["--audit", "3600", "--forget-idle", "86400"])
+                .args(&["--max-destinations", &map_size])
                 .start();
             tb.spray_from(client, destinations as usize)?;
             for _ in 0..sizes.churns {
@@ -125,7 +133,9 @@ pub fn run(tb: &Testbed, sizes: &Sizes) -> anyhow::Result<Vec<ScalePoint>> {
                 let before = d.stats();
                 holds(&before, destinations, cgroups)?;
                 tb.churn(client, sizes.connections, RESET_PORT, true)?;
-                let programs = program_rounds(&before, &d.stats(), sizes.connections);
+                let after = d.stats();
+                holds(&after, destinations, cgroups)?;
+                let programs = program_rounds(&before, &after, sizes.connections);
                 let ns = |name: Option<&str>| -> f64 {
                     programs
                         .iter()

@@ -68,8 +68,8 @@ impl Testbed {
         });
         let client = Cgroup::new("bench-client");
         Testbed {
-            policy: rules(&client.rel, THOUSAND, false),
-            with_controls: rules(&client.rel, THOUSAND, true),
+            policy: rules(&client.rel, POLICY_RULES, Others::Elsewhere, false),
+            with_controls: rules(&client.rel, POLICY_RULES, Others::Elsewhere, true),
             client,
             other: Cgroup::new("bench-other"),
             ns,
@@ -141,18 +141,36 @@ pub fn hold_open(
     Ok(held)
 }
 
-/// The rules of the testbed's policies.
-const THOUSAND: u16 = 1000;
+/// How many rules the testbed's policies have.
+pub const POLICY_RULES: u16 = 1000;
 
-/// A policy of `n` rules for the cgroups `cgroup` selects: `n - 1` on other networks (a
-/// /24 each, in 10.0.0.0/8), the last one matching loopback, with `controls` a rate, a
-/// handshake budget and a breaker besides its budget (none reached).
-pub fn rules(cgroup: &str, n: u16, controls: bool) -> Policy {
+/// Where a policy's rules but the last are, from the churns' destination (127.0.0.1).
+pub enum Others {
+    /// A /24 each in 10.0.0.0/8: the `RULES` lookup of a loopback destination leaves
+    /// them at the trie's first split.
+    Elsewhere,
+    /// A /32 each from 127.0.0.2 on, beside the destination: its lookup descends the
+    /// trie among them, one level per bit where they split.
+    Beside,
+}
+
+/// A policy of `n` rules for the cgroups `cgroup` selects: `n - 1` where `others` says
+/// (none matching a churn's or spray's destination), the last one matching loopback,
+/// with `controls` a rate, a handshake budget and a breaker besides its budget (none
+/// reached).
+pub fn rules(cgroup: &str, n: u16, others: Others, controls: bool) -> Policy {
     let mut scope = Scope::new("bench", cgroup).max_connections(1_000_000);
     for i in 0..n.saturating_sub(1) {
+        let dst = match others {
+            Others::Elsewhere => format!("10.{}.{}.0/24", i / 250, i % 250),
+            Others::Beside => {
+                let [hi, lo] = (i + 2).to_be_bytes();
+                format!("127.0.{hi}.{lo}/32")
+            }
+        };
         scope = scope.rule(
             Rule::new(&format!("r{i}"))
-                .dst([format!("10.{}.{}.0/24", i / 250, i % 250)])
+                .dst([dst])
                 .ports([Port::from(8000 + i % 50), Port::from(9000..=9100)])
                 .max_connections(100),
         );
