@@ -131,13 +131,14 @@ async fn connection(
             Err(why) => Reply::error(why),
         };
         let until = Until {
-            inner: &stream,
+            inner: stream,
             deadline: Instant::now() + REPLY_DEADLINE,
         };
         let mut out = BufWriter::with_capacity(1 << 16, until);
         let written = serde_json::to_writer(&mut out, &reply)
             .map_err(std::io::Error::from)
             .and_then(|()| out.flush());
+        // Closes the socket: the client has its whole answer before the memory is freed.
         drop(out);
         drop(reply);
         release_freed_memory();

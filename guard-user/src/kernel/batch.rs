@@ -13,7 +13,10 @@
 //! ENOSPC when one bucket does not fit, ENOENT with the last entries at the end).
 use std::{
     borrow::Borrow,
+    collections::HashSet,
+    hash::Hash,
     io,
+    ops::Range,
     os::fd::{AsFd, AsRawFd},
     sync::atomic::{AtomicBool, Ordering},
 };
@@ -104,10 +107,10 @@ fn batched<T>(read: impl FnOnce() -> io::Result<T>) -> Option<T> {
 /// missing, as with aya's iterator.
 pub fn entries<T: Borrow<MapData>, K: Pod, V: Pod>(map: &HashMap<T, K, V>) -> Vec<(K, V)> {
     let mut out = Vec::new();
-    let read = |keys: &[K], values: &[V]| {
+    let read = |keys: &[K], values: &[V], _| {
         out.extend(keys.iter().copied().zip(values.iter().copied()));
     };
-    if batched(|| lookup_batch(map.map(), read)).is_some() {
+    if batched(|| lookup_batch(map.map(), 0..u32::MAX, read)).is_some() {
         return out;
     }
     // A batch that failed midway gave some entries: the read starts over.
@@ -118,15 +121,57 @@ pub fn entries<T: Borrow<MapData>, K: Pod, V: Pod>(map: &HashMap<T, K, V>) -> Ve
 /// them (CHUNK entries at most each): a caller that turns a large map into something
 /// else can free each chunk as it goes, rather than hold the whole map beside what it
 /// makes.
-pub fn chunks<T: Borrow<MapData>, K: Pod, V: Pod>(map: &HashMap<T, K, V>) -> Vec<Vec<(K, V)>> {
-    let mut out = Vec::new();
-    let read = |keys: &[K], values: &[V]| {
-        out.push(keys.iter().copied().zip(values.iter().copied()).collect());
+///
+/// The kernel's walk of a large map takes most of the time (a bucket lock and a copy
+/// per entry), so two threads walk half of the buckets each. The first's last call may
+/// run past the half: what it read there, the second read too, and it is dropped.
+pub fn chunks<T, K, V>(map: &HashMap<T, K, V>) -> Vec<Vec<(K, V)>>
+where
+    T: Borrow<MapData>,
+    K: Pod + Eq + Hash + Send,
+    V: Pod + Send,
+{
+    let data = map.map();
+    // hashtab.c: a hash map has max_entries rounded up to a power of two buckets.
+    let half = data
+        .info()
+        .map_or(0, |i| i.max_entries().next_power_of_two() / 2);
+    let walk = |buckets: Range<u32>| {
+        let mut out = Vec::new();
+        lookup_batch(data, buckets, |keys: &[K], values: &[V], read| {
+            let chunk: Vec<(K, V)> = keys.iter().copied().zip(values.iter().copied()).collect();
+            out.push((chunk, read));
+        })
+        .map(|()| out)
     };
-    if batched(|| lookup_batch(map.map(), read)).is_some() {
-        return out;
+    let halves = batched(|| {
+        std::thread::scope(|s| {
+            let second = s.spawn(|| walk(half..u32::MAX));
+            let first = walk(0..half);
+            let second = second
+                .join()
+                .unwrap_or_else(|p| std::panic::resume_unwind(p));
+            Ok((first?, second?))
+        })
+    });
+    let Some((mut first, second)) = halves else {
+        return vec![map.iter().filter_map(Result::ok).collect()];
+    };
+    if let Some((last, read)) = first.last_mut()
+        && read.end > half
+    {
+        let twice: HashSet<K> = second
+            .iter()
+            .take_while(|(_, b)| b.start < read.end)
+            .flat_map(|(chunk, _)| chunk.iter().map(|(k, _)| *k))
+            .collect();
+        last.retain(|(k, _)| !twice.contains(k));
     }
-    vec![map.iter().filter_map(Result::ok).collect()]
+    first
+        .into_iter()
+        .chain(second)
+        .map(|(chunk, _)| chunk)
+        .collect()
 }
 
 /// Entries `0..n` of an array map (`n` at most its size), in index order.
@@ -180,11 +225,16 @@ fn array_batch<V: Pod>(map: &MapData, n: u32) -> io::Result<Vec<V>> {
     Ok(values)
 }
 
-/// The whole map with `BPF_MAP_LOOKUP_BATCH`, given to `read` a call's entries at a
-/// time (none given twice). `K` and `V` have the map's key and value sizes (aya's
-/// `HashMap::try_from` checked them). An error after some calls: `read` has had their
-/// entries.
-fn lookup_batch<K: Pod, V: Pod>(map: &MapData, mut read: impl FnMut(&[K], &[V])) -> io::Result<()> {
+/// Buckets `buckets.start..` of a hash map with `BPF_MAP_LOOKUP_BATCH`, given to `read` a
+/// call's entries at a time (none given twice) with the buckets the call read; the walk
+/// ends at the map's end or after the call that reaches `buckets.end`. `K` and `V` have
+/// the map's key and value sizes (aya's `HashMap::try_from` checked them). An error
+/// after some calls: `read` has had their entries.
+fn lookup_batch<K: Pod, V: Pod>(
+    map: &MapData,
+    buckets: Range<u32>,
+    mut read: impl FnMut(&[K], &[V], Range<u32>),
+) -> io::Result<()> {
     let fd = map.fd().as_fd().as_raw_fd();
     // Pod types are plain bytes: all zeros is a valid value.
     let zero_key: K = unsafe { std::mem::zeroed() };
@@ -194,15 +244,16 @@ fn lookup_batch<K: Pod, V: Pod>(map: &MapData, mut read: impl FnMut(&[K], &[V]))
     let chunk = CHUNK.min(max_entries.max(1) as usize);
     let mut keys = vec![zero_key; chunk];
     let mut values = vec![zero_value; chunk];
-    // A hash map's batch position is a bucket index (u32); 8 bytes leave room. The
-    // first call starts at the beginning (no in_batch); each next one where the last
-    // stopped.
-    let mut in_position: Option<u64> = None;
-    let mut out_position = 0u64;
+    // A hash map's batch position is a bucket index (u32, hashtab.c): each call starts
+    // where the last stopped.
+    let mut position = buckets.start;
     loop {
+        // A start past the last bucket fails with ENOENT before the kernel writes the
+        // count or the position: the position left at NOT_WRITTEN tells it.
+        let mut next = NOT_WRITTEN;
         let mut attr = BatchAttr {
-            in_batch: in_position.as_ref().map_or(0, |p| p as *const u64 as u64),
-            out_batch: &raw mut out_position as u64,
+            in_batch: &raw const position as u64,
+            out_batch: &raw mut next as u64,
             keys: keys.as_mut_ptr() as u64,
             values: values.as_mut_ptr() as u64,
             count: keys.len() as u32,
@@ -215,14 +266,18 @@ fn lookup_batch<K: Pod, V: Pod>(map: &MapData, mut read: impl FnMut(&[K], &[V]))
         match err.as_ref().and_then(io::Error::raw_os_error) {
             // ENOENT: the walk ended; `count` holds the last entries.
             None | Some(libc::ENOENT) => {
-                let n = attr.count as usize;
+                let n = if next == NOT_WRITTEN {
+                    0
+                } else {
+                    attr.count as usize
+                };
                 if n > 0 {
-                    read(&keys[..n], &values[..n]);
+                    read(&keys[..n], &values[..n], position..next);
                 }
-                if err.is_some() {
+                if err.is_some() || next >= buckets.end {
                     return Ok(());
                 }
-                in_position = Some(out_position);
+                position = next;
             }
             // One bucket holds more entries than the buffers: grow them, same position.
             Some(libc::ENOSPC) => {
@@ -233,3 +288,6 @@ fn lookup_batch<K: Pod, V: Pod>(map: &MapData, mut read: impl FnMut(&[K], &[V]))
         }
     }
 }
+
+/// No bucket index: hashtab.c has at most 2^31 buckets.
+const NOT_WRITTEN: u32 = u32::MAX;

@@ -159,8 +159,7 @@ pub fn scopes(
     for (k, c) in dump.destinations.into_iter().flatten() {
         let breaker = breakers
             .get(&k)
-            .zip(ramps.of(&k))
-            .map(|(b, ramp)| Box::new(breaker_stats(b, ramp, now_ns)));
+            .and_then(|b| Some(Box::new(breaker_stats(b, ramps.of(&k)?, now_ns))));
         let rule = (k.rule_id != NO_RULE).then(|| {
             rule_names
                 .get(&k.rule_id)
