@@ -102,7 +102,12 @@ pub fn reading(dump: CounterDump) -> Reading {
     let scopes = (0u32..)
         .zip(&dump.scopes)
         .map(|(id, c)| (Key::Scope(id), c.into()));
-    let mut all: HashMap<Key, Brief> = rules.chain(scopes).collect();
+    // Sized at once: growing it while the chunks are held would briefly hold two tables.
+    let n = dump.rules.len()
+        + dump.scopes.len()
+        + dump.destinations.iter().map(Vec::len).sum::<usize>();
+    let mut all: HashMap<Key, Brief> = HashMap::with_capacity(n);
+    all.extend(rules.chain(scopes));
     for (k, c) in dump.destinations.into_iter().flatten() {
         all.insert(Key::Destination(k), (&c).into());
     }
