@@ -93,7 +93,7 @@ pub struct Report {
     /// Empty in the JSON of a run before this measurement.
     #[serde(default)]
     pub fleet_chaos: FleetChaos,
-    /// Empty in the JSON of a run before this measurement.
+    /// Empty in the JSON of a run that did not measure it.
     #[serde(default)]
     pub scaling: Vec<ScalePoint>,
 }
