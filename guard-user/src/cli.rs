@@ -219,11 +219,10 @@ See also:
         lease: u64,
         /// How many destinations the kernel's destination counter map (COUNTERS) holds:
         /// each tracked one takes kernel memory, and time at every audit and `stats`
-        /// (docs/commands.md). When it is full, a
-        /// connection to a destination not tracked is admitted without a counter of its
-        /// own (`internal_errors`); its scope and rule budgets still hold. It applies when
-        /// the map is made: a restart on pinned state keeps the size pinned (`connguard
-        /// stop` removes the state).
+        /// (docs/commands.md). When it is full, a connection to a destination not tracked
+        /// is admitted without a counter of its own (`internal_errors`); its scope and
+        /// rule budgets still hold. It applies when the map is made: a restart on pinned
+        /// state keeps the size pinned (`connguard stop` removes the state).
         #[arg(long, value_name = "N", default_value_t = guard_common::DEFAULT_DESTINATIONS, value_parser = clap::value_parser!(u32).range(1024..=1_048_576))]
         max_destinations: u32,
         /// Seconds between audits of the counters against the live sockets.

@@ -64,9 +64,9 @@ fn send(stream: UnixStream, request: &Request) -> anyhow::Result<UnixStream> {
     // walks the cgroup tree, which takes seconds on hosts with tens of thousands of
     // cgroups and far longer on a slow machine (docs/performance.md), and gets as long
     // as the daemon gives any reply; so does a whole snapshot, of up to the 1,048,576
-    // destinations the counter map can be made to hold (`run --max-destinations`). A drill that names pods or containers may
-    // first wait for a runtime to list them (DRILL_LISTING, 2 s), then attach
-    // drill_egress to every governed cgroup.
+    // destinations the counter map can be made to hold (`run --max-destinations`). A
+    // drill that names pods or containers may first wait for a runtime to list them
+    // (DRILL_LISTING, 2 s), then attach drill_egress to every governed cgroup.
     let wait = match request {
         Request::Reload => Duration::from_secs(180),
         Request::Stats { top: None } => Duration::from_secs(30),

@@ -188,7 +188,8 @@ impl Audit {
         let mut last = self.seen.lock().unwrap_or_else(PoisonError::into_inner);
         let (b, a) = (&before.0, &after.0);
         let zero = Brief::default();
-        // Only the counts that differ from the live ones, in order.
+        // Only the counts that differ from the live ones (the rest need nothing), in
+        // order.
         let mut keys: Vec<(Key, Count)> = b
             .iter()
             .flat_map(|(&k, c)| Count::ALL.map(|n| (k, n, n.of(c))))
@@ -212,7 +213,7 @@ impl Audit {
             // difference that keeps shedding is still corrected).
             let moved = (now.counted, cb.admitted, cb.shed, cb.would_shed)
                 != (count.of(ca), ca.admitted, ca.shed, ca.would_shed);
-            if moved || now.live == now.counted {
+            if moved {
                 continue;
             }
             if last.get(&(key, count)) != Some(&now) {

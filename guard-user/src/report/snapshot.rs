@@ -157,9 +157,12 @@ pub fn scopes(
     // Chunk by chunk, each freed once its rows are made: the counters read and the
     // rows made from them are not held whole at once.
     for (k, c) in dump.destinations.into_iter().flatten() {
-        let breaker = breakers
-            .get(&k)
-            .and_then(|b| Some(Box::new(breaker_stats(b, ramps.of(&k)?, now_ns))));
+        // The ramp is looked up only for a destination with a breaker.
+        let breaker = breakers.get(&k).and_then(|b| {
+            ramps
+                .of(&k)
+                .map(|ramp| Box::new(breaker_stats(b, ramp, now_ns)))
+        });
         let rule = (k.rule_id != NO_RULE).then(|| {
             rule_names
                 .get(&k.rule_id)

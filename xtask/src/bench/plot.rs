@@ -13,6 +13,14 @@ pub const FILE: &str = "scaling.svg";
 
 const SIZE: (u32, u32) = (960, 360);
 
+/// A plotted line: its name, its colour, and a point's value on it.
+type Line = (&'static str, RGBColor, fn(&ScalePoint) -> f64);
+
+const LINES: [Line; 2] = [
+    ("connect4", BLUE, |p| median(&p.connect4_ns)),
+    ("all programs", RED, |p| median(&p.all_ns)),
+];
+
 impl Report {
     /// The plot of the scaling points as SVG text; None in a run without them.
     pub fn scaling_svg(&self) -> anyhow::Result<Option<String>> {
@@ -57,12 +65,7 @@ impl Report {
                     .y_label_formatter(&|v| super::render::num(*v, 0))
                     .draw()
                     .context("plot mesh")?;
-                let connect4 = |p: &ScalePoint| median(&p.connect4_ns);
-                let all = |p: &ScalePoint| median(&p.all_ns);
-                for (name, color, ns) in [
-                    ("connect4", BLUE, &connect4 as &dyn Fn(&ScalePoint) -> f64),
-                    ("all programs", RED, &all),
-                ] {
+                for (name, color, ns) in LINES {
                     let line: Vec<(f64, f64)> =
                         points.iter().map(|p| (p.size as f64, ns(p))).collect();
                     chart

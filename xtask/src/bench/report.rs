@@ -188,6 +188,13 @@ pub struct ProgramRound {
     pub runs_per_connection: f64,
 }
 
+impl ProgramRound {
+    /// Its ns a run times its runs per connection; 0 when it did not run.
+    pub fn ns_per_connection(&self) -> f64 {
+        self.ns_per_run.unwrap_or(0.0) * self.runs_per_connection
+    }
+}
+
 /// A program's cost in one mode and way of closing, over the rounds.
 pub struct ProgramCost<'a> {
     pub name: &'a str,

@@ -14,7 +14,7 @@ use super::{
     testbed::{self, Others, RESET_PORT, Testbed},
 };
 
-/// The sizes of each dimension, and its size while another varies.
+/// The sizes of each dimension (the base's are `BASE_*`), and how often each is read.
 pub struct Sizes {
     pub rules: [u64; 3],
     pub destinations: [u64; 3],
@@ -47,8 +47,7 @@ impl Sizes {
         }
     }
 
-    /// Every point: one dimension at each of its sizes, the others at the base (1,000
-    /// rules, 10,000 destinations, 1 cgroup).
+    /// Every point: one dimension at each of its sizes, the others at the base.
     fn points(&self) -> Vec<ScalePoint> {
         let dims = [
             (Dimension::Rules, self.rules),
@@ -128,10 +127,11 @@ pub fn run(tb: &Testbed, sizes: &Sizes) -> anyhow::Result<Vec<ScalePoint>> {
                 .args(&["--max-destinations", &map_size])
                 .start();
             tb.spray_from(client, destinations as usize)?;
+            let _stats_on = BpfStats::set(true)?;
+            // Each churn's snapshot after it is the next one's before.
+            let mut before = d.stats();
+            holds(&before, destinations, cgroups)?;
             for _ in 0..sizes.churns {
-                let _stats_on = BpfStats::set(true)?;
-                let before = d.stats();
-                holds(&before, destinations, cgroups)?;
                 tb.churn(client, sizes.connections, RESET_PORT, true)?;
                 let after = d.stats();
                 holds(&after, destinations, cgroups)?;
@@ -140,11 +140,12 @@ pub fn run(tb: &Testbed, sizes: &Sizes) -> anyhow::Result<Vec<ScalePoint>> {
                     programs
                         .iter()
                         .filter(|(n, _)| name.is_none_or(|name| n == name))
-                        .map(|(_, p)| p.ns_per_run.unwrap_or(0.0) * p.runs_per_connection)
+                        .map(|(_, p)| p.ns_per_connection())
                         .sum()
                 };
                 point.connect4_ns.push(ns(Some("connect4")));
                 point.all_ns.push(ns(None));
+                before = after;
             }
         }
         eprintln!("bench: scaling pass {}/{} done", pass + 1, sizes.passes);
