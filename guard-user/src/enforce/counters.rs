@@ -186,9 +186,11 @@ impl Counters {
         (scopes, rules)
     }
 
-    /// TIME_WAIT entries born on admitted connections, by key (totals).
+    /// TIME_WAIT entries born on admitted connections, by key (totals over the CPUs).
     pub fn time_waits(&self) -> HashMap<TimeWaitKey, u64> {
-        batch::entries(&self.maps.time_waits).into_iter().collect()
+        batch::per_cpu_sums(&self.maps.time_waits)
+            .into_iter()
+            .collect()
     }
 
     /// TIME_WAIT entries born on each scope's connections since the daemon started, by
