@@ -56,6 +56,9 @@ pub struct Snapshot {
     /// from the answers of older daemons).
     #[serde(default)]
     pub caller_tables: CallerTables,
+    /// The kernel's destination counter map (absent from the answers of older daemons).
+    #[serde(default)]
+    pub destination_table: DestinationTable,
     /// The daemon's periodic jobs (absent from the answers of daemons older than this
     /// field).
     #[serde(default)]
@@ -503,6 +506,16 @@ pub struct CallerStats {
     pub rate_limited: u64,
     /// True while its last SYN was refused.
     pub refusing: bool,
+}
+
+/// The kernel's destination counter map (`COUNTERS`): destinations tracked now, in every
+/// scope, and the most it holds (`connguard run --max-destinations`, or the size of the
+/// pinned map a restarted daemon adopted). A destination past the capacity is counted
+/// only at its rule and scope (`internal_errors`).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct DestinationTable {
+    pub destinations: u64,
+    pub capacity: u64,
 }
 
 /// The kernel's tables of listener guards' callers: `CALLERS` (callers with completed

@@ -299,7 +299,7 @@ fn set_scope_counter(counter: guard_common::Counter) {
 
 /// `--max-destinations` sizes the destination counter map where a daemon makes it: 4,100
 /// destinations in a map of 4,096 leave exactly 4 uncounted (`internal_errors`); a
-/// daemon that adopts the pinned map keeps its size, and says so.
+/// daemon that adopts the pinned map keeps its size, and says so; `stats` shows both.
 #[test]
 fn the_destination_map_is_made_at_the_size_asked_and_a_restart_keeps_it() {
     let cg = Cgroup::new("restart-size");
@@ -316,7 +316,17 @@ fn the_destination_map_is_made_at_the_size_asked_and_a_restart_keeps_it() {
         port: 9,
     });
     assert_eq!(spray.errors("ECONNREFUSED"), 4100, "{spray:?}");
-    assert_eq!(d.stats().internal_errors, 4);
+    let s = d.stats();
+    let t = &s.destination_table;
+    assert_eq!(
+        (s.internal_errors, t.destinations, t.capacity),
+        (4, 4096, 4096)
+    );
+    let table = String::from_utf8_lossy(&d.cli(&["stats"]).stdout).into_owned();
+    assert!(
+        table.contains("destinations tracked: 4096 of 4096 (--max-destinations); FULL"),
+        "{table}"
+    );
     d.exit_keeping_state(libc::SIGTERM);
 
     let d = Daemon::builder(&policy)
@@ -328,6 +338,8 @@ fn the_destination_map_is_made_at_the_size_asked_and_a_restart_keeps_it() {
         &d,
         "hold 4096 destinations, not the 8192 asked (--max-destinations)",
     );
+    let t = d.stats().destination_table;
+    assert_eq!((t.destinations, t.capacity), (4096, 4096));
 }
 
 /// Waits for `line` in the daemon's log: the audit logs a correction after making it.

@@ -5,7 +5,7 @@ use std::time::Instant;
 use super::{Daemon, lock};
 use connguard_api::{
     control::{EventsReply, Reply, Request, ScopeReply, StopReply},
-    stats::Snapshot,
+    stats::{DestinationTable, Snapshot},
 };
 
 use crate::{
@@ -29,7 +29,15 @@ impl Daemon {
             });
             (policy, ids, object::program_costs(&g.ebpf().1), members)
         };
-        let dump = lock(&self.counts).counters.dump(ids.counts());
+        let (dump, capacity) = {
+            let counts = lock(&self.counts);
+            let c = &counts.counters;
+            (c.dump(ids.counts()), c.destination_capacity())
+        };
+        let destination_table = DestinationTable {
+            destinations: dump.destinations.iter().map(|c| c.len() as u64).sum(),
+            capacity,
+        };
         let watched_ports = lock(&self.port_watch).watched();
         let (listeners, caller_tables) = self.programs.listener_stats();
         let scope_name = |id| ids.scope_name(id).unwrap_or("?").to_string();
@@ -57,6 +65,7 @@ impl Daemon {
             watched_ports,
             listeners,
             caller_tables,
+            destination_table,
             jobs: self.jobs.stats(),
             kernel: Some(self.features.clone()),
             runtimes: self.workloads.runtimes(),

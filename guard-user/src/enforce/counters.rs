@@ -3,6 +3,7 @@
 //! forgotten so that the map of a long-running daemon holds the destinations in use.
 use std::collections::HashMap;
 
+use aya::maps::IterableMap;
 use guard_common::{
     BREAKER_CLOSED, Breaker, Counter, CounterKey, EaddrKey, STAT_INTERNAL_ERRORS,
     STAT_LEASE_EXPIRED, STAT_LOST_EVENTS, TimeWaitKey,
@@ -72,6 +73,15 @@ impl Counters {
     /// The counter of rule `id`, all its connections together.
     pub fn rule_counter(&self, id: u32) -> Option<Counter> {
         self.maps.rule_counters.get(&id, 0).ok()
+    }
+
+    /// The most destination counters the kernel's map holds; 0 where it cannot say.
+    pub fn destination_capacity(&self) -> u64 {
+        self.maps
+            .counters
+            .map()
+            .info()
+            .map_or(0, |i| u64::from(i.max_entries()))
     }
 
     /// Every destination counter in the kernel, in chunks (`batch::chunks`).

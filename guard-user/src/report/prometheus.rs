@@ -162,6 +162,13 @@ pub(super) fn gauge(reg: &mut Registry, name: &str, help: &str) -> Family<Labels
     f
 }
 
+/// A gauge of one series, without labels.
+fn single_gauge(reg: &mut Registry, name: &str, help: &str) -> Gauge {
+    let g = Gauge::<i64>::default();
+    reg.register(name, help, g.clone());
+    g
+}
+
 pub(super) fn counter(reg: &mut Registry, name: &str, help: &str) -> Family<Labels, PromCounter> {
     let f = Family::<Labels, PromCounter>::default();
     reg.register(name, help, f.clone());
@@ -327,6 +334,8 @@ struct DaemonFamilies {
     generation: Gauge,
     policy_error: Gauge,
     feature: Family<Labels, Gauge>,
+    destinations: Gauge,
+    destinations_capacity: Gauge,
     runs: Family<Labels, PromCounter>,
     run_time: Family<Labels, PromCounter<f64, AtomicU64>>,
 }
@@ -357,22 +366,30 @@ impl DaemonFamilies {
             "Counters the audit found different from the live sockets and corrected (0 but for a bug)",
             audit_corrections.clone(),
         );
-        let generation = Gauge::<i64>::default();
-        reg.register(
+        let generation = single_gauge(
+            reg,
             "policy_generation",
             "Generation of the policy in force (1 = first)",
-            generation.clone(),
         );
-        let policy_error = Gauge::<i64>::default();
-        reg.register(
+        let policy_error = single_gauge(
+            reg,
             "policy_last_reload_failed",
             "1 when the last reload was rejected and the previous policy stays in force",
-            policy_error.clone(),
         );
         let feature = gauge(
             reg,
             "kernel_feature",
             "1 when the kernel has the feature (probed at start; names as in `connguard kernel`), 0 when the daemon runs without it",
+        );
+        let destinations = single_gauge(
+            reg,
+            "destinations_tracked",
+            "Destinations tracked in the kernel's destination counter map, in every scope",
+        );
+        let destinations_capacity = single_gauge(
+            reg,
+            "destinations_capacity",
+            "The most destinations the kernel's destination counter map holds",
         );
         let runs = counter(reg, "program_runs", "eBPF program runs (kernel bpf_stats)");
         let run_time = Family::<Labels, PromCounter<f64, AtomicU64>>::default();
@@ -389,6 +406,8 @@ impl DaemonFamilies {
             generation,
             policy_error,
             feature,
+            destinations,
+            destinations_capacity,
             runs,
             run_time,
         }
@@ -404,6 +423,9 @@ impl DaemonFamilies {
                 .get_or_create(&vec![("feature", name.clone())])
                 .set(i64::from(*present));
         }
+        let t = &snap.destination_table;
+        self.destinations.set(t.destinations as i64);
+        self.destinations_capacity.set(t.capacity as i64);
         self.generation.set(snap.policy.generation as i64);
         self.policy_error
             .set(snap.policy.last_error.is_some() as i64);
@@ -721,6 +743,7 @@ mod tests {
             watched_ports: Vec::new(),
             listeners: Vec::new(),
             caller_tables: Default::default(),
+            destination_table: Default::default(),
             jobs: Vec::new(),
             kernel: None,
             runtimes: Vec::new(),

@@ -19,6 +19,20 @@ pub fn stats(snap: &Snapshot) -> String {
         );
     }
     let _ = writeln!(out, "internal errors (fail-open): {}", snap.internal_errors);
+    let t = &snap.destination_table;
+    if t.capacity > 0 {
+        let _ = writeln!(
+            out,
+            "destinations tracked: {} of {} (--max-destinations){}",
+            t.destinations,
+            t.capacity,
+            if t.destinations >= t.capacity {
+                "; FULL: new destinations are counted at their rule and scope only"
+            } else {
+                ""
+            }
+        );
+    }
     let running = snap.drills.iter().filter(|d| d.state == "running").count();
     if running > 0 {
         let _ = writeln!(
