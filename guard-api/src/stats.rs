@@ -508,14 +508,24 @@ pub struct CallerStats {
     pub refusing: bool,
 }
 
-/// The kernel's destination counter map (`COUNTERS`): destinations tracked now, in every
-/// scope, and the most it holds (`connguard run --max-destinations`, or the size of the
-/// pinned map a restarted daemon adopted). A destination past the capacity is counted
-/// only at its rule and scope (`internal_errors`).
+/// The kernel's destination counter map (`COUNTERS`): its entries now, one per (scope,
+/// rule, address, port) of every scope, idle ones until they are forgotten, and the most
+/// it holds (`connguard run --max-destinations`, or the size of the pinned map a
+/// restarted daemon adopted; 0 when the daemon could not read it). A destination that
+/// finds it full gets no counter of its own: its connections are counted and budgeted at
+/// their rule and scope only, without the destination's limits and breaker, each one an
+/// `internal_errors`.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
 pub struct DestinationTable {
-    pub destinations: u64,
+    pub entries: u64,
     pub capacity: u64,
+}
+
+impl DestinationTable {
+    /// True when the map holds as many entries as it can (of a size the daemon read).
+    pub fn full(&self) -> bool {
+        self.capacity > 0 && self.entries >= self.capacity
+    }
 }
 
 /// The kernel's tables of listener guards' callers: `CALLERS` (callers with completed

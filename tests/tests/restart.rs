@@ -318,13 +318,10 @@ fn the_destination_map_is_made_at_the_size_asked_and_a_restart_keeps_it() {
     assert_eq!(spray.errors("ECONNREFUSED"), 4100, "{spray:?}");
     let s = d.stats();
     let t = &s.destination_table;
-    assert_eq!(
-        (s.internal_errors, t.destinations, t.capacity),
-        (4, 4096, 4096)
-    );
+    assert_eq!((s.internal_errors, t.entries, t.capacity), (4, 4096, 4096));
     let table = String::from_utf8_lossy(&d.cli(&["stats"]).stdout).into_owned();
     assert!(
-        table.contains("destinations tracked: 4096 of 4096 (--max-destinations); FULL"),
+        table.contains("destination counter map: 4096 of 4096 entries; FULL"),
         "{table}"
     );
     d.exit_keeping_state(libc::SIGTERM);
@@ -339,7 +336,7 @@ fn the_destination_map_is_made_at_the_size_asked_and_a_restart_keeps_it() {
         "hold 4096 destinations, not the 8192 asked (--max-destinations)",
     );
     let t = d.stats().destination_table;
-    assert_eq!((t.destinations, t.capacity), (4096, 4096));
+    assert_eq!((t.entries, t.capacity), (4096, 4096));
 }
 
 /// Waits for `line` in the daemon's log: the audit logs a correction after making it.

@@ -35,7 +35,7 @@ impl Daemon {
             (c.dump(ids.counts()), c.destination_capacity())
         };
         let destination_table = DestinationTable {
-            destinations: dump.destinations.iter().map(|c| c.len() as u64).sum(),
+            entries: dump.destinations.iter().map(|c| c.len() as u64).sum(),
             capacity,
         };
         let watched_ports = lock(&self.port_watch).watched();

@@ -383,13 +383,13 @@ impl DaemonFamilies {
         );
         let destinations = single_gauge(
             reg,
-            "destinations_tracked",
-            "Destinations tracked in the kernel's destination counter map, in every scope",
+            "destination_table_entries",
+            "Entries of the kernel's destination counter map: (scope, rule, address, port) keys of every scope",
         );
         let destinations_capacity = single_gauge(
             reg,
-            "destinations_capacity",
-            "The most destinations the kernel's destination counter map holds",
+            "destination_table_capacity",
+            "The most entries the kernel's destination counter map holds",
         );
         let runs = counter(reg, "program_runs", "eBPF program runs (kernel bpf_stats)");
         let run_time = Family::<Labels, PromCounter<f64, AtomicU64>>::default();
@@ -424,7 +424,7 @@ impl DaemonFamilies {
                 .set(i64::from(*present));
         }
         let t = &snap.destination_table;
-        self.destinations.set(t.destinations as i64);
+        self.destinations.set(t.entries as i64);
         self.destinations_capacity.set(t.capacity as i64);
         self.generation.set(snap.policy.generation as i64);
         self.policy_error
@@ -816,9 +816,10 @@ mod tests {
         );
         assert!(!text.contains("# EOF"), "{text}");
         // 11 series per listed destination, 11 for the rest.
-        let series = text
-            .lines()
-            .filter(|l| l.starts_with("connguard_destination_"));
+        let series = text.lines().filter(|l| {
+            l.starts_with("connguard_destination_")
+                && !l.starts_with("connguard_destination_table_")
+        });
         assert_eq!(series.count(), 22, "{text}");
     }
 }

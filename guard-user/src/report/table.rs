@@ -4,7 +4,7 @@ use std::fmt::Write;
 use connguard_api::{
     drill::DrillsReply,
     fleet::FleetView,
-    stats::{ScopeStats, Snapshot},
+    stats::{DestinationTable, ScopeStats, Snapshot},
 };
 
 /// The readable form of `connguard stats`.
@@ -21,17 +21,7 @@ pub fn stats(snap: &Snapshot) -> String {
     let _ = writeln!(out, "internal errors (fail-open): {}", snap.internal_errors);
     let t = &snap.destination_table;
     if t.capacity > 0 {
-        let _ = writeln!(
-            out,
-            "destinations tracked: {} of {} (--max-destinations){}",
-            t.destinations,
-            t.capacity,
-            if t.destinations >= t.capacity {
-                "; FULL: new destinations are counted at their rule and scope only"
-            } else {
-                ""
-            }
-        );
+        let _ = writeln!(out, "{}", destination_table(t));
     }
     let running = snap.drills.iter().filter(|d| d.state == "running").count();
     if running > 0 {
@@ -192,6 +182,20 @@ pub fn stats(snap: &Snapshot) -> String {
 
 /// The first `shown` members of a scope, by workload (else cgroup):
 /// `pod shop/orders-1, pod shop/orders-2 and 3 more`; "" for none.
+/// How full the destination counter map is, and what FULL means.
+pub(super) fn destination_table(t: &DestinationTable) -> String {
+    format!(
+        "destination counter map: {} of {} entries{}",
+        t.entries,
+        t.capacity,
+        if t.full() {
+            "; FULL: new destinations are counted and budgeted at their rule and scope only"
+        } else {
+            ""
+        }
+    )
+}
+
 pub fn member_summary(s: &ScopeStats, shown: usize) -> String {
     let names: Vec<&str> = s
         .members
@@ -279,4 +283,32 @@ pub fn drills(reply: &DrillsReply) -> String {
         );
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The map's line says FULL exactly when it holds as many entries as it can, of a
+    /// size the daemon read.
+    #[test]
+    fn the_destination_map_line_says_full_at_its_capacity() {
+        let line = |entries, capacity| destination_table(&DestinationTable { entries, capacity });
+        assert_eq!(
+            line(4095, 4096),
+            "destination counter map: 4095 of 4096 entries"
+        );
+        assert_eq!(
+            line(4096, 4096),
+            "destination counter map: 4096 of 4096 entries; FULL: new destinations are \
+             counted and budgeted at their rule and scope only"
+        );
+        assert!(
+            !DestinationTable {
+                entries: 10,
+                capacity: 0
+            }
+            .full()
+        );
+    }
 }

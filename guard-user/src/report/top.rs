@@ -304,6 +304,11 @@ fn draw(f: &mut Frame, netns: &str, v: &View, at: &str) {
             )));
         }
     }
+    if let Some(t) = v.stats.as_ref().map(|s| &s.destination_table)
+        && t.full()
+    {
+        lines.push(Line::from(super::table::destination_table(t)));
+    }
     for s in v.stats.iter().flat_map(|s| &s.scopes) {
         for w in &s.warnings {
             lines.push(Line::from(format!("scope {}: {w}", s.name)));
