@@ -29,14 +29,10 @@ impl Daemon {
             });
             (policy, ids, object::program_costs(&g.ebpf().1), members)
         };
-        let (dump, capacity) = {
-            let counts = lock(&self.counts);
-            let c = &counts.counters;
-            (c.dump(ids.counts()), c.destination_capacity())
-        };
+        let dump = lock(&self.counts).counters.dump(ids.counts());
         let destination_table = DestinationTable {
             entries: dump.destinations.iter().map(|c| c.len() as u64).sum(),
-            capacity,
+            capacity: dump.destination_capacity,
         };
         let watched_ports = lock(&self.port_watch).watched();
         let (listeners, caller_tables) = self.programs.listener_stats();

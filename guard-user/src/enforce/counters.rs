@@ -20,6 +20,9 @@ pub struct Counters {
     tw_seen: HashMap<TimeWaitKey, u64>,
     /// Counts of forgotten TIME_WAITS entries per scope, so that totals never go down.
     tw_forgotten: HashMap<u32, u64>,
+    /// The most entries the destination counter map holds (fixed when it was made); 0
+    /// where the kernel could not say.
+    destination_capacity: u64,
 }
 
 /// Everything the counters hold at one moment, for a snapshot built elsewhere.
@@ -27,6 +30,8 @@ pub struct CounterDump {
     /// In the chunks the kernel gave them (`batch::chunks`), for a consumer to free as
     /// it goes.
     pub destinations: Vec<Vec<(CounterKey, Counter)>>,
+    /// The most entries the destination counter map holds; 0 where unknown.
+    pub destination_capacity: u64,
     /// Indexed by scope id and by rule id.
     pub scopes: Vec<Counter>,
     pub rules: Vec<Counter>,
@@ -42,11 +47,17 @@ pub struct CounterDump {
 
 impl Counters {
     pub fn new(maps: CounterMaps) -> Self {
+        let destination_capacity = maps
+            .counters
+            .map()
+            .info()
+            .map_or(0, |i| u64::from(i.max_entries()));
         Counters {
             maps,
             idle_seen: HashMap::new(),
             tw_seen: HashMap::new(),
             tw_forgotten: HashMap::new(),
+            destination_capacity,
         }
     }
 
@@ -54,6 +65,7 @@ impl Counters {
     pub fn dump(&self, (scopes, rules): (u32, u32)) -> CounterDump {
         CounterDump {
             destinations: self.destinations(),
+            destination_capacity: self.destination_capacity,
             scopes: self.scope_counters(scopes),
             rules: batch::array_prefix(&self.maps.rule_counters, rules),
             time_wait_created: self.time_wait_created(),
@@ -73,15 +85,6 @@ impl Counters {
     /// The counter of rule `id`, all its connections together.
     pub fn rule_counter(&self, id: u32) -> Option<Counter> {
         self.maps.rule_counters.get(&id, 0).ok()
-    }
-
-    /// The most destination counters the kernel's map holds; 0 where it cannot say.
-    pub fn destination_capacity(&self) -> u64 {
-        self.maps
-            .counters
-            .map()
-            .info()
-            .map_or(0, |i| u64::from(i.max_entries()))
     }
 
     /// Every destination counter in the kernel, in chunks (`batch::chunks`).

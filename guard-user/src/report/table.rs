@@ -180,8 +180,6 @@ pub fn stats(snap: &Snapshot) -> String {
     out
 }
 
-/// The first `shown` members of a scope, by workload (else cgroup):
-/// `pod shop/orders-1, pod shop/orders-2 and 3 more`; "" for none.
 /// How full the destination counter map is, and what FULL means.
 pub(super) fn destination_table(t: &DestinationTable) -> String {
     format!(
@@ -196,6 +194,8 @@ pub(super) fn destination_table(t: &DestinationTable) -> String {
     )
 }
 
+/// The first `shown` members of a scope, by workload (else cgroup):
+/// `pod shop/orders-1, pod shop/orders-2 and 3 more`; "" for none.
 pub fn member_summary(s: &ScopeStats, shown: usize) -> String {
     let names: Vec<&str> = s
         .members
