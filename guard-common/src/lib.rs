@@ -44,7 +44,7 @@ pub const STAT_COUNT: u32 = 3;
 /// then seeds its counts from the socket table instead of misreading the old maps.
 /// `COUNTERS` is the exception in size: the daemon that makes it sizes it
 /// (`--max-destinations`), and the next ones adopt it at that size.
-pub const STATE_LAYOUT: u32 = 9;
+pub const STATE_LAYOUT: u32 = 8;
 
 /// setsockopt(2) level and option name of a seeding request: the daemon, at a start with
 /// no pinned state, asks the `seed` program (attached for that moment) to count a
@@ -509,8 +509,7 @@ pub struct SockState {
 }
 
 /// Key of `TIME_WAITS`: TIME_WAIT entries born on admitted connections, per network
-/// namespace, source address, destination and scope. Value: a count (entries) per CPU,
-/// which the daemon sums.
+/// namespace, source address, destination and scope. Value: a count (entries).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct TimeWaitKey {

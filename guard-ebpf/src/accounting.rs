@@ -222,35 +222,15 @@ pub fn take_token_at(tat: *mut u64, interval: u64, burst: u32, now: u64) -> bool
 /// internal error: no connection went uncounted.
 #[inline(always)]
 pub fn bump<K>(map: &aya_ebpf::maps::HashMap<K, u64>, key: &K) {
-    bump_with(
-        || map.get_ptr_mut(key),
-        || map.insert(key, 1, BPF_NOEXIST as u64).is_ok(),
-    );
-}
-
-/// `bump` in this CPU's count of a per-CPU map. The add is atomic all the same: a
-/// softirq on this CPU can run a program that bumps the same key in the middle of it.
-#[inline(always)]
-pub fn bump_per_cpu<K>(map: &aya_ebpf::maps::PerCpuHashMap<K, u64>, key: &K) {
-    bump_with(
-        || map.get_ptr_mut(key),
-        || map.insert(key, &1, BPF_NOEXIST as u64).is_ok(),
-    );
-}
-
-/// Adds 1 where `get` finds the count, else creates it at 1 with `insert`.
-#[inline(always)]
-fn bump_with(get: impl Fn() -> Option<*mut u64>, insert: impl FnOnce() -> bool) {
-    if let Some(p) = get() {
+    if let Some(p) = map.get_ptr_mut(key) {
         add(p, 1);
         return;
     }
-    if insert() {
+    if map.insert(key, 1, BPF_NOEXIST as u64).is_ok() {
         return;
     }
-    // A concurrent creator won the insert (another CPU's makes this CPU's count 0), or
-    // the map is full.
-    match get() {
+    // A concurrent creator won the insert, or the map is full.
+    match map.get_ptr_mut(key) {
         Some(p) => {
             add(p, 1);
         }

@@ -7,7 +7,7 @@ use aya_ebpf::{
     btf_maps::SkStorage,
     helpers::generated::bpf_sk_storage_get,
     macros::{btf_map, map},
-    maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, PerCpuHashMap, RingBuf},
+    maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, RingBuf},
 };
 use guard_common::{
     Breaker, Candidates, CgroupKey, Counter, CounterKey, DEFAULT_DESTINATIONS, EaddrKey, IdKey,
@@ -58,12 +58,10 @@ pub static SCOPE_COUNTERS: Array<Counter> = Array::with_max_entries(MAX_SCOPE_ID
 #[map]
 pub static RULE_COUNTERS: Array<Counter> = Array::with_max_entries(MAX_RULE_IDS, 0);
 
-/// TIME_WAIT entries born on admitted connections (see guard_common::TimeWaitKey), per
-/// CPU: every orderly close of a busy destination adds to one key, whose cache line a
-/// shared count would move between the CPUs that close.
+/// TIME_WAIT entries born on admitted connections (see guard_common::TimeWaitKey).
 #[map]
-pub static TIME_WAITS: PerCpuHashMap<TimeWaitKey, u64> =
-    PerCpuHashMap::with_max_entries(65536, BPF_F_NO_PREALLOC);
+pub static TIME_WAITS: HashMap<TimeWaitKey, u64> =
+    HashMap::with_max_entries(65536, BPF_F_NO_PREALLOC);
 
 /// connect() failures with EADDRNOTAVAIL per scope and process name.
 #[map]

@@ -34,7 +34,7 @@ use guard_common::{
 };
 
 use crate::{
-    accounting::{bump, bump_per_cpu, end_handshake, release},
+    accounting::{bump, end_handshake, release},
     breaker,
     maps::{EADDRNOTAVAIL, TIME_WAITS, storage},
     net::{ipv4_mapped, words_addr},
@@ -165,7 +165,7 @@ fn closed(state: *mut SockState, old: u32) {
             src: unsafe { (*state).src },
             dst: dst.addr,
         };
-        bump_per_cpu(&TIME_WAITS, &key);
+        bump(&TIME_WAITS, &key);
     }
 }
 

@@ -9,7 +9,7 @@ use std::{
     time::Duration,
 };
 
-use aya::maps::{HashMap, Map, MapData, MapError, PerCpuHashMap, PerCpuValues};
+use aya::maps::{HashMap, Map, MapData, MapError};
 use connguard_api::policy::{Limited, Mode, Policy, Scope};
 use connguard_tests::{Cgroup, Daemon, Probe, Server};
 use guard_common::{Counter, CounterKey, MAX_SCOPE_IDS, STATE_LAYOUT, TimeWaitKey};
@@ -127,18 +127,21 @@ fn other_never_goes_down_as_destinations_enter_the_top_and_are_forgotten() {
     assert_eq!(totals(&metrics, &entered), [13, 0, 0], "{metrics}");
 }
 
-/// A pinned map of the daemon's state, opened by its path, as a map of type `M`.
-fn pinned<M: TryFrom<Map, Error = MapError>>(name: &str) -> M {
+/// A pinned map of the daemon's state, opened by its path.
+fn pinned<K: aya::Pod, V: aya::Pod>(name: &str) -> HashMap<MapData, K, V> {
     let path = format!("/sys/fs/bpf/connguard/v{STATE_LAYOUT}/maps/{name}");
     let data = MapData::from_pin(&path).unwrap_or_else(|e| panic!("opening {path}: {e}"));
-    M::try_from(Map::from_map_data(data).unwrap()).unwrap()
+    HashMap::try_from(Map::from_map_data(data).unwrap()).unwrap()
 }
 
-/// Inserts entries 0, 1, ... with `insert` until the kernel says the map is full
+/// Inserts `key(0)`, `key(1)`, ... into `map` until the kernel says it is full
 /// (E2BIG); how many.
-fn fill(mut insert: impl FnMut(u64) -> Result<(), MapError>) -> u64 {
+fn fill<K: aya::Pod, V: aya::Pod + Default>(
+    map: &mut HashMap<MapData, K, V>,
+    key: impl Fn(u64) -> K,
+) -> u64 {
     for i in 0.. {
-        match insert(i) {
+        match map.insert(key(i), V::default(), 0) {
             Ok(()) => {}
             Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::E2BIG) => {
                 return i;
@@ -163,15 +166,12 @@ fn full_maps_lose_diagnostic_events_apart_from_fail_open_admissions() {
     let d = Daemon::builder(Policy::new().scope(Scope::new("lost", &cg.rel).max_connections(100)))
         .metrics()
         .start();
-    let mut time_waits: PerCpuHashMap<MapData, TimeWaitKey, u64> = pinned("TIME_WAITS");
-    let cpus = aya::util::nr_cpus().unwrap();
-    let entries = fill(|i| {
-        let key = TimeWaitKey {
+    let entries = fill(&mut pinned::<TimeWaitKey, u64>("TIME_WAITS"), |i| {
+        TimeWaitKey {
             netns: i,
             scope_id: NO_SCOPE,
             ..Default::default()
-        };
-        time_waits.insert(key, PerCpuValues::try_from(vec![0u64; cpus])?, 0)
+        }
     });
     assert!(entries > 0);
     let expect = |internal_errors: u64, lost_events: u64| {
@@ -214,15 +214,13 @@ fn full_maps_lose_diagnostic_events_apart_from_fail_open_admissions() {
     assert_eq!((s.counts.admitted, s.time_wait_created), (20, 0), "{s:?}");
     expect(0, 20);
 
-    let mut counters: HashMap<MapData, CounterKey, Counter> = pinned("COUNTERS");
-    fill(|i| {
-        let key = CounterKey {
+    fill(&mut pinned::<CounterKey, Counter>("COUNTERS"), |i| {
+        CounterKey {
             scope_id: NO_SCOPE,
             port: i as u16,
             addr: (i >> 16).to_be_bytes().repeat(2).try_into().unwrap(),
             ..Default::default()
-        };
-        counters.insert(key, Counter::default(), 0)
+        }
     });
     let out = cg.probe(Probe::connect(second.addr, 5, 5));
     assert_eq!(out.ok, 5, "{out:?}");

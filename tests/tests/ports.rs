@@ -412,8 +412,7 @@ fn with_the_daemon_rates_scopes_and_eaddrnotavail_are_attributed() {
     );
 }
 
-/// With its TIME_WAITS map full (65,536 entries, written with bpftool, which gives a
-/// per-CPU map's value to every CPU: each key sums to the CPU count), the daemon keeps
+/// With its TIME_WAITS map full (65,536 entries, written with bpftool), the daemon keeps
 /// a few copies of it for the TIME_WAIT rates, not one per 0.5 s of the 5 s window: its
 /// resident memory grows by less than 64 MiB, which a sample kept every 0.5 s would
 /// pass (docs/performance.md has the figures).

@@ -199,11 +199,9 @@ impl Counters {
         (scopes, rules)
     }
 
-    /// TIME_WAIT entries born on admitted connections, by key (totals over the CPUs).
+    /// TIME_WAIT entries born on admitted connections, by key (totals).
     pub fn time_waits(&self) -> HashMap<TimeWaitKey, u64> {
-        batch::per_cpu_sums(&self.maps.time_waits)
-            .into_iter()
-            .collect()
+        batch::entries(&self.maps.time_waits).into_iter().collect()
     }
 
     /// TIME_WAIT entries born on each scope's connections since the daemon started, by

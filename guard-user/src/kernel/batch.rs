@@ -23,7 +23,7 @@ use std::{
 
 use aya::{
     Pod,
-    maps::{Array, HashMap, IterableMap, MapData, PerCpuHashMap},
+    maps::{Array, HashMap, IterableMap, MapData},
 };
 
 use super::syscall::{BPF_MAP_LOOKUP_BATCH, bpf};
@@ -32,8 +32,6 @@ use super::syscall::{BPF_MAP_LOOKUP_BATCH, bpf};
 const ENOTSUPP: i32 = 524;
 /// Entries asked for per call (the kernel may return fewer: it stops at a bucket's end).
 const CHUNK: usize = 8192;
-/// Bytes of values asked for per call from a per-CPU map.
-const PER_CPU_BUDGET: usize = 1 << 20;
 
 /// The `batch` member of `union bpf_attr`.
 #[repr(C)]
@@ -52,8 +50,7 @@ struct BatchAttr {
 /// `BPF_MAP_LOOKUP_BATCH` with `attr`; the error, if it failed.
 ///
 /// # Safety
-/// `attr`'s buffers hold `count` keys and values of the map's key and value sizes (for a
-/// per-CPU map, `count` values of each possible CPU at 8-byte aligned strides), and
+/// `attr`'s buffers hold `count` keys and values of the map's key and value sizes, and
 /// `out_batch` (and `in_batch`, when set) a position of the map's kind.
 unsafe fn lookup_batch_call(attr: &mut BatchAttr) -> Option<io::Error> {
     // SAFETY: the attribute is the kernel's layout; the buffers are the caller's.
@@ -113,40 +110,11 @@ pub fn entries<T: Borrow<MapData>, K: Pod, V: Pod>(map: &HashMap<T, K, V>) -> Ve
     let read = |keys: &[K], values: &[V], _| {
         out.extend(keys.iter().copied().zip(values.iter().copied()));
     };
-    if batched(|| lookup_batch(map.map(), 0..u32::MAX, 1, read)).is_some() {
+    if batched(|| lookup_batch(map.map(), 0..u32::MAX, read)).is_some() {
         return out;
     }
     // A batch that failed midway gave some entries: the read starts over.
     map.iter().filter_map(Result::ok).collect()
-}
-
-/// Every entry of a per-CPU hash map of counts, as `entries` reads them, with its counts
-/// summed over the CPUs.
-pub fn per_cpu_sums<T: Borrow<MapData>, K: Pod>(map: &PerCpuHashMap<T, K, u64>) -> Vec<(K, u64)> {
-    // aya reads each entry's values for as many CPUs too: without the count, neither
-    // way reads anything.
-    let cpus = match aya::util::nr_cpus() {
-        Ok(n) => n,
-        Err((file, e)) => {
-            static WARNED: std::sync::Once = std::sync::Once::new();
-            WARNED.call_once(|| {
-                log::warn!("reading {file} ({e}): per-CPU counts (TIME_WAIT births) read as none");
-            });
-            return Vec::new();
-        }
-    };
-    let mut out = Vec::new();
-    let read = |keys: &[K], values: &[u64], _| {
-        let sums = values.chunks(cpus).map(|v| v.iter().sum::<u64>());
-        out.extend(keys.iter().copied().zip(sums));
-    };
-    if batched(|| lookup_batch(map.map(), 0..u32::MAX, cpus, read)).is_some() {
-        return out;
-    }
-    map.iter()
-        .filter_map(Result::ok)
-        .map(|(k, v)| (k, v.iter().sum()))
-        .collect()
 }
 
 /// Every entry of a hash map, as `entries` reads them, in the chunks the kernel gave
@@ -170,7 +138,7 @@ where
         .map_or(0, |i| i.max_entries().next_power_of_two() / 2);
     let walk = |buckets: Range<u32>| {
         let mut out = Vec::new();
-        lookup_batch(data, buckets, 1, |keys: &[K], values: &[V], read| {
+        lookup_batch(data, buckets, |keys: &[K], values: &[V], read| {
             let chunk: Vec<(K, V)> = keys.iter().copied().zip(values.iter().copied()).collect();
             out.push((chunk, read));
         })
@@ -260,31 +228,22 @@ fn array_batch<V: Pod>(map: &MapData, n: u32) -> io::Result<Vec<V>> {
 /// Buckets `buckets.start..` of a hash map with `BPF_MAP_LOOKUP_BATCH`, given to `read` a
 /// call's entries at a time (none given twice) with the buckets the call read; the walk
 /// ends at the map's end or after the call that reaches `buckets.end`. `K` and `V` have
-/// the map's key and value sizes (aya's `HashMap::try_from` checked them); each entry
-/// has `per_entry` values (1, or for a per-CPU map of 8-byte values the possible CPUs:
-/// the kernel copies each CPU's value at a stride of the size rounded up to 8, so `V`'s
-/// size must be a multiple of 8 there; a wrong count overruns the buffers). An error
+/// the map's key and value sizes (aya's `HashMap::try_from` checked them). An error
 /// after some calls: `read` has had their entries.
 fn lookup_batch<K: Pod, V: Pod>(
     map: &MapData,
     buckets: Range<u32>,
-    per_entry: usize,
     mut read: impl FnMut(&[K], &[V], Range<u32>),
 ) -> io::Result<()> {
     let fd = map.fd().as_fd().as_raw_fd();
     // Pod types are plain bytes: all zeros is a valid value.
     let zero_key: K = unsafe { std::mem::zeroed() };
     let zero_value: V = unsafe { std::mem::zeroed() };
-    debug_assert!(per_entry == 1 || size_of::<V>().is_multiple_of(8));
-    // Small maps (EADDRNOTAVAIL) need no CHUNK-sized buffers, and per-CPU ones, whose
-    // values grow with the CPUs, take at most PER_CPU_BUDGET bytes of values a call.
+    // Small maps (TIME_WAITS, EADDRNOTAVAIL) need no CHUNK-sized buffers.
     let max_entries = map.info().map_or(CHUNK as u32, |i| i.max_entries());
-    let mut chunk = CHUNK.min(max_entries.max(1) as usize);
-    if per_entry > 1 {
-        chunk = chunk.min((PER_CPU_BUDGET / (per_entry * size_of::<V>())).max(1));
-    }
+    let chunk = CHUNK.min(max_entries.max(1) as usize);
     let mut keys = vec![zero_key; chunk];
-    let mut values = vec![zero_value; chunk * per_entry];
+    let mut values = vec![zero_value; chunk];
     // A hash map's batch position is a bucket index (u32, hashtab.c): each call starts
     // where the last stopped.
     let mut position = buckets.start;
@@ -301,8 +260,8 @@ fn lookup_batch<K: Pod, V: Pod>(
             map_fd: fd as u32,
             ..Default::default()
         };
-        // SAFETY: the buffers hold `count` keys and `count` times `per_entry` values of the
-        // map's sizes, and outlive the call.
+        // SAFETY: the buffers hold `count` keys and values of the map's sizes and outlive
+        // the call.
         let err = unsafe { lookup_batch_call(&mut attr) };
         match err.as_ref().and_then(io::Error::raw_os_error) {
             // ENOENT: the walk ended; `count` holds the last entries.
@@ -313,7 +272,7 @@ fn lookup_batch<K: Pod, V: Pod>(
                     attr.count as usize
                 };
                 if n > 0 {
-                    read(&keys[..n], &values[..n * per_entry], position..next);
+                    read(&keys[..n], &values[..n], position..next);
                 }
                 if err.is_some() || next >= buckets.end {
                     return Ok(());
@@ -323,7 +282,7 @@ fn lookup_batch<K: Pod, V: Pod>(
             // One bucket holds more entries than the buffers: grow them, same position.
             Some(libc::ENOSPC) => {
                 keys.resize(keys.len() * 2, zero_key);
-                values.resize(keys.len() * per_entry, zero_value);
+                values.resize(values.len() * 2, zero_value);
             }
             _ => return Err(err.expect("ret < 0")),
         }

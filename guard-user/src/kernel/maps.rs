@@ -5,9 +5,7 @@ use std::{collections::HashMap, hash::Hash};
 use anyhow::Context;
 use aya::{
     Ebpf, Pod,
-    maps::{
-        Array, HashMap as BpfHash, LpmTrie, Map, MapData, MapError, PerCpuArray, PerCpuHashMap,
-    },
+    maps::{Array, HashMap as BpfHash, LpmTrie, Map, MapData, MapError, PerCpuArray},
 };
 use guard_common::{
     Breaker, Candidates, CgroupKey, Counter, CounterKey, EaddrKey, IdKey, ListenerEntry,
@@ -34,7 +32,7 @@ pub struct CounterMaps {
     pub counters: Hashed<CounterKey, Counter>,
     pub scope_counters: Array<MapData, Counter>,
     pub rule_counters: Array<MapData, Counter>,
-    pub time_waits: PerCpuHashMap<MapData, TimeWaitKey, u64>,
+    pub time_waits: Hashed<TimeWaitKey, u64>,
     pub eaddrnotavail: Hashed<EaddrKey, u64>,
     pub stats: PerCpuArray<MapData, u64>,
     pub breakers: Hashed<CounterKey, Breaker>,
