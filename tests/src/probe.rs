@@ -115,8 +115,14 @@ pub enum Probe {
     /// COUNT MPTCP connects to ADDR in turn, each held until all are made.
     Mptcp { addr: SocketAddr, count: u64 },
     /// One connect, whose socket is then held: to an address with no route, it fails
-    /// before leaving TCP_CLOSE (ENETUNREACH).
-    FailHold { netns: String, addr: SocketAddr },
+    /// before leaving TCP_CLOSE (ENETUNREACH). With --listen, the socket then listens
+    /// (on a port of its own, backlog 1) while held.
+    FailHold {
+        netns: String,
+        addr: SocketAddr,
+        #[arg(long)]
+        listen: bool,
+    },
     /// Servers on 127.0.0.1:PORT that wait for each client's FIN, then close (TIME_WAIT
     /// lands on the client side); `greet:PORT` sends each client one byte and closes.
     /// Holds them.
@@ -220,7 +226,8 @@ pub enum Probe {
     },
     /// COUNT attempts with every outcome a connection can have, in a namespace with a
     /// route to 192.0.2.0/24 that swallows what is sent to 192.0.2.2; `categories`
-    /// counts each kind.
+    /// counts each kind, and gives the loopback ports each kind went to
+    /// (`port_server_closes`, `port_client_closes`, `port_closed`).
     Mixed { netns: String, count: u64 },
     /// COUNT connects to ADDR from one thread, spread over SPREAD_MS; `categories`:
     /// elapsed_us, from the first connect() to the last.
@@ -323,7 +330,19 @@ impl Probe {
             Probe::Migrate { addr, cgroup_dir } => vec!["migrate".into(), s(addr), s(cgroup_dir)],
             Probe::Tfo { netns, addr } => vec!["tfo".into(), s(netns), s(addr)],
             Probe::Mptcp { addr, count } => vec!["mptcp".into(), s(addr), s(count)],
-            Probe::FailHold { netns, addr } => vec!["fail-hold".into(), s(netns), s(addr)],
+            Probe::FailHold {
+                netns,
+                addr,
+                listen,
+            } => [
+                vec!["fail-hold".into(), s(netns), s(addr)],
+                if *listen {
+                    vec!["--listen".into()]
+                } else {
+                    vec![]
+                },
+            ]
+            .concat(),
             Probe::Serve { netns, ports } => [
                 vec!["serve".into(), s(netns)],
                 ports.iter().map(s).collect(),
@@ -527,7 +546,16 @@ mod tests {
             },
             Probe::Tfo { netns: ns(), addr },
             Probe::Mptcp { addr, count: 2 },
-            Probe::FailHold { netns: ns(), addr },
+            Probe::FailHold {
+                netns: ns(),
+                addr,
+                listen: false,
+            },
+            Probe::FailHold {
+                netns: ns(),
+                addr,
+                listen: true,
+            },
             Probe::Serve {
                 netns: ns(),
                 ports: vec![ServePort::plain(8080), ServePort::greeting(8082)],

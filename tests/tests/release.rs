@@ -3,7 +3,8 @@ use std::time::{Duration, Instant};
 
 use connguard_api::policy::{Limited, Mode, Policy, Scope};
 use connguard_tests::{
-    BPF_CGROUP_INET4_CONNECT, Cgroup, Daemon, Netns, Probe, ServePort, Server, attached_programs,
+    BPF_CGROUP_INET4_CONNECT, Cgroup, Daemon, Holder, Netns, Probe, ServePort, Server,
+    attached_programs,
 };
 
 /// (b) 10,000 connection attempts with every outcome, inside a test netns, then a
@@ -230,11 +231,7 @@ fn a_reload_away_from_a_cgroup_keeps_releasing_what_it_admitted() {
     let d = Daemon::builder(scope(&first))
         .args(&["--audit", "3600"])
         .start();
-    let mut held = first.hold(Probe::FailHold {
-        netns: ns.path(),
-        addr: "198.51.100.1:80".parse().unwrap(),
-    });
-    assert_eq!(held.outcome.errors("ENETUNREACH"), 1, "{:?}", held.outcome);
+    let mut held = hold_failed_connect(&first, &ns, false);
     assert_eq!(d.scope("away").counts.active, 1);
     // The scope, by name (and so its counts), now selects another cgroup.
     std::fs::write(&d.policy, scope(&second).to_toml()).unwrap();
@@ -245,4 +242,39 @@ fn a_reload_away_from_a_cgroup_keeps_releasing_what_it_admitted() {
     held.kill();
     let s = d.wait_scope("away", Duration::from_secs(5), |s| s.counts.active == 0);
     assert_eq!((s.counts.admitted, s.counts.active), (1, 0), "{s:?}");
+}
+
+/// A socket whose connect failed before leaving TCP_CLOSE, and which then listens, is
+/// released once at close (by sock_release, or at its move from LISTEN to TCP_CLOSE).
+/// The audit, every second, finds it among the listeners: held across three audits, it
+/// is not corrected away (the daemon's drop fails the test on a correction).
+#[test]
+fn a_socket_that_listens_after_its_connect_failed_is_released_at_close() {
+    let ns = Netns::new("cgfaillisten");
+    ns.exec("ip", &["link", "set", "lo", "up"]);
+    let cg = Cgroup::new("fail-listen");
+    let d =
+        Daemon::builder(Policy::new().scope(Scope::new("faillisten", &cg.rel).max_connections(10)))
+            .start();
+    let mut held = hold_failed_connect(&cg, &ns, true);
+    std::thread::sleep(Duration::from_millis(3500));
+    assert_eq!(d.scope("faillisten").counts.active, 1);
+    assert_eq!(d.stats().audit_corrections, 0);
+    held.kill();
+    let s = d.wait_scope("faillisten", Duration::from_secs(5), |s| {
+        s.counts.active == 0
+    });
+    assert_eq!((s.counts.admitted, s.counts.active), (1, 0), "{s:?}");
+}
+
+/// A socket in `cg` whose connect() to an address `ns` has no route to failed before the
+/// SYN (ENETUNREACH), held open; listening if `listen`.
+fn hold_failed_connect(cg: &Cgroup, ns: &Netns, listen: bool) -> Holder {
+    let held = cg.hold(Probe::FailHold {
+        netns: ns.path(),
+        addr: "198.51.100.1:80".parse().unwrap(),
+        listen,
+    });
+    assert_eq!(held.outcome.errors("ENETUNREACH"), 1, "{:?}", held.outcome);
+    held
 }

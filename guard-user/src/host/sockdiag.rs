@@ -80,9 +80,11 @@ pub fn connections_and_listeners() -> anyhow::Result<Vec<TcpSocket>> {
     tcp_sockets_in(state_flags(&CONNECTION_STATES) | state_flags(&[TCP_LISTEN]))
 }
 
-/// The connections (`CONNECTION_STATES`) of the current network namespace that have a
-/// value in the socket storage map `map` (BPF_MAP_TYPE_SK_STORAGE), with it: sock_diag
-/// dumps it (bpf_sk_storage_diag_put(), net/core/bpf_sk_storage.c; CAP_SYS_ADMIN).
+/// The connections (`CONNECTION_STATES`) and listeners of the current network namespace
+/// that have a value in the socket storage map `map` (BPF_MAP_TYPE_SK_STORAGE), with it:
+/// sock_diag dumps it (bpf_sk_storage_diag_put(), net/core/bpf_sk_storage.c;
+/// CAP_SYS_ADMIN). A listener holds an admission when its socket's connect() failed
+/// before the SYN and it then listened.
 pub fn tcp_storages(map: std::os::fd::BorrowedFd<'_>) -> anyhow::Result<Vec<TcpSocket>> {
     use std::os::fd::AsRawFd;
     let mut attr = Vec::with_capacity(12);
@@ -93,7 +95,8 @@ pub fn tcp_storages(map: std::os::fd::BorrowedFd<'_>) -> anyhow::Result<Vec<TcpS
     attr.extend_from_slice(&(map.as_raw_fd() as u32).to_ne_bytes());
     let mut out = Vec::new();
     for family in [AF_INET, AF_INET6] {
-        dump_with(family, state_flags(&CONNECTION_STATES), &attr, &mut out)?;
+        let states = state_flags(&CONNECTION_STATES) | state_flags(&[TCP_LISTEN]);
+        dump_with(family, states, &attr, &mut out)?;
     }
     out.retain(|s| !s.storage.is_empty());
     Ok(out)

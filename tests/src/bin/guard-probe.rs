@@ -38,12 +38,19 @@ fn main() -> anyhow::Result<()> {
         Probe::Migrate { addr, cgroup_dir } => migrate(addr, &cgroup_dir)?,
         Probe::Tfo { netns, addr } => tfo(&netns, addr)?,
         Probe::Mptcp { addr, count } => mptcp(addr, count)?,
-        Probe::FailHold { netns, addr } => {
+        Probe::FailHold {
+            netns,
+            addr,
+            listen,
+        } => {
             enter_netns(&netns)?;
             let out = Mutex::new(Outcome::default());
             let s = tcp_socket(&addr);
             let started = Instant::now();
             record(&out, &s.connect(&addr.into()), started);
+            if listen {
+                s.listen(1).expect("listen() after the failed connect");
+            }
             hold(&out.into_inner().unwrap(), vec![s])
         }
         Probe::Serve { netns, ports } => {
@@ -725,6 +732,17 @@ fn mixed(netns: &str, count: u64) -> anyhow::Result<Outcome> {
     let no_route: SocketAddr = "198.51.100.1:80".parse()?;
 
     let out = Arc::new(Mutex::new(Outcome::default()));
+    // The loopback ports, so that a count left on one names its outcomes.
+    for (name, port) in [
+        ("port_server_closes", a.port()),
+        ("port_client_closes", b.port()),
+        ("port_closed", closed_port.port()),
+    ] {
+        out.lock()
+            .unwrap()
+            .categories
+            .insert(name.into(), port.into());
+    }
     let cat = |out: &Mutex<Outcome>, name: &str| {
         *out.lock()
             .unwrap()
