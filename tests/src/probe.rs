@@ -226,8 +226,8 @@ pub enum Probe {
     },
     /// COUNT attempts with every outcome a connection can have, in a namespace with a
     /// route to 192.0.2.0/24 that swallows what is sent to 192.0.2.2; `categories`
-    /// counts each kind, and gives the loopback ports each kind went to
-    /// (`port_server_closes`, `port_client_closes`, `port_closed`).
+    /// counts each kind, and gives the loopback servers' ports (`port_server_closed`;
+    /// `port_client_closed`, which `addr_taken` connects to too; `port_refused`).
     Mixed { netns: String, count: u64 },
     /// COUNT connects to ADDR from one thread, spread over SPREAD_MS; `categories`:
     /// elapsed_us, from the first connect() to the last.

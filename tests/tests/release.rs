@@ -265,6 +265,7 @@ fn a_socket_that_listens_after_its_connect_failed_is_released_at_close() {
         s.counts.active == 0
     });
     assert_eq!((s.counts.admitted, s.counts.active), (1, 0), "{s:?}");
+    assert_eq!(d.stats().audit_corrections, 0);
 }
 
 /// A socket in `cg` whose connect() to an address `ns` has no route to failed before the

@@ -452,7 +452,7 @@ fn minutes_of_mixed_churn_with_three_restarts_leave_every_count_at_zero() {
                     count: 10000,
                 });
                 assert!(out.attempts >= 10_000, "{out:?}");
-                // Shown if the test fails: which outcome a destination port served.
+                // Shown if the test fails: which outcomes a destination port served.
                 eprintln!("{:.1} s: {out:?}", start.elapsed().as_secs_f64());
                 attempts += out.attempts;
             }

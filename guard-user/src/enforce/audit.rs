@@ -3,8 +3,9 @@
 //! over two audits is corrected, logged with its key, and counted (`audit_corrections`).
 //! At rest it finds nothing: a correction is a bug report.
 //!
-//! The recount reads every TCP connection's storage through sock_diag
-//! (INET_DIAG_REQ_SK_BPF_STORAGES), in every network namespace of the host: a socket
+//! The recount reads every TCP connection's and listener's storage through sock_diag
+//! (INET_DIAG_REQ_SK_BPF_STORAGES; a listener holds an admission when its socket's
+//! connect() failed before the SYN), in every network namespace of the host: a socket
 //! holding an admission counts as active at each level it charged, and as connecting at
 //! each level its handshake is still counted at (`SockState::connecting`); at
 //! destination level only while the entry it charged is the one there (same epoch). A

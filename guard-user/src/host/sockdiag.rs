@@ -59,7 +59,8 @@ const NLA_F_NESTED: u16 = 0x8000;
 const NLA_TYPE_MASK: u16 = 0x3fff;
 
 /// The states of a connection that can hold an admission (connguard's "active"): from
-/// SYN_SENT to CLOSING. TCP_CLOSE sockets are in no table sock_diag walks.
+/// SYN_SENT to CLOSING. A listener can hold one too (`tcp_storages`). TCP_CLOSE sockets
+/// are in no table sock_diag walks.
 pub const CONNECTION_STATES: [u32; 7] = [
     TCP_SYN_SENT,
     TCP_ESTABLISHED,
@@ -84,7 +85,7 @@ pub fn connections_and_listeners() -> anyhow::Result<Vec<TcpSocket>> {
 /// that have a value in the socket storage map `map` (BPF_MAP_TYPE_SK_STORAGE), with it:
 /// sock_diag dumps it (bpf_sk_storage_diag_put(), net/core/bpf_sk_storage.c;
 /// CAP_SYS_ADMIN). A listener holds an admission when its socket's connect() failed
-/// before the SYN and it then listened.
+/// before the SYN (or another cgroup program refused it) and it then listened.
 pub fn tcp_storages(map: std::os::fd::BorrowedFd<'_>) -> anyhow::Result<Vec<TcpSocket>> {
     use std::os::fd::AsRawFd;
     let mut attr = Vec::with_capacity(12);

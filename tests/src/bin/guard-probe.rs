@@ -704,7 +704,9 @@ fn udp(addr: SocketAddr, cycles: u64) -> anyhow::Result<Outcome> {
 /// COUNT connection attempts with every outcome a connection can have, inside the
 /// network namespace at NETNS_PATH (which has lo, and a route to 192.0.2.0/24 on an
 /// interface that swallows whatever is sent to 192.0.2.2). Category counts are reported
-/// under `errors` (errnos) and `categories`.
+/// under `errors` (errnos) and `categories`, which also gives the loopback servers' ports
+/// (`port_server_closed`; `port_client_closed`, which `addr_taken` connects to too;
+/// `port_refused`).
 fn mixed(netns: &str, count: u64) -> anyhow::Result<Outcome> {
     enter_netns(netns)?;
     // Server A closes first; server B waits for the client to close.
@@ -734,9 +736,9 @@ fn mixed(netns: &str, count: u64) -> anyhow::Result<Outcome> {
     let out = Arc::new(Mutex::new(Outcome::default()));
     // The loopback ports, so that a count left on one names its outcomes.
     for (name, port) in [
-        ("port_server_closes", a.port()),
-        ("port_client_closes", b.port()),
-        ("port_closed", closed_port.port()),
+        ("port_server_closed", a.port()),
+        ("port_client_closed", b.port()),
+        ("port_refused", closed_port.port()),
     ] {
         out.lock()
             .unwrap()
