@@ -78,7 +78,11 @@ fn state_flags(states: &[u32]) -> StateFlags {
 /// The connections (`CONNECTION_STATES`) and listeners of the current network
 /// namespace.
 pub fn connections_and_listeners() -> anyhow::Result<Vec<TcpSocket>> {
-    tcp_sockets_in(state_flags(&CONNECTION_STATES) | state_flags(&[TCP_LISTEN]))
+    tcp_sockets_in(connection_and_listener_states())
+}
+
+fn connection_and_listener_states() -> StateFlags {
+    state_flags(&CONNECTION_STATES) | state_flags(&[TCP_LISTEN])
 }
 
 /// The connections (`CONNECTION_STATES`) and listeners of the current network namespace
@@ -96,8 +100,7 @@ pub fn tcp_storages(map: std::os::fd::BorrowedFd<'_>) -> anyhow::Result<Vec<TcpS
     attr.extend_from_slice(&(map.as_raw_fd() as u32).to_ne_bytes());
     let mut out = Vec::new();
     for family in [AF_INET, AF_INET6] {
-        let states = state_flags(&CONNECTION_STATES) | state_flags(&[TCP_LISTEN]);
-        dump_with(family, states, &attr, &mut out)?;
+        dump_with(family, connection_and_listener_states(), &attr, &mut out)?;
     }
     out.retain(|s| !s.storage.is_empty());
     Ok(out)
