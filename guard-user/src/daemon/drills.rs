@@ -90,6 +90,7 @@ impl Daemon {
         };
         log::info!("{}", event.line());
         lock(&self.events).push_own(event);
+        self.drill_started();
         if let Some(url) = http {
             spawn_http_check(self.drills.clone(), name, url);
         }

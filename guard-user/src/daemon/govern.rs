@@ -55,6 +55,7 @@ impl Daemon {
                 log::info!("policy reloaded: generation {}, {what}", status.generation);
                 drop(status);
                 self.programs.set_listener_policies(listeners);
+                self.listeners_set();
                 // Cgroups created while the reload walked, whose events were for the
                 // policy it replaced.
                 if let Err(e) = self.rescan() {
@@ -107,6 +108,7 @@ impl Daemon {
         }
         // Detaching waits for the kernel; the locks are free meanwhile.
         drop(detached);
+        self.policy_applied();
         Ok(())
     }
 

@@ -3,9 +3,13 @@
 //! logged with its cause, when it starts failing or fails differently, and the job runs
 //! again at its next period; recovery is logged too. A panic ends the whole process (the
 //! daemon's panic hook aborts), so no job dies alone while the daemon looks alive.
+//!
+//! A job with nothing to watch (no listener guard, no drill) runs at its idle period,
+//! because on a host with no work for it every wake-up is the daemon's whole idle cost;
+//! what gives it work wakes it at once (`Jobs::wake`).
 use std::{
     collections::VecDeque,
-    sync::{Arc, Mutex},
+    sync::{Arc, Condvar, Mutex},
     time::{Duration, Instant},
 };
 
@@ -21,9 +25,42 @@ pub(super) const STALLED: Duration = Duration::from_secs(10);
 
 pub type Work = Arc<dyn Fn() -> anyhow::Result<()> + Send + Sync>;
 
+/// Whether a job has work to watch, asked after each run.
+pub type Busy = Box<dyn Fn() -> bool + Send>;
+
 #[derive(Default)]
 pub struct Jobs {
-    jobs: Mutex<Vec<Arc<Mutex<Job>>>>,
+    jobs: Mutex<Vec<Running>>,
+}
+
+/// A job and the alarm that ends its sleep.
+struct Running {
+    job: Arc<Mutex<Job>>,
+    alarm: Arc<Alarm>,
+}
+
+/// A job's sleep, which `Jobs::wake` ends early.
+#[derive(Default)]
+struct Alarm {
+    rung: Mutex<bool>,
+    ring: Condvar,
+}
+
+impl Alarm {
+    /// Sleeps for `d`, or until rung (a ring during the run before counts).
+    fn sleep(&self, d: Duration) {
+        let rung = lock(&self.rung);
+        let (mut rung, _) = self
+            .ring
+            .wait_timeout_while(rung, d, |rung| !*rung)
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        *rung = false;
+    }
+
+    fn ring(&self) {
+        *lock(&self.rung) = true;
+        self.ring.notify_one();
+    }
 }
 
 struct Job {
@@ -44,6 +81,19 @@ impl Jobs {
     /// next one instead of bunching them. A thread the system refuses ends the daemon
     /// (a panic aborts it): a job missing for good would look like a live daemon.
     pub fn spawn(&self, name: &'static str, period: Duration, work: Work) {
+        self.spawn_idling(name, period, period, Box::new(|| true), work);
+    }
+
+    /// As `spawn`, but every `idle` after a run when `busy` says the job has nothing to
+    /// watch; `wake` starts the next run at once.
+    pub fn spawn_idling(
+        &self,
+        name: &'static str,
+        period: Duration,
+        idle: Duration,
+        busy: Busy,
+        work: Work,
+    ) {
         let job = Arc::new(Mutex::new(Job {
             name,
             period,
@@ -53,7 +103,11 @@ impl Jobs {
             starts: VecDeque::with_capacity(KEPT_RUNS),
             running: false,
         }));
-        lock(&self.jobs).push(job.clone());
+        let alarm = Arc::new(Alarm::default());
+        lock(&self.jobs).push(Running {
+            job: job.clone(),
+            alarm: alarm.clone(),
+        });
         // Thread names hold 15 bytes.
         let thread: String = format!("job-{name}").chars().take(15).collect();
         let spawned = std::thread::Builder::new().name(thread).spawn(move || {
@@ -70,7 +124,8 @@ impl Jobs {
                 let result = work();
                 let took = started.elapsed();
                 lock(&job).record(result);
-                std::thread::sleep(period.saturating_sub(took));
+                let pace = if busy() { period } else { idle };
+                alarm.sleep(pace.saturating_sub(took));
             }
         });
         if let Err(e) = spawned {
@@ -93,7 +148,20 @@ impl Jobs {
     }
 
     pub fn stats(&self) -> Vec<JobStats> {
-        lock(&self.jobs).iter().map(|j| lock(j).stats()).collect()
+        lock(&self.jobs)
+            .iter()
+            .map(|r| lock(&r.job).stats())
+            .collect()
+    }
+
+    /// Starts the next run of the job `name` now, if it is sleeping (else as soon as
+    /// its run ends): it has work to watch.
+    pub fn wake(&self, name: &str) {
+        for r in lock(&self.jobs).iter() {
+            if lock(&r.job).name == name {
+                r.alarm.ring();
+            }
+        }
     }
 }
 
@@ -156,7 +224,53 @@ impl Job {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::{AtomicU64, Ordering};
+
     use super::*;
+
+    /// Waits up to 5 s for `runs` to reach `n`.
+    fn wait_runs(runs: &AtomicU64, n: u64) {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while runs.load(Ordering::SeqCst) < n {
+            assert!(
+                Instant::now() < deadline,
+                "the job did not run {n} time(s) in 5 s"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    #[test]
+    fn an_idle_job_waits_its_idle_period_unless_woken() {
+        let jobs = Jobs::default();
+        let runs = Arc::new(AtomicU64::new(0));
+        let busy = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (r, b) = (runs.clone(), busy.clone());
+        jobs.spawn_idling(
+            "t",
+            Duration::from_millis(1),
+            Duration::from_secs(3600),
+            Box::new(move || b.load(Ordering::SeqCst)),
+            Arc::new(move || {
+                r.fetch_add(1, Ordering::SeqCst);
+                Ok(())
+            }),
+        );
+        wait_runs(&runs, 1);
+        std::thread::sleep(Duration::from_millis(100));
+        assert_eq!(runs.load(Ordering::SeqCst), 1, "ran again while idle");
+        // Woken with work: it runs at once, then at its busy period.
+        busy.store(true, Ordering::SeqCst);
+        jobs.wake("t");
+        wait_runs(&runs, 10);
+        // Idle again after its next run; a wake for another job leaves it asleep.
+        busy.store(false, Ordering::SeqCst);
+        std::thread::sleep(Duration::from_millis(100));
+        let idle = runs.load(Ordering::SeqCst);
+        jobs.wake("other");
+        std::thread::sleep(Duration::from_millis(100));
+        assert_eq!(runs.load(Ordering::SeqCst), idle, "ran again while idle");
+    }
 
     #[test]
     fn failures_are_counted_and_periods_ranked() {

@@ -83,6 +83,10 @@ const FOREIGN_POLL: Duration = Duration::from_millis(100);
 /// How often the per-SYN listener program is told the daemon lives: it sheds nothing
 /// 500 ms (LISTENER_TTL_NS) after the last time.
 const LISTENER_HEARTBEAT: Duration = Duration::from_millis(100);
+/// How often a job with nothing to watch runs (`jobs::Jobs::spawn_idling`): the
+/// listener jobs without a listener guard, the port watch without a watermark, the
+/// drills' job without a drill.
+const IDLE_POLL: Duration = Duration::from_secs(1);
 /// How often guarded namespaces are checked for new interfaces and for a namespace
 /// file bound to a new namespace.
 const LISTENER_RESCAN: Duration = Duration::from_secs(1);

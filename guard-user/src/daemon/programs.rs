@@ -184,6 +184,11 @@ impl Programs {
         lock(&self.listeners).to_read()
     }
 
+    /// Whether a listener guard is in force.
+    pub fn guarding_listeners(&self) -> bool {
+        lock(&self.listeners).guarding()
+    }
+
     /// Makes LISTENERS hold what `reading` found (ListenerGuard::apply).
     pub fn apply_listener_reading(&self, reading: Reading) -> anyhow::Result<()> {
         lock(&self.listeners).apply(reading)

@@ -9,7 +9,8 @@ use std::{
 use aya::maps::{MapData, RingBuf};
 
 use super::{
-    Daemon, FOREIGN_POLL, LISTENER_HEARTBEAT, LISTENER_POLL, LISTENER_RESCAN, RESCAN, lock,
+    Daemon, FOREIGN_POLL, IDLE_POLL, LISTENER_HEARTBEAT, LISTENER_POLL, LISTENER_RESCAN, RESCAN,
+    jobs::Busy, lock,
 };
 use crate::{
     diagnose::attribution::SAMPLE_EVERY,
@@ -21,6 +22,12 @@ use crate::{
     listen,
     report::events,
 };
+
+/// The names of the jobs that other work wakes (`Jobs::wake`).
+const LISTENER_WATCH: &str = "listener_watch";
+const LISTENER_HEARTBEAT_JOB: &str = "listener_heartbeat";
+const DRILLS: &str = "drills";
+const PORT_WATCH: &str = "port_watch";
 
 impl Daemon {
     /// Starts the periodic jobs, their watchdog and the cgroup event thread.
@@ -62,9 +69,12 @@ impl Daemon {
         let d = self.clone();
         self.workloads.on_change(move || d.workloads_changed());
         let d = self.clone();
-        self.jobs.spawn(
-            "drills",
+        let drilling = self.clone();
+        self.jobs.spawn_idling(
+            DRILLS,
             super::drills::DRILL_POLL,
+            IDLE_POLL,
+            Box::new(move || lock(&drilling.drills).any()),
             Arc::new(move || d.drill_tick()),
         );
         let d = self.clone();
@@ -82,9 +92,20 @@ impl Daemon {
         // SO_NETNS_COOKIE the daemon cannot name it, and watermarks stay unenforced.
         let d = self.clone();
         if self.features.has(Feature::SoNetnsCookie) {
-            self.jobs.spawn(
-                "port_watch",
+            let watching = self.clone();
+            // Idle while no scope sets a watermark; a policy applied wakes it, to watch
+            // or to clear what the last one left.
+            self.jobs.spawn_idling(
+                PORT_WATCH,
                 RESCAN,
+                IDLE_POLL,
+                Box::new(move || {
+                    watching
+                        .programs
+                        .generations()
+                        .policy()
+                        .is_some_and(|p| p.scopes.iter().any(|s| s.watches_ports()))
+                }),
                 Arc::new(move || {
                     let (policy, dirs) = {
                         let g = d.programs.generations();
@@ -99,31 +120,25 @@ impl Daemon {
         }
         let d = self.clone();
         let reader = Mutex::new(listen::Reader::default());
-        let unguarded_since = Mutex::new(None::<Instant>);
-        self.jobs.spawn(
-            "listener_watch",
+        // With no listener guard a reading finds nothing: once a second clears what the
+        // last guard left.
+        self.jobs.spawn_idling(
+            LISTENER_WATCH,
             LISTENER_POLL,
+            IDLE_POLL,
+            self.guarding_listeners(),
             Arc::new(move || {
                 let (policies, per_syn) = d.programs.listeners_to_read();
-                // With no listener guard a reading finds nothing: once a second clears
-                // what the last guard left.
-                let mut since = lock(&unguarded_since);
-                if !policies.is_empty() {
-                    *since = None;
-                } else if since.is_some_and(|t| t.elapsed() < LISTENER_RESCAN) {
-                    return Ok(());
-                } else {
-                    *since = Some(Instant::now());
-                }
-                drop(since);
                 let reading = lock(&reader).read(&policies, per_syn);
                 d.programs.apply_listener_reading(reading)
             }),
         );
         let d = self.clone();
-        self.jobs.spawn(
-            "listener_heartbeat",
+        self.jobs.spawn_idling(
+            LISTENER_HEARTBEAT_JOB,
             LISTENER_HEARTBEAT,
+            IDLE_POLL,
+            self.guarding_listeners(),
             Arc::new(move || d.programs.listener_heartbeat()),
         );
         let d = self.clone();
@@ -153,6 +168,28 @@ impl Daemon {
                 Ok(())
             }),
         );
+    }
+
+    /// Whether a listener guard is in force, for the listener jobs' pace.
+    fn guarding_listeners(self: &Arc<Self>) -> Busy {
+        let d = self.clone();
+        Box::new(move || d.programs.guarding_listeners())
+    }
+
+    /// Wakes the listener jobs, for listener guards just set.
+    pub(super) fn listeners_set(&self) {
+        self.jobs.wake(LISTENER_WATCH);
+        self.jobs.wake(LISTENER_HEARTBEAT_JOB);
+    }
+
+    /// Wakes the port watermarks' job, for a policy just applied.
+    pub(super) fn policy_applied(&self) {
+        self.jobs.wake(PORT_WATCH);
+    }
+
+    /// Wakes the drills' job, for a drill just started.
+    pub(super) fn drill_started(&self) {
+        self.jobs.wake(DRILLS);
     }
 
     /// Starts the thread that governs cgroups created in watched ones as they are made.

@@ -125,6 +125,11 @@ impl ListenerGuard {
         }
     }
 
+    /// Whether any listener policy is set.
+    pub fn guarding(&self) -> bool {
+        !self.policies.is_empty()
+    }
+
     /// The policies to read, with their counter ids, and whether the program decides
     /// per SYN: taken under the guard's lock, so that the socket tables are read
     /// without it.
