@@ -4,7 +4,8 @@
 //! again at its next period; recovery is logged too. A panic ends the whole process (the
 //! daemon's panic hook aborts), so no job dies alone while the daemon looks alive.
 //!
-//! A job with nothing to watch (no listener guard, no drill) runs at its idle period,
+//! A job with nothing to watch (no listener guard, no port watermark, no drill) runs at
+//! its idle period,
 //! because on a host with no work for it every wake-up is the daemon's whole idle cost;
 //! what gives it work wakes it at once (`Jobs::wake`).
 use std::{
@@ -35,6 +36,7 @@ pub struct Jobs {
 
 /// A job and the alarm that ends its sleep.
 struct Running {
+    name: &'static str,
     job: Arc<Mutex<Job>>,
     alarm: Arc<Alarm>,
 }
@@ -66,6 +68,8 @@ impl Alarm {
 struct Job {
     name: &'static str,
     period: Duration,
+    /// The period while it has nothing to watch (`period` for a job that always has).
+    idle: Duration,
     runs: u64,
     failures: u64,
     last_error: Option<String>,
@@ -97,6 +101,7 @@ impl Jobs {
         let job = Arc::new(Mutex::new(Job {
             name,
             period,
+            idle,
             runs: 0,
             failures: 0,
             last_error: None,
@@ -105,6 +110,7 @@ impl Jobs {
         }));
         let alarm = Arc::new(Alarm::default());
         lock(&self.jobs).push(Running {
+            name,
             job: job.clone(),
             alarm: alarm.clone(),
         });
@@ -157,10 +163,8 @@ impl Jobs {
     /// Starts the next run of the job `name` now, if it is sleeping (else as soon as
     /// its run ends): it has work to watch.
     pub fn wake(&self, name: &str) {
-        for r in lock(&self.jobs).iter() {
-            if lock(&r.job).name == name {
-                r.alarm.ring();
-            }
+        for r in lock(&self.jobs).iter().filter(|r| r.name == name) {
+            r.alarm.ring();
         }
     }
 }
@@ -179,8 +183,12 @@ impl Job {
                 self.failures += 1;
                 let why = format!("{e:#}");
                 if self.last_error.as_deref() != Some(&why) {
+                    let idle = match self.idle == self.period {
+                        true => String::new(),
+                        false => format!(" ({} ms with nothing to watch)", self.idle.as_millis()),
+                    };
                     log::warn!(
-                        "job {} failed: {why}; it runs again every {} ms",
+                        "job {} failed: {why}; it runs again every {} ms{idle}",
                         self.name,
                         self.period.as_millis()
                     );
@@ -273,11 +281,35 @@ mod tests {
     }
 
     #[test]
+    fn a_wake_during_a_run_starts_the_next_at_once() {
+        let jobs = Arc::new(Jobs::default());
+        let runs = Arc::new(AtomicU64::new(0));
+        let (r, j) = (runs.clone(), jobs.clone());
+        jobs.spawn_idling(
+            "t",
+            Duration::from_millis(1),
+            Duration::from_secs(3600),
+            Box::new(|| false),
+            Arc::new(move || {
+                // The first run is woken while it runs, as a reload during a reading.
+                if r.fetch_add(1, Ordering::SeqCst) == 0 {
+                    j.wake("t");
+                }
+                Ok(())
+            }),
+        );
+        wait_runs(&runs, 2);
+        std::thread::sleep(Duration::from_millis(100));
+        assert_eq!(runs.load(Ordering::SeqCst), 2, "one wake, one run");
+    }
+
+    #[test]
     fn failures_are_counted_and_periods_ranked() {
         let start = Instant::now();
         let mut j = Job {
             name: "t",
             period: Duration::from_millis(50),
+            idle: Duration::from_millis(50),
             runs: 0,
             failures: 0,
             last_error: None,

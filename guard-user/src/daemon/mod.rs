@@ -80,8 +80,8 @@ const LISTENER_POLL: Duration = Duration::from_millis(50);
 /// since the last read turned off, and that reaches TCP_CLOSE before this read, has no
 /// release path but close() and the audit.
 const FOREIGN_POLL: Duration = Duration::from_millis(100);
-/// How often the per-SYN listener program is told the daemon lives: it sheds nothing
-/// 500 ms (LISTENER_TTL_NS) after the last time.
+/// How often the per-SYN listener program is told the daemon lives, while a listener
+/// guard is set: it sheds nothing 500 ms (LISTENER_TTL_NS) after the last time.
 const LISTENER_HEARTBEAT: Duration = Duration::from_millis(100);
 /// How often a job with nothing to watch runs (`jobs::Jobs::spawn_idling`): the
 /// listener jobs without a listener guard, the port watch without a watermark, the

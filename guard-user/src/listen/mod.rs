@@ -209,9 +209,9 @@ impl ListenerGuard {
         self.callers.forget_all();
     }
 
-    /// Tells the per-SYN program the daemon lives (every 100 ms): only while its
-    /// readings keep LISTENERS current (one within LISTENER_TTL_NS), so a watcher stuck
-    /// on a namespace lets every guard lapse. A stopped guard sends none.
+    /// Tells the per-SYN program the daemon lives (every 100 ms while a guard is set):
+    /// only while its readings keep LISTENERS current (one within LISTENER_TTL_NS), so a
+    /// watcher stuck on a namespace lets every guard lapse. A stopped guard sends none.
     pub fn heartbeat(&mut self) -> anyhow::Result<()> {
         let fresh = self
             .applied
