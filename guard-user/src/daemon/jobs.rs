@@ -5,9 +5,8 @@
 //! daemon's panic hook aborts), so no job dies alone while the daemon looks alive.
 //!
 //! A job with nothing to watch (no listener guard, no port watermark, no drill) runs at
-//! its idle period,
-//! because on a host with no work for it every wake-up is the daemon's whole idle cost;
-//! what gives it work wakes it at once (`Jobs::wake`).
+//! its idle period, because on a host with no work for it every wake-up is the daemon's
+//! whole idle cost; what gives it work wakes it at once (`Jobs::wake`).
 use std::{
     collections::VecDeque,
     sync::{Arc, Condvar, Mutex},
@@ -183,9 +182,10 @@ impl Job {
                 self.failures += 1;
                 let why = format!("{e:#}");
                 if self.last_error.as_deref() != Some(&why) {
-                    let idle = match self.idle == self.period {
-                        true => String::new(),
-                        false => format!(" ({} ms with nothing to watch)", self.idle.as_millis()),
+                    let idle = if self.idle == self.period {
+                        String::new()
+                    } else {
+                        format!(" ({} ms with nothing to watch)", self.idle.as_millis())
                     };
                     log::warn!(
                         "job {} failed: {why}; it runs again every {} ms{idle}",
