@@ -76,7 +76,10 @@ fn ungoverned_connections_run_no_connection_program() {
 }
 
 /// Programs are attached to a selected cgroup with no selected ancestor, never to a
-/// selected cgroup below one, nor to a cgroup no scope selects; a reload moves them.
+/// selected cgroup below one, nor to a cgroup no scope selects; a reload moves them, and
+/// when it returns they are gone from where they were (the links are detached, not only
+/// unpinned: the kernel releases an unpinned link after an RCU grace period and a
+/// workqueue run). Moved down and up five times, each asserted at once.
 #[test]
 fn programs_are_attached_to_the_top_most_selected_cgroups_only() {
     let server = Server::start("127.0.0.1:0");
@@ -98,25 +101,29 @@ fn programs_are_attached_to_the_top_most_selected_cgroups_only() {
             &server.addr,
             5,
         ));
-    let d = Daemon::builder(both).start();
-    let attached = |cg: &Cgroup| attached_programs(&cg.path, BPF_CGROUP_INET4_CONNECT);
-    assert_eq!(
-        (attached(&parent), attached(&child), attached(&other)),
-        (Some(1), Some(0), Some(0))
-    );
-    // The inner scope alone: the programs move down to the child.
-    std::fs::write(
-        &d.policy,
-        budget_policy("inner", &child.rel, Mode::Enforce, &server.addr, 5).to_toml(),
-    )
-    .unwrap();
-    let r = d.reload();
-    assert!(r.status.success(), "{r:?}");
-    assert_eq!(
-        (attached(&parent), attached(&child), attached(&other)),
-        (Some(0), Some(1), Some(0))
-    );
-    let out = child.probe(Probe::connect(server.addr, 1, 1));
-    assert_eq!(out.ok, 1, "{out:?}");
-    assert_eq!(d.scope("inner").counts.admitted, 1);
+    let inner = budget_policy("inner", &child.rel, Mode::Enforce, &server.addr, 5);
+    let d = Daemon::builder(&both).start();
+    // (parent, child, other): how many connect4 programs each has.
+    let attached = || {
+        let on = |cg: &Cgroup| attached_programs(&cg.path, BPF_CGROUP_INET4_CONNECT);
+        (on(&parent), on(&child), on(&other))
+    };
+    let reload = |policy: &Policy| {
+        std::fs::write(&d.policy, policy.to_toml()).unwrap();
+        let r = d.reload();
+        assert!(r.status.success(), "{r:?}");
+        attached()
+    };
+    assert_eq!(attached(), (Some(1), Some(0), Some(0)));
+    for round in 0..5 {
+        // The inner scope alone: the programs move down to the child.
+        let moved = reload(&inner);
+        assert_eq!(moved, (Some(0), Some(1), Some(0)), "round {round}, down");
+        let out = child.probe(Probe::connect(server.addr, 1, 1));
+        assert_eq!(out.ok, 1, "{out:?}");
+        assert_eq!(d.scope("inner").counts.admitted, round + 1);
+        // Both again: up to the parent.
+        let moved = reload(&both);
+        assert_eq!(moved, (Some(1), Some(0), Some(0)), "round {round}, up");
+    }
 }

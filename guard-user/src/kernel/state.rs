@@ -144,12 +144,29 @@ pub fn remove_pins(dir: &Path) -> io::Result<usize> {
         if path.is_dir() {
             n += remove_pins(&path)?;
         } else {
+            detach_pinned(&path);
             gone(std::fs::remove_file(&path))?;
             n += 1;
         }
     }
     gone(std::fs::remove_dir(dir))?;
     Ok(n)
+}
+
+/// Detaches the link pinned at `path`, if a link is, so that it is gone from its hook
+/// before its pin is removed: removing the pin alone detaches it some time after
+/// (`syscall::link_detach`). Not a link (a map's pin), gone, or of a type that cannot
+/// be detached so (it goes with its pin): nothing to do.
+fn detach_pinned(path: &Path) {
+    match obj_get(path).and_then(|fd| super::syscall::link_detach(fd.as_fd())) {
+        Ok(()) => {}
+        Err(e)
+            if matches!(
+                e.raw_os_error(),
+                Some(libc::EINVAL | libc::EOPNOTSUPP | libc::ENOENT)
+            ) => {}
+        Err(e) => log::warn!("detaching the link pinned at {}: {e}", path.display()),
+    }
 }
 
 /// A bpf_link held by its pin. Dropping it keeps the pin, so that a daemon that exits
@@ -188,8 +205,9 @@ impl Pin {
         link_update(fd.as_fd(), prog)
     }
 
-    /// Removes the pin, which detaches the link (no fd holds it).
+    /// Detaches the link and removes its pin (`detach_pinned`).
     pub fn unpin(self) {
+        detach_pinned(&self.path);
         if let Err(e) = std::fs::remove_file(&self.path)
             && e.kind() != io::ErrorKind::NotFound
         {

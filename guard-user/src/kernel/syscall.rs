@@ -17,6 +17,7 @@ const BPF_PROG_GET_FD_BY_ID: libc::c_long = 13;
 const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
 const BPF_LINK_UPDATE: libc::c_long = 29;
 const BPF_LINK_GET_FD_BY_ID: libc::c_long = 30;
+const BPF_LINK_DETACH: libc::c_long = 34;
 const BPF_LINK_TYPE_CGROUP: u32 = 3;
 // enum bpf_prog_type.
 pub const BPF_PROG_TYPE_SOCKET_FILTER: u32 = 1;
@@ -155,6 +156,18 @@ fn obj_info<T: Default>(fd: BorrowedFd<'_>) -> io::Result<T> {
 
 fn link_info(fd: BorrowedFd<'_>) -> io::Result<LinkInfo> {
     obj_info(fd)
+}
+
+/// Detaches link `link` now, in the calling thread (BPF_LINK_DETACH: link_fd). Removing
+/// a link's last pin detaches it later: bpffs frees the inode in an RCU callback
+/// (bpf_free_inode()), whose bpf_link_put() hands the release to a workqueue
+/// (kernel/bpf/inode.c, kernel/bpf/syscall.c). A detached link stays, defunct, until
+/// its last reference goes. EOPNOTSUPP for a link type without a detach operation.
+pub fn link_detach(link: BorrowedFd<'_>) -> io::Result<()> {
+    let mut attr = link.as_raw_fd() as u32;
+    // SAFETY: BPF_LINK_DETACH reads one field, link_fd.
+    unsafe { bpf(BPF_LINK_DETACH, &mut attr) }?;
+    Ok(())
 }
 
 /// The kernel's id of the link `fd`.
