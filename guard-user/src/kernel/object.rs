@@ -1,10 +1,12 @@
 //! The embedded eBPF object: loading it, attaching its programs, and their costs.
+use std::collections::BTreeMap;
+
 use anyhow::{Context, bail};
 use aya::{
     Btf, Ebpf, EbpfLoader,
     programs::{
         BtfTracePoint, CgroupAttachMode, CgroupSkb, CgroupSkbAttachType, CgroupSock,
-        CgroupSockAddr, CgroupSockopt, SchedClassifier, SockOps, TcAttachType,
+        CgroupSockAddr, CgroupSockopt, Program, SchedClassifier, SockOps, TcAttachType,
         cgroup_skb::CgroupSkbLink,
         links::LinkOrder,
         tc::{NlOptions, SchedClassifierLink, TcAttachOptions},
@@ -20,8 +22,8 @@ use super::{
 
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/guard-ebpf"));
 
-/// The connection programs, attached to cgroups by `cgroup_links`.
-const CGROUP_SOCK_ADDR: &[&str] = &[program::CONNECT4, program::CONNECT6];
+/// The connection programs beside connect4 and connect6, attached to cgroups by
+/// `cgroup_links`.
 const CGROUP_SOCK: &[&str] = &[program::SOCK_CREATE, program::SOCK_RELEASE];
 const SOCK_OPS: &[&str] = &[program::SOCK_STATE];
 /// The host-wide programs: (program, BTF tracepoint), attached while `backstop` wants.
@@ -63,6 +65,9 @@ pub fn load(
     controls: u32,
     destinations: u32,
 ) -> anyhow::Result<Loaded> {
+    // Kernel BTF, for the tracepoints, is parsed beside the loader's own parse of it
+    // (EbpfLoader::new) and the object's load: megabytes of types each.
+    let btf = std::thread::spawn(Btf::from_sys_fs);
     let has_set_retval = u8::from(features.has(Feature::SetRetval));
     let offsets = if features.has(Feature::ListenerPerSyn) {
         super::btf::sock_offsets()
@@ -92,47 +97,23 @@ pub fn load(
     if state.adopted {
         warn_pinned_size(state, destinations);
     }
-    for name in CGROUP_SOCK_ADDR {
-        let prog: &mut CgroupSockAddr = program(&mut ebpf, name)?.try_into()?;
-        let started = std::time::Instant::now();
-        prog.load().with_context(|| format!("loading {name}"))?;
-        // The verifier's work, which grows with the paths through the program: the
-        // figure to watch when the connect hooks grow (1,000,000 is the limit).
-        log::debug!(
-            "{name}: verified {:?} instructions in {:?}",
-            prog.info()
-                .ok()
-                .and_then(|i| i.verified_instruction_count()),
-            started.elapsed()
-        );
-    }
-    for name in CGROUP_SOCK {
-        let prog: &mut CgroupSock = program(&mut ebpf, name)?.try_into()?;
-        prog.load().with_context(|| format!("loading {name}"))?;
-    }
-    for name in SOCK_OPS {
-        let prog: &mut SockOps = program(&mut ebpf, name)?.try_into()?;
-        prog.load().with_context(|| format!("loading {name}"))?;
-    }
-    let per_syn = offsets.is_some() && load_listener(&mut ebpf, program::LISTENER_SHED).is_ok();
-    if !per_syn {
-        load_listener(&mut ebpf, program::LISTENER_SHED_POLLED)?;
-    }
-    let name = program::ADJUST;
-    let prog: &mut SchedClassifier = program(&mut ebpf, name)?.try_into()?;
-    prog.load().with_context(|| format!("loading {name}"))?;
-    let name = program::DRILL_EGRESS;
-    let prog: &mut CgroupSkb = program(&mut ebpf, name)?.try_into()?;
-    prog.load().with_context(|| format!("loading {name}"))?;
-    let name = program::SEED;
-    let prog: &mut CgroupSockopt = program(&mut ebpf, name)?.try_into()?;
-    prog.load().with_context(|| format!("loading {name}"))?;
-    let btf = Btf::from_sys_fs().context("reading kernel BTF from /sys/kernel/btf/vmlinux")?;
-    for (name, tracepoint) in TP_BTF {
-        let prog: &mut BtfTracePoint = program(&mut ebpf, name)?.try_into()?;
-        prog.load(tracepoint, &btf)
-            .with_context(|| format!("loading {name}"))?;
-    }
+    let btf = btf
+        .join()
+        .map_err(|_| anyhow::anyhow!("parsing kernel BTF panicked"))?
+        .context("reading kernel BTF from /sys/kernel/btf/vmlinux")?;
+    let mut programs: BTreeMap<&str, &mut Program> = ebpf.programs_mut().collect();
+    let connect4 = take(&mut programs, program::CONNECT4)?;
+    // The connect programs are most of the verifier's time (many paths each, and more
+    // on some kernels): connect4 is verified on a thread of its own, beside the others.
+    let per_syn = std::thread::scope(|s| {
+        let connect4 = s.spawn(|| load_connect(program::CONNECT4, connect4));
+        let rest = load_others(&mut programs, offsets.is_some(), &btf);
+        connect4
+            .join()
+            .map_err(|_| anyhow::anyhow!("loading {} panicked", program::CONNECT4))??;
+        rest
+    })?;
+    drop(programs);
     Ok(Loaded {
         ebpf,
         sock_ops_comm,
@@ -140,10 +121,83 @@ pub fn load(
     })
 }
 
+/// The program `name`, taken out of `programs`.
+fn take<'a>(
+    programs: &mut BTreeMap<&str, &'a mut Program>,
+    name: &str,
+) -> anyhow::Result<&'a mut Program> {
+    programs
+        .remove(name)
+        .with_context(|| format!("program {name} missing from the eBPF object"))
+}
+
+/// Loads connect program `name`.
+fn load_connect(name: &str, prog: &mut Program) -> anyhow::Result<()> {
+    let prog: &mut CgroupSockAddr = prog.try_into()?;
+    let started = std::time::Instant::now();
+    prog.load().with_context(|| format!("loading {name}"))?;
+    // The verifier's work, which grows with the paths through the program: the figure
+    // to watch when the connect hooks grow (1,000,000 is the limit).
+    log::debug!(
+        "{name}: verified {:?} instructions in {:?}",
+        prog.info()
+            .ok()
+            .and_then(|i| i.verified_instruction_count()),
+        started.elapsed()
+    );
+    Ok(())
+}
+
+/// Loads every program but connect4; returns whether the per-SYN listener program
+/// loaded (`per_syn_offsets`: the kernel's BTF gave its socket offsets), else the polled
+/// one did.
+fn load_others(
+    programs: &mut BTreeMap<&str, &mut Program>,
+    per_syn_offsets: bool,
+    btf: &Btf,
+) -> anyhow::Result<bool> {
+    load_connect(program::CONNECT6, take(programs, program::CONNECT6)?)?;
+    for name in CGROUP_SOCK {
+        let prog: &mut CgroupSock = take(programs, name)?.try_into()?;
+        prog.load().with_context(|| format!("loading {name}"))?;
+    }
+    for name in SOCK_OPS {
+        let prog: &mut SockOps = take(programs, name)?.try_into()?;
+        prog.load().with_context(|| format!("loading {name}"))?;
+    }
+    let per_syn = per_syn_offsets
+        && load_listener(
+            take(programs, program::LISTENER_SHED)?,
+            program::LISTENER_SHED,
+        )
+        .is_ok();
+    if !per_syn {
+        load_listener(
+            take(programs, program::LISTENER_SHED_POLLED)?,
+            program::LISTENER_SHED_POLLED,
+        )?;
+    }
+    let name = program::ADJUST;
+    let prog: &mut SchedClassifier = take(programs, name)?.try_into()?;
+    prog.load().with_context(|| format!("loading {name}"))?;
+    let name = program::DRILL_EGRESS;
+    let prog: &mut CgroupSkb = take(programs, name)?.try_into()?;
+    prog.load().with_context(|| format!("loading {name}"))?;
+    let name = program::SEED;
+    let prog: &mut CgroupSockopt = take(programs, name)?.try_into()?;
+    prog.load().with_context(|| format!("loading {name}"))?;
+    for (name, tracepoint) in TP_BTF {
+        let prog: &mut BtfTracePoint = take(programs, name)?.try_into()?;
+        prog.load(tracepoint, btf)
+            .with_context(|| format!("loading {name}"))?;
+    }
+    Ok(per_syn)
+}
+
 /// Loads the listener program `name`; a per-SYN one the verifier refuses is logged, and
 /// the caller loads the polled one.
-fn load_listener(ebpf: &mut Ebpf, name: &str) -> anyhow::Result<()> {
-    let prog: &mut SchedClassifier = program(ebpf, name)?.try_into()?;
+fn load_listener(prog: &mut Program, name: &str) -> anyhow::Result<()> {
+    let prog: &mut SchedClassifier = prog.try_into()?;
     prog.load()
         .with_context(|| format!("loading {name}"))
         .inspect_err(|e| log::warn!("{e:#}"))
