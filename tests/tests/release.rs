@@ -155,7 +155,7 @@ fn idle_destinations_are_forgotten_and_scope_totals_stay() {
 /// sees it loaded within its poll and attaches the state tracepoint, and 1,000
 /// connections still end with every admission released and every TIME_WAIT counted,
 /// exactly (the tracepoint releases them). Once it is unloaded the tracepoint stays, for
-/// the sockets it saw.
+/// the sockets it saw, and so it does after two restarts, until `connguard stop`.
 #[test]
 fn a_foreign_sock_ops_program_that_rewrites_callback_flags_loses_no_release() {
     let ns = Netns::new("cgforeign");
@@ -166,9 +166,8 @@ fn a_foreign_sock_ops_program_that_rewrites_callback_flags_loses_no_release() {
         netns: ns.path(),
         ports: vec![ServePort::plain(8080), ServePort::plain(8081)],
     });
-    let d =
-        Daemon::builder(Policy::new().scope(Scope::new("foreign", &cg.rel).mode(Mode::Observe)))
-            .start();
+    let policy = Policy::new().scope(Scope::new("foreign", &cg.rel).mode(Mode::Observe));
+    let mut d = Daemon::builder(&policy).start();
     let foreign = connguard_tests::ForeignSockOps::attach(&cg);
     let seen = |d: &Daemon| {
         let hw = d.stats().host_wide;
@@ -206,15 +205,34 @@ fn a_foreign_sock_ops_program_that_rewrites_callback_flags_loses_no_release() {
         assert!(Instant::now() < deadline, "still named: {:?}", seen(&d).1);
         std::thread::sleep(Duration::from_millis(20));
     }
-    let hw = d.stats().host_wide;
+    // So does every daemon after it on the same state: the second restart finds the
+    // mark the first one found.
+    for restart in 0..3 {
+        let hw = d.stats().host_wide;
+        assert!(
+            hw.attached.iter().any(|p| p == "sock_set_state")
+                && hw
+                    .because
+                    .iter()
+                    .any(|w| w.contains("was loaded since the state was created")),
+            "after {restart} restart(s): {hw:?}"
+        );
+        if restart < 2 {
+            d.exit_keeping_state(libc::SIGTERM);
+            d = Daemon::builder(&policy).adopting().start();
+        }
+    }
+    // A stop takes the mark with the rest of the state: nothing is left in bpffs.
+    let out = d.cli(&["stop"]);
+    assert!(out.status.success(), "{out:?}");
+    let root = std::path::Path::new("/sys/fs/bpf/connguard");
     assert!(
-        hw.attached.iter().any(|p| p == "sock_set_state")
-            && hw
-                .because
-                .iter()
-                .any(|w| w.contains("was loaded since the state was created")),
-        "{hw:?}"
+        !root.exists(),
+        "{} is left: {:?}",
+        root.display(),
+        std::fs::read_dir(root).map(|d| d.flatten().map(|e| e.file_name()).collect::<Vec<_>>())
     );
+    d.exit_keeping_state(libc::SIGTERM);
 }
 
 /// A connect that fails before leaving TCP_CLOSE (no route) holds its admission until

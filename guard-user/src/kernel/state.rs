@@ -6,7 +6,8 @@
 //! before a restart is released into the same counters when it closes. The links are
 //! pinned too, so the programs stay attached while no daemon runs; the next daemon
 //! moves each to its own programs (BPF_LINK_UPDATE), with no moment unattached. A pin,
-//! not a file descriptor, holds each link: removing the pin detaches it.
+//! not a file descriptor, holds each link; a link is detached, then its pin removed
+//! (`detach_pinned`).
 use std::{
     fs::File,
     io,
@@ -69,21 +70,35 @@ impl State {
         self.dir.join("links")
     }
 
-    /// The state directories of other layouts (left by a daemon of another version).
+    /// The state directories of other layouts (left by a daemon of another version):
+    /// `v<layout>`, not this one's.
     pub fn other_layouts(&self) -> Vec<PathBuf> {
+        self.entries(|p| *p != self.dir && is_layout(p))
+    }
+
+    /// The root's entries that are no layout's: marks every layout shares (that a
+    /// foreign sock_ops program was seen, kernel::backstop).
+    fn marks(&self) -> Vec<PathBuf> {
+        self.entries(|p| !is_layout(p))
+    }
+
+    fn entries(&self, keep: impl Fn(&PathBuf) -> bool) -> Vec<PathBuf> {
         std::fs::read_dir(&self.root)
             .into_iter()
             .flatten()
             .flatten()
             .map(|e| e.path())
-            .filter(|p| *p != self.dir)
+            .filter(keep)
             .collect()
     }
 
-    /// Removes this layout's pins: its links detach, its maps go when their last
-    /// program does.
+    /// Removes this layout's pins (its links detach, its maps go when their last
+    /// program does) and the root's marks.
     pub fn remove(&self) -> io::Result<usize> {
         let n = remove_pins(&self.dir)?;
+        for mark in self.marks() {
+            remove_pins(&mark)?;
+        }
         remove_root(&self.root)?;
         Ok(n)
     }
@@ -91,6 +106,14 @@ impl State {
     pub fn root(&self) -> &Path {
         &self.root
     }
+}
+
+/// Whether `p` is a layout's state directory: `v<layout>`.
+fn is_layout(p: &Path) -> bool {
+    p.file_name()
+        .and_then(|n| n.to_str())
+        .and_then(|n| n.strip_prefix('v'))
+        .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
 }
 
 /// Removes the root once nothing is pinned below it, so that a clean stop leaves
@@ -226,5 +249,28 @@ impl Drop for Detaching {
         for pin in self.0.drain(..) {
             pin.unpin();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// Other layouts are the `v<digits>` directories of the root but this one's; every
+    /// other entry (the foreign sock_ops mark, a `vx1`) is a mark, removed at a stop.
+    #[test]
+    fn other_layouts_are_the_v_directories_only() {
+        let root = std::env::temp_dir().join(format!("connguard-layouts-{}", std::process::id()));
+        for d in ["v7", "v8", "foreign-sock-ops-seen", "vx1"] {
+            std::fs::create_dir_all(root.join(d)).unwrap();
+        }
+        let state = super::State::open(&root, 8).unwrap();
+        let others = state.other_layouts();
+        let mut marks = state.marks();
+        marks.sort();
+        std::fs::remove_dir_all(&root).unwrap();
+        assert_eq!(others, vec![root.join("v7")]);
+        assert_eq!(
+            marks,
+            [root.join("foreign-sock-ops-seen"), root.join("vx1")]
+        );
     }
 }
