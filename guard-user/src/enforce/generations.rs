@@ -191,6 +191,8 @@ impl Generations {
             Ok(())
         })();
         if let Err(e) = result {
+            // Detached here, under the caller's locks: an error is rare, and links left
+            // for a later detach could meet the same cgroup's next attach.
             drop(self.links.detach_others(&self.tops));
             // Leave nothing half-written in the idle generation.
             for id in scopes.keys() {
@@ -385,6 +387,7 @@ impl Generations {
         self.tops = tops;
         match failed {
             Some(e) => {
+                // As in `apply`'s error path.
                 drop(detached);
                 Err(e)
             }

@@ -42,8 +42,8 @@ const RELEASING: [&str; 2] = [SOCK_STATE, SOCK_RELEASE];
 /// after two attaches (each waits for the kernel's cgroup_mutex, which a service
 /// restart's rmdir, mkdir and move of its first process contend for); sock_release
 /// last. The releasing programs stay as long as the cgroup lives: a socket admitted here
-/// may need them to its end, long after a reload stopped selecting the cgroup. Dropping
-/// a link closes its fd, which detaches it.
+/// may need them to its end, long after a reload stopped selecting the cgroup. A link is
+/// detached when the `Detaching` holding its pin is dropped.
 struct Attachment {
     dir: PathBuf,
     /// Empty once the cgroup is no longer wanted; else one per `ADMITTING`.
@@ -82,6 +82,10 @@ pub struct CgroupLinks {
     removed: BTreeMap<u64, Attachment>,
     /// Cgroups whose attach failed, warned about once; tried again at each walk.
     failed: BTreeSet<u64>,
+    /// Links `finish_adoption` takes off, detached with what the `detach_others` that
+    /// follows it hands out: detaching waits for the kernel's cgroup_mutex, not to be
+    /// done under the caller's locks.
+    pending: Vec<Pin>,
 }
 
 /// Attachments of removed cgroups, taken out to be asked about without the caller's
@@ -170,6 +174,7 @@ impl CgroupLinks {
             attached: BTreeMap::new(),
             removed: BTreeMap::new(),
             failed: BTreeSet::new(),
+            pending: Vec::new(),
         }
     }
 
@@ -195,12 +200,12 @@ impl CgroupLinks {
             });
             if let Err(e) = moved {
                 log::warn!("cgroup {id}: {e:#}; its links are detached, attached again if wanted");
-                drop(Detaching(a.into_pins().collect()));
+                self.pending.extend(a.into_pins());
                 self.failed.insert(id);
                 continue;
             }
             let Some(dir) = wanted.get(&id) else {
-                drop(Detaching(std::mem::take(&mut a.admit)));
+                self.pending.append(&mut a.admit);
                 self.removed.insert(id, a);
                 continue;
             };
@@ -261,13 +266,14 @@ impl CgroupLinks {
         }
     }
 
-    /// Detaches the admitting programs from every attached cgroup not in `wanted`, when
-    /// the result is dropped: drop it outside the caller's locks, as detaching takes
-    /// the kernel's cgroup_mutex. The releasing programs stay while the cgroup lives.
-    /// The attachments of a removed cgroup are kept until the kernel detaches them (a
-    /// cgroup renamed is taken for removed, and keeps them while it lives).
+    /// Detaches the admitting programs from every attached cgroup not in `wanted`, and
+    /// the links `finish_adoption` took off, when the result is dropped: drop it outside the
+    /// caller's locks, as detaching takes the kernel's cgroup_mutex. The releasing
+    /// programs stay while the cgroup lives. The attachments of a removed cgroup are
+    /// kept until the kernel detaches them (a cgroup renamed is taken for removed, and
+    /// keeps them while it lives).
     pub fn detach_others(&mut self, wanted: &BTreeMap<u64, PathBuf>) -> Detached {
-        let mut links = Vec::new();
+        let mut links = std::mem::take(&mut self.pending);
         let gone: Vec<u64> = self
             .attached
             .iter()

@@ -65,9 +65,6 @@ pub fn load(
     controls: u32,
     destinations: u32,
 ) -> anyhow::Result<Loaded> {
-    // Kernel BTF, for the tracepoints, is parsed beside the loader's own parse of it
-    // (EbpfLoader::new) and the object's load: megabytes of types each.
-    let btf = std::thread::spawn(Btf::from_sys_fs);
     let has_set_retval = u8::from(features.has(Feature::SetRetval));
     let offsets = if features.has(Feature::ListenerPerSyn) {
         super::btf::sock_offsets()
@@ -97,17 +94,13 @@ pub fn load(
     if state.adopted {
         warn_pinned_size(state, destinations);
     }
-    let btf = btf
-        .join()
-        .map_err(|_| anyhow::anyhow!("parsing kernel BTF panicked"))?
-        .context("reading kernel BTF from /sys/kernel/btf/vmlinux")?;
     let mut programs: BTreeMap<&str, &mut Program> = ebpf.programs_mut().collect();
     let connect4 = take(&mut programs, program::CONNECT4)?;
     // The connect programs are most of the verifier's time (many paths each, and more
     // on some kernels): connect4 is verified on a thread of its own, beside the others.
     let per_syn = std::thread::scope(|s| {
         let connect4 = s.spawn(|| load_connect(program::CONNECT4, connect4));
-        let rest = load_others(&mut programs, offsets.is_some(), &btf);
+        let rest = load_others(&mut programs, offsets.is_some());
         connect4
             .join()
             .map_err(|_| anyhow::anyhow!("loading {} panicked", program::CONNECT4))??;
@@ -154,7 +147,6 @@ fn load_connect(name: &str, prog: &mut Program) -> anyhow::Result<()> {
 fn load_others(
     programs: &mut BTreeMap<&str, &mut Program>,
     per_syn_offsets: bool,
-    btf: &Btf,
 ) -> anyhow::Result<bool> {
     load_connect(program::CONNECT6, take(programs, program::CONNECT6)?)?;
     for name in CGROUP_SOCK {
@@ -186,9 +178,10 @@ fn load_others(
     let name = program::SEED;
     let prog: &mut CgroupSockopt = take(programs, name)?.try_into()?;
     prog.load().with_context(|| format!("loading {name}"))?;
+    let btf = Btf::from_sys_fs().context("reading kernel BTF from /sys/kernel/btf/vmlinux")?;
     for (name, tracepoint) in TP_BTF {
         let prog: &mut BtfTracePoint = take(programs, name)?.try_into()?;
-        prog.load(tracepoint, btf)
+        prog.load(tracepoint, &btf)
             .with_context(|| format!("loading {name}"))?;
     }
     Ok(per_syn)

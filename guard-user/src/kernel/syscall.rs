@@ -158,7 +158,7 @@ fn link_info(fd: BorrowedFd<'_>) -> io::Result<LinkInfo> {
     obj_info(fd)
 }
 
-/// Detaches link `link` now, in the calling thread (BPF_LINK_DETACH: link_fd). Removing
+/// Detaches link `link` at once, in the calling thread (BPF_LINK_DETACH: link_fd). Removing
 /// a link's last pin detaches it later: bpffs frees the inode in an RCU callback
 /// (bpf_free_inode()), whose bpf_link_put() hands the release to a workqueue
 /// (kernel/bpf/inode.c, kernel/bpf/syscall.c). A detached link stays, defunct, until
