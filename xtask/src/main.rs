@@ -125,7 +125,7 @@ fn main() -> anyhow::Result<()> {
             no_vm,
             args,
         } => {
-            timed("setup and build", build)?;
+            timed("setup and build", build_tests)?;
             timed("host tests", || {
                 cargo(
                     &["test", "--release", "--workspace", "--", "--test-threads=1"],
@@ -147,7 +147,7 @@ fn main() -> anyhow::Result<()> {
             args,
             ..
         } => {
-            build()?;
+            build_tests()?;
             let series: Vec<&str> = series.iter().map(String::as_str).collect();
             vm::run(&root(), &series, &integration_tests()?, &args)
         }
@@ -213,6 +213,14 @@ fn write_between_markers(page: &str, begin: &str, end: &str, text: &str) -> anyh
 fn build() -> anyhow::Result<()> {
     setup::run()?;
     cargo(&["build", "--release", "--workspace", "--bins"], &[])
+}
+
+/// Sets up and builds what `cargo test --release --workspace` runs, the binaries
+/// included, with the features the tests unify (the dev-dependencies'): a build with
+/// `build`'s features first would build most dependencies twice.
+fn build_tests() -> anyhow::Result<()> {
+    setup::run()?;
+    cargo(&["test", "--release", "--workspace", "--no-run"], &[])
 }
 
 fn cargo(args: &[&str], extra: &[String]) -> anyhow::Result<()> {
