@@ -103,7 +103,7 @@ pub fn load(
         let rest = load_others(&mut programs, offsets.is_some());
         connect4
             .join()
-            .map_err(|_| anyhow::anyhow!("loading {} panicked", program::CONNECT4))??;
+            .unwrap_or_else(|panic| std::panic::resume_unwind(panic))?;
         rest
     })?;
     drop(programs);
