@@ -38,6 +38,10 @@ pub const STAT_LEASE_EXPIRED: u32 = 1;
 pub const STAT_LOST_EVENTS: u32 = 2;
 pub const STAT_COUNT: u32 = 3;
 
+/// The daemon's default state root in bpffs (`connguard run --state-dir`): each layout's
+/// state is its directory `v<STATE_LAYOUT>` there.
+pub const STATE_ROOT: &str = "/sys/fs/bpf/connguard";
+
 /// Version of the layout of the pinned maps (`names::map::PINNED`): their types, keys,
 /// values and sizes, and the meaning of their fields. A daemon adopts pinned state of its
 /// own layout only, so a change to any of them takes a new number: the next start

@@ -37,6 +37,7 @@ use serde::de::DeserializeOwned;
 
 pub mod probe;
 
+pub use guard_common::STATE_ROOT;
 pub use probe::{Outcome, Probe, ServePort};
 
 /// CLOCK_MONOTONIC in ms: one clock for a test and the probes it starts.
@@ -1239,15 +1240,27 @@ pub fn wait_attached(cg: &Cgroup, attach_type: u32) {
     }
 }
 
+/// The state directory of this build's layout under the default root:
+/// `/sys/fs/bpf/connguard/v<STATE_LAYOUT>`.
+pub fn state_dir() -> String {
+    format!(
+        "{}/v{}",
+        guard_common::STATE_ROOT,
+        guard_common::STATE_LAYOUT
+    )
+}
+
+/// The pin of the map NAME of the daemon's state: `state_dir()/maps/NAME`.
+pub fn pinned_map_path(name: &str) -> String {
+    format!("{}/maps/{name}", state_dir())
+}
+
 /// The kernel memory a map of the daemon's pinned state holds, and its size: `memlock`
-/// and `max_entries` of its fdinfo (/sys/fs/bpf/connguard/v<layout>/maps/NAME).
+/// and `max_entries` of its fdinfo (`pinned_map_path`).
 pub fn pinned_map_memory(name: &str) -> (u64, u64) {
     use std::os::fd::{FromRawFd, OwnedFd};
     const BPF_OBJ_GET: libc::c_long = 7;
-    let path = format!(
-        "/sys/fs/bpf/connguard/v{}/maps/{name}\0",
-        guard_common::STATE_LAYOUT
-    );
+    let path = format!("{}\0", pinned_map_path(name));
     // union bpf_attr's obj member: pathname, bpf_fd, file_flags.
     let mut attr = [0u64; 2];
     attr[0] = path.as_ptr() as u64;

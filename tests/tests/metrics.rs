@@ -12,7 +12,7 @@ use std::{
 use aya::maps::{HashMap, Map, MapData, MapError};
 use connguard_api::policy::{Limited, Mode, Policy, Scope};
 use connguard_tests::{Cgroup, Daemon, Probe, Server};
-use guard_common::{Counter, CounterKey, MAX_SCOPE_IDS, STATE_LAYOUT, TimeWaitKey};
+use guard_common::{Counter, CounterKey, MAX_SCOPE_IDS, TimeWaitKey};
 use serde::Deserialize;
 
 /// The value of the series `name{labels}` in a scrape.
@@ -129,7 +129,7 @@ fn other_never_goes_down_as_destinations_enter_the_top_and_are_forgotten() {
 
 /// A pinned map of the daemon's state, opened by its path.
 fn pinned<K: aya::Pod, V: aya::Pod>(name: &str) -> HashMap<MapData, K, V> {
-    let path = format!("/sys/fs/bpf/connguard/v{STATE_LAYOUT}/maps/{name}");
+    let path = connguard_tests::pinned_map_path(name);
     let data = MapData::from_pin(&path).unwrap_or_else(|e| panic!("opening {path}: {e}"));
     HashMap::try_from(Map::from_map_data(data).unwrap()).unwrap()
 }

@@ -433,11 +433,7 @@ fn a_full_time_wait_map_costs_the_daemon_a_few_copies_of_it() {
     };
     std::thread::sleep(std::time::Duration::from_secs(2));
     let empty = rss_kib();
-    let map = format!(
-        "/sys/fs/bpf/connguard/v{}/maps/{}",
-        guard_common::STATE_LAYOUT,
-        guard_common::names::map::TIME_WAITS
-    );
+    let map = connguard_tests::pinned_map_path(guard_common::names::map::TIME_WAITS);
     // Keys as guard_common::TimeWaitKey lays them out: netns, scope id, port, padding,
     // then the IPv4-mapped source and destination; each a destination of its own.
     let hex = |bytes: &[u8]| {

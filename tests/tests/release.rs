@@ -225,7 +225,7 @@ fn a_foreign_sock_ops_program_that_rewrites_callback_flags_loses_no_release() {
     // A stop takes the mark with the rest of the state: nothing is left in bpffs.
     let out = d.cli(&["stop"]);
     assert!(out.status.success(), "{out:?}");
-    let root = std::path::Path::new("/sys/fs/bpf/connguard");
+    let root = std::path::Path::new(guard_common::STATE_ROOT);
     assert!(
         !root.exists(),
         "{} is left: {:?}",

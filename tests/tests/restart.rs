@@ -110,10 +110,7 @@ fn a_daemon_gone_for_good_fails_open_after_its_lease_and_the_next_adopts_its_cou
 
 /// Until when (CLOCK_MONOTONIC ns) the programs may shed: `LEASE[0]` of the pinned state.
 fn lease_deadline() -> u64 {
-    let map = format!(
-        "/sys/fs/bpf/connguard/v{}/maps/LEASE",
-        guard_common::STATE_LAYOUT
-    );
+    let map = connguard_tests::pinned_map_path(guard_common::names::map::LEASE);
     let out = std::process::Command::new("bpftool")
         .args([
             "-j", "map", "lookup", "pinned", &map, "key", "0", "0", "0", "0",
@@ -176,7 +173,7 @@ fn stop_detaches_and_unpins_everything() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let dir = format!("/sys/fs/bpf/connguard/v{}", guard_common::STATE_LAYOUT);
+    let dir = connguard_tests::state_dir();
     assert!(!std::path::Path::new(&dir).exists());
     assert_eq!(
         connguard_tests::attached_programs(&cg.path, connguard_tests::BPF_CGROUP_INET4_CONNECT),
@@ -201,7 +198,7 @@ fn a_daemon_of_another_state_layout_seeds_and_replaces_the_old_state() {
     let held = cg.hold(Probe::hold(server.addr, 2, 2));
     assert_eq!(held.outcome.ok, 2, "{:?}", held.outcome);
     d.exit_keeping_state(libc::SIGTERM);
-    let old = format!("/sys/fs/bpf/connguard/v{}", guard_common::STATE_LAYOUT);
+    let old = connguard_tests::state_dir();
     assert!(std::path::Path::new(&old).exists());
 
     let layout = (guard_common::STATE_LAYOUT + 1).to_string();
@@ -286,10 +283,7 @@ fn set_scope_counter(counter: guard_common::Counter) {
         )
     };
     let value: Vec<String> = bytes.iter().map(|b| b.to_string()).collect();
-    let map = format!(
-        "/sys/fs/bpf/connguard/v{}/maps/SCOPE_COUNTERS",
-        guard_common::STATE_LAYOUT
-    );
+    let map = connguard_tests::pinned_map_path(guard_common::names::map::SCOPE_COUNTERS);
     let mut args = vec![
         "map", "update", "pinned", &map, "key", "0", "0", "0", "0", "value",
     ];

@@ -596,7 +596,7 @@ fn the_image_runs_as_the_daemonset_runs_it() {
         logs.contains("exiting with the programs attached"),
         "{logs}"
     );
-    let layouts: Vec<String> = std::fs::read_dir("/sys/fs/bpf/connguard")
+    let layouts: Vec<String> = std::fs::read_dir(connguard_tests::STATE_ROOT)
         .map(|d| {
             d.flatten()
                 .map(|e| e.file_name().to_string_lossy().into_owned())

@@ -171,7 +171,8 @@ const FEATURE_PATHS: &[&str] = &["kernel", "listeners", "listeners_per_source", 
 /// kernel where a test failed, a probe answered otherwise than `absent` says, or the
 /// guest gave no result. Each guest has 2 vCPUs: several side by side on 2 CPUs slow
 /// every test (a vCPU spins on a lock its descheduled sibling holds), and with 1 vCPU
-/// each, tests timed for 2 miss their deadlines.
+/// each, tests timed for 2 miss their deadlines. Both vCPUs run on one host thread
+/// (`boot`).
 pub fn run(
     root: &Path,
     series: &[&str],
@@ -314,9 +315,9 @@ fn prepare(
 
 impl Guest {
     /// Runs the guest, and once more if its kernel died of an int3 trap no text patch
-    /// owned (`int3_oops`): a fault of the emulation, not of the tests. Any other end,
-    /// and a second such crash, is the outcome. The first boot's console is kept as
-    /// console-int3.log.
+    /// owned (`int3_oops`): a fault of the emulation (multi-threaded TCG's, which `boot`
+    /// avoids), not of the tests. Any other end, and a second such crash, is the
+    /// outcome. The first boot's console is kept as console-int3.log.
     fn run_once_more_on_int3(&self, args: &[String]) -> anyhow::Result<()> {
         let Err(e) = self.run(args) else {
             return Ok(());
@@ -329,7 +330,7 @@ impl Guest {
         std::fs::rename(&console, &kept)?;
         eprintln!(
             "{e:#}\nvm: {}: the guest kernel died of an int3 trap while patching its text \
-             (a fault of qemu's multi-threaded TCG, docs/kernels.md); console in {}; \
+             (a fault of qemu's TCG, docs/kernels.md); console in {}; \
              booting it once more",
             self.release,
             kept.display()
@@ -498,8 +499,8 @@ fn crash_lines(console: &str) -> String {
     lines[from..lines.len().min(from + CRASH_LINES)].join("\n")
 }
 
-/// Whether the kernel died of an int3 trap (`Oops: int3` from Linux 6.9, `int3: 0000`
-/// before): the breakpoint x86 writes over an instruction while it patches kernel text
+/// Whether the kernel died of an int3 trap (`Oops: int3: 0000` on 6.12 and 7.2, a bare
+/// `int3: 0000` on older kernels): the breakpoint x86 writes over an instruction while it patches kernel text
 /// (arch/x86/kernel/alternative.c, `text_poke_bp_batch()`), met by a CPU after the
 /// patch was done, so that `poke_int3_handler()` owned no patch at that address. Under
 /// qemu's multi-threaded TCG it happens with no connguard at all (docs/kernels.md).
@@ -511,7 +512,9 @@ fn int3_oops(console: &str) -> bool {
 
 /// Boots the guest on `vmlinux` and `initrd`, with 2 vCPUs, to run `script`; its
 /// output goes to `out`, the console to work/console.log. A guest that hangs is ended
-/// after GUEST_TIMEOUT.
+/// after GUEST_TIMEOUT. The vCPUs take turns on one host thread (`thread=single`): under
+/// multi-threaded TCG a vCPU sometimes executes the int3 of a kernel text patch after
+/// the patch is done, and the kernel dies (`int3_oops`).
 fn boot(
     vmlinux: &Path,
     initrd: &Path,
@@ -523,7 +526,16 @@ fn boot(
         .arg(GUEST_TIMEOUT)
         .arg("qemu-system-x86_64")
         .args([
-            "-accel", "tcg", "-cpu", "max", "-M", "q35", "-m", "2G", "-smp", "2",
+            "-accel",
+            "tcg,thread=single",
+            "-cpu",
+            "max",
+            "-M",
+            "q35",
+            "-m",
+            "2G",
+            "-smp",
+            "2",
         ])
         .args(["-nographic", "-no-reboot", "-kernel"])
         .arg(vmlinux)

@@ -23,7 +23,7 @@ use super::syscall::{link_update, obj_get};
 /// Where every layout's state directory is, by default: one daemon's state. Daemons
 /// that govern disjoint cgroup trees of one host each take a root of their own
 /// (`connguard run --state-dir`).
-pub const ROOT: &str = "/sys/fs/bpf/connguard";
+pub const ROOT: &str = guard_common::STATE_ROOT;
 
 /// This daemon's state directory, locked for its life.
 pub struct State {
