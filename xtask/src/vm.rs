@@ -169,10 +169,8 @@ const FEATURE_PATHS: &[&str] = &["kernel", "listeners", "listeners_per_source", 
 /// Runs the integration test `binaries` (with `args`) in a guest booted on the newest
 /// kernel of each of `series`, one after another (see `shares`), and fails naming each
 /// kernel where a test failed, a probe answered otherwise than `absent` says, or the
-/// guest gave no result. Each guest has 2 vCPUs: several side by side on 2 CPUs slow
-/// every test (a vCPU spins on a lock its descheduled sibling holds), and with 1 vCPU
-/// each, tests timed for 2 miss their deadlines. Both vCPUs run on one host thread
-/// (`boot`).
+/// guest gave no result. Each guest has 2 vCPUs (with 1, tests timed for 2 miss their
+/// deadlines), which take turns on one host thread (`boot`).
 pub fn run(
     root: &Path,
     series: &[&str],
@@ -195,9 +193,7 @@ pub fn run(
         "a binary of FEATURE_PATHS {FEATURE_PATHS:?} is not among the integration tests"
     );
     for (series, share) in shares(&known, binaries) {
-        if let Err(e) =
-            prepare(root, series, &share, args).and_then(|g| g.run_once_more_on_int3(args))
-        {
+        if let Err(e) = prepare(root, series, &share, args).and_then(|g| g.run(args)) {
             eprintln!("{e:#}");
             failed.push(series.name);
         }
@@ -314,30 +310,6 @@ fn prepare(
 }
 
 impl Guest {
-    /// Runs the guest, and once more if its kernel died of an int3 trap no text patch
-    /// owned (`int3_oops`): a fault of the emulation (multi-threaded TCG's, which `boot`
-    /// avoids), not of the tests. Any other end, and a second such crash, is the
-    /// outcome. The first boot's console is kept as console-int3.log.
-    fn run_once_more_on_int3(&self, args: &[String]) -> anyhow::Result<()> {
-        let Err(e) = self.run(args) else {
-            return Ok(());
-        };
-        let console = self.work.join("console.log");
-        if !int3_oops(&std::fs::read_to_string(&console).unwrap_or_default()) {
-            return Err(e);
-        }
-        let kept = self.work.join("console-int3.log");
-        std::fs::rename(&console, &kept)?;
-        eprintln!(
-            "{e:#}\nvm: {}: the guest kernel died of an int3 trap while patching its text \
-             (a fault of qemu's TCG, docs/kernels.md); console in {}; \
-             booting it once more",
-            self.release,
-            kept.display()
-        );
-        self.run(args)
-    }
-
     /// Boots the guest, prints its output when it ends, writes result.json and checks
     /// the outcome.
     fn run(&self, args: &[String]) -> anyhow::Result<()> {
@@ -499,22 +471,11 @@ fn crash_lines(console: &str) -> String {
     lines[from..lines.len().min(from + CRASH_LINES)].join("\n")
 }
 
-/// Whether the kernel died of an int3 trap (`Oops: int3: 0000` on 6.12 and 7.2, a bare
-/// `int3: 0000` on older kernels): the breakpoint x86 writes over an instruction while it patches kernel text
-/// (arch/x86/kernel/alternative.c, `text_poke_bp_batch()`), met by a CPU after the
-/// patch was done, so that `poke_int3_handler()` owned no patch at that address. Under
-/// qemu's multi-threaded TCG it happens with no connguard at all (docs/kernels.md).
-fn int3_oops(console: &str) -> bool {
-    console
-        .lines()
-        .any(|l| l.contains("] Oops: int3: ") || l.contains("] int3: 0000 ["))
-}
-
 /// Boots the guest on `vmlinux` and `initrd`, with 2 vCPUs, to run `script`; its
 /// output goes to `out`, the console to work/console.log. A guest that hangs is ended
 /// after GUEST_TIMEOUT. The vCPUs take turns on one host thread (`thread=single`): under
 /// multi-threaded TCG a vCPU sometimes executes the int3 of a kernel text patch after
-/// the patch is done, and the kernel dies (`int3_oops`).
+/// the patch is done, and the kernel dies (docs/kernels.md).
 fn boot(
     vmlinux: &Path,
     initrd: &Path,
@@ -948,23 +909,21 @@ mod tests {
     }
 
     #[test]
-    fn a_crash_is_shown_from_its_first_report_and_an_int3_oops_is_named() {
-        let console = "Booting from ROM..[    2.4] Oops: int3: 0000 [#1] PREEMPT SMP NOPTI\n\
+    fn a_crash_is_shown_from_its_first_report() {
+        let console = "[    2.0] virtio_blk: ok\n\
+                       Booting from ROM..[    2.4] Oops: int3: 0000 [#1] PREEMPT SMP NOPTI\n\
                        [    2.5] RIP: 0010:sched_clock_cpu+0x9/0x1d0\n\
                        [    3.1] Kernel panic - not syncing: Attempted to kill init\n";
-        assert!(super::crash_lines(console).starts_with("Booting from ROM..[    2.4] Oops: int3"));
-        assert!(super::int3_oops(console));
-        assert!(super::int3_oops("[  1.0] int3: 0000 [#1] SMP NOPTI"));
-        let other =
-            "[    1.0] BUG: kernel NULL pointer dereference, address: 0\n[    1.1] RIP: x\n";
-        assert_eq!(super::crash_lines(other), other.trim_end());
-        assert!(!super::int3_oops(other));
-        let quiet: String = (0..50).map(|i| format!("line {i}\n")).collect();
-        let shown = super::crash_lines(&quiet);
-        assert!(
-            shown.starts_with("line 10\n") && shown.ends_with("line 49"),
-            "{shown}"
+        assert_eq!(
+            super::crash_lines(console),
+            console.split_once('\n').unwrap().1.trim_end()
         );
+        let long: String = (0..50).map(|i| format!("[    1.{i}] BUG: x\n")).collect();
+        let expected: Vec<String> = (0..40).map(|i| format!("[    1.{i}] BUG: x")).collect();
+        assert_eq!(super::crash_lines(&long), expected.join("\n"));
+        let quiet: String = (0..50).map(|i| format!("line {i}\n")).collect();
+        let expected: Vec<String> = (10..50).map(|i| format!("line {i}")).collect();
+        assert_eq!(super::crash_lines(&quiet), expected.join("\n"));
     }
 
     #[test]
