@@ -167,10 +167,10 @@ pub fn series_names() -> Vec<&'static str> {
 const FEATURE_PATHS: &[&str] = &["kernel", "listeners", "listeners_per_source", "ports"];
 
 /// Runs the integration test `binaries` (with `args`) in a guest booted on the newest
-/// kernel of each of `series`, one after another (see `shares`), and fails naming each
-/// kernel where a test failed, a probe answered otherwise than `absent` says, or the
-/// guest gave no result. Each guest has 2 vCPUs (with 1, tests timed for 2 miss their
-/// deadlines), which take turns on one host thread (`boot`).
+/// kernel of each of `series`, side by side (see `shares` and `run_side_by_side`), and
+/// fails naming each kernel where a test failed, a probe answered otherwise than `absent`
+/// says, or the guest gave no result. Each guest has 2 vCPUs (with 1, tests timed for 2
+/// miss their deadlines), which take turns on one host thread (`boot`).
 pub fn run(
     root: &Path,
     series: &[&str],
@@ -192,17 +192,51 @@ pub fn run(
             .all(|f| binaries.iter().any(|b| binary_name(b) == *f)),
         "a binary of FEATURE_PATHS {FEATURE_PATHS:?} is not among the integration tests"
     );
+    let mut guests = Vec::new();
     for (series, share) in shares(&known, binaries) {
-        if let Err(e) = prepare(root, series, &share, args).and_then(|g| g.run(args)) {
-            eprintln!("{e:#}");
-            failed.push(series.name);
+        match prepare(root, series, &share, args) {
+            Ok(guest) => guests.push(guest),
+            Err(e) => {
+                eprintln!("{e:#}");
+                failed.push(series.name);
+            }
         }
     }
+    failed.extend(run_side_by_side(guests, args));
     ensure!(
         failed.is_empty(),
         "the integration tests failed in the guests on {failed:?} (see above)"
     );
     Ok(())
+}
+
+/// Runs the `guests`, as many at a time as the host has CPUs (each guest's vCPUs share
+/// one host thread, `boot`), the guests with the most test binaries first and those where
+/// the daemon cannot run (a few tests each) last; returns the series that failed. Each
+/// guest's output is printed whole when it ends.
+fn run_side_by_side(mut guests: Vec<Guest>, args: &[String]) -> Vec<&'static str> {
+    guests.sort_by_key(|g| std::cmp::Reverse((g.series.daemon, g.binaries)));
+    let workers = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(guests.len());
+    let queue = std::sync::Mutex::new(guests.into_iter());
+    let failed = std::sync::Mutex::new(Vec::new());
+    std::thread::scope(|scope| {
+        for _ in 0..workers {
+            scope.spawn(|| {
+                while let Some(guest) = queue.lock().map(|mut q| q.next()).ok().flatten() {
+                    if let Err(e) = guest.run(args) {
+                        eprintln!("{e:#}");
+                        failed
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .push(guest.series.name);
+                    }
+                }
+            });
+        }
+    });
+    failed.into_inner().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Which binaries each guest runs, so that the matrix fits CI's time (a whole suite
