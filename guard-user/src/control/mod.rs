@@ -3,3 +3,4 @@
 pub mod client;
 pub mod metrics;
 pub mod server;
+mod stats_json;

@@ -135,9 +135,12 @@ async fn connection(
             deadline: Instant::now() + REPLY_DEADLINE,
         };
         let mut out = BufWriter::with_capacity(1 << 16, until);
-        let written = serde_json::to_writer(&mut out, &reply)
-            .map_err(std::io::Error::from)
-            .and_then(|()| out.flush());
+        let mut reply = reply;
+        let written = match &mut reply {
+            Reply::Stats(snapshot) => super::stats_json::write(&mut out, snapshot),
+            reply => serde_json::to_writer(&mut out, reply).map_err(std::io::Error::from),
+        }
+        .and_then(|()| out.flush());
         // Closes the socket: the client has its whole answer before the memory is freed.
         drop(out);
         drop(reply);
