@@ -211,11 +211,14 @@ pub fn run(
 }
 
 /// Runs the `guests`, as many at a time as the host has CPUs (each guest's vCPUs share
-/// one host thread, `boot`), the guests with the most test binaries first and those where
-/// the daemon cannot run (a few tests each) last; returns the series that failed. Each
-/// guest's output is printed whole when it ends.
+/// one host thread, `boot`): the guests with the most test binaries first, of those the
+/// newer kernel first (under TCG the newest takes longest over the same tests,
+/// docs/kernels.md), and those where the daemon cannot run (a few tests each) last.
+/// Returns the series that failed. Each guest's output is printed whole, under its name,
+/// when it ends.
 fn run_side_by_side(mut guests: Vec<Guest>, args: &[String]) -> Vec<&'static str> {
-    guests.sort_by_key(|g| std::cmp::Reverse((g.series.daemon, g.binaries)));
+    let newness = |g: &Guest| SERIES.iter().position(|s| s.name == g.series.name);
+    guests.sort_by_key(|g| std::cmp::Reverse((g.series.daemon, g.binaries, newness(g))));
     let workers = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
         .min(guests.len());
@@ -224,7 +227,8 @@ fn run_side_by_side(mut guests: Vec<Guest>, args: &[String]) -> Vec<&'static str
     std::thread::scope(|scope| {
         for _ in 0..workers {
             scope.spawn(|| {
-                while let Some(guest) = queue.lock().map(|mut q| q.next()).ok().flatten() {
+                let next = || queue.lock().unwrap_or_else(|p| p.into_inner()).next();
+                while let Some(guest) = next() {
                     if let Err(e) = guest.run(args) {
                         eprintln!("{e:#}");
                         failed
@@ -362,7 +366,8 @@ impl Guest {
         let started = std::time::Instant::now();
         let status = boot(vmlinux, initrd, &script, &out, work)?;
         let output = std::fs::read_to_string(&out).unwrap_or_default();
-        print!("{output}");
+        // One write, so that a guest's output is not split by another's.
+        print!("vm: {release}: the guest's output\n{output}");
         let seconds = started.elapsed().as_secs();
         let console = work.join("console.log");
         let Some(exit) = output
