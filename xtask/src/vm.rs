@@ -275,8 +275,9 @@ fn shares<'a>(series: &[&'a Series], binaries: &[String]) -> Vec<(&'a Series, Ve
             give(alike[i % alike.len()], b);
         }
     }
-    for (i, b) in others.iter().enumerate() {
-        give(capable[i % capable.len()], b);
+    // None where no guest runs the daemon (`--kernel 5.10`).
+    for (b, to) in others.iter().zip(capable.iter().cycle()) {
+        give(to, b);
     }
     shares
 }
@@ -945,6 +946,9 @@ mod tests {
         // 6.12 and 7 (one set): the feature paths in turn, the others in turn.
         assert_eq!(names(2), ["kernel", "ports", "breakers"]);
         assert_eq!(names(3), ["listeners", "rates"]);
+        // Where no guest runs the daemon, that guest's share alone.
+        let below = super::shares(&series[..1], &binaries);
+        assert_eq!((below.len(), below[0].1.len()), (1, 6));
     }
 
     #[test]
