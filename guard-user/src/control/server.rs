@@ -126,7 +126,7 @@ async fn connection(
     };
     let answered = tokio::task::spawn_blocking(move || {
         let _turn = turn;
-        let reply = match request {
+        let mut reply = match request {
             Ok(request) => handler.handle(request),
             Err(why) => Reply::error(why),
         };
@@ -135,7 +135,6 @@ async fn connection(
             deadline: Instant::now() + REPLY_DEADLINE,
         };
         let mut out = BufWriter::with_capacity(1 << 16, until);
-        let mut reply = reply;
         let written = match &mut reply {
             Reply::Stats(snapshot) => super::stats_json::write(&mut out, snapshot),
             reply => serde_json::to_writer(&mut out, reply).map_err(std::io::Error::from),

@@ -9,7 +9,7 @@
 //! container it writes: the rows of the n-th scope go into the n-th
 //! `scopes[].destinations` array, written empty by serde_json.
 use std::{
-    collections::HashMap,
+    collections::{HashMap, hash_map::Entry},
     io::{self, Write},
     sync::Arc,
 };
@@ -49,8 +49,7 @@ pub fn write(out: &mut impl Write, snapshot: &mut Snapshot) -> io::Result<()> {
 enum Open {
     /// An object, and the last key it was given, where that key is one `Splice` follows.
     Object(Option<Key>),
-    /// An array; `true` for a scope's `destinations`.
-    Array(bool),
+    Array,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -70,13 +69,13 @@ struct Splice<'a> {
 }
 
 impl Splice<'_> {
-    /// Whether an array begun now is a scope's `destinations`: the value of that key in
-    /// an object of the array that is the value of the root object's `scopes`.
+    /// Whether an array begun (or ended) here is a scope's `destinations`: the value of
+    /// that key in an object of the array that is the value of the root object's `scopes`.
     fn at_destinations(&self) -> bool {
         self.open
             == [
                 Open::Object(Some(Key::Scopes)),
-                Open::Array(false),
+                Open::Array,
                 Open::Object(Some(Key::Destinations)),
             ]
     }
@@ -94,13 +93,13 @@ impl Formatter for Splice<'_> {
     }
 
     fn begin_array<W: ?Sized + Write>(&mut self, writer: &mut W) -> io::Result<()> {
-        let destinations = self.at_destinations();
-        self.open.push(Open::Array(destinations));
+        self.open.push(Open::Array);
         CompactFormatter.begin_array(writer)
     }
 
     fn end_array<W: ?Sized + Write>(&mut self, writer: &mut W) -> io::Result<()> {
-        if self.open.pop() == Some(Open::Array(true)) {
+        self.open.pop();
+        if self.at_destinations() {
             // serde_json wrote `[` for the emptied vector and writes `]` below.
             let scope = self.next_scope;
             self.next_scope += 1;
@@ -175,10 +174,10 @@ impl Rows {
             match &row.rule {
                 None => out.write_all(b"null")?,
                 Some(rule) => {
-                    let json = self
-                        .rules
-                        .entry(Arc::as_ptr(rule) as *const u8 as usize)
-                        .or_insert_with(|| serde_json::to_vec(&**rule).unwrap_or_default());
+                    let json = match self.rules.entry(Arc::as_ptr(rule) as *const u8 as usize) {
+                        Entry::Occupied(e) => e.into_mut(),
+                        Entry::Vacant(e) => e.insert(serde_json::to_vec(&**rule)?),
+                    };
                     out.write_all(json)?;
                 }
             }
