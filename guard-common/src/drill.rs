@@ -34,12 +34,46 @@ pub const MAX_DRILL_PORTS: usize = 4;
 /// Most cgroups (pods, containers, units) one drill narrows its scope to.
 pub const MAX_DRILL_CGROUPS: usize = 16;
 
-/// A destination prefix: `addr` in the maps' form, `prefix_len` of its 128 bits.
+/// A destination prefix: `addr`, its 16 bytes in the maps' form (network byte order)
+/// read as two native-endian words, and `mask`, the prefix's bits set, in the same form.
+/// An address is in it when it equals `addr` under `mask`: no loop over its bytes for
+/// the verifier to walk at each call.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DrillNet {
-    pub addr: [u8; 16],
-    pub prefix_len: u32,
+    pub addr: [u64; 2],
+    pub mask: [u64; 2],
+}
+
+impl DrillNet {
+    /// The prefix of `addr` (the maps' form) and its first `prefix_len` bits (0 to 128).
+    pub fn new(addr: [u8; 16], prefix_len: u32) -> DrillNet {
+        let mask = u128::MAX
+            .checked_shl(128 - prefix_len.min(128))
+            .unwrap_or(0)
+            .to_be_bytes();
+        DrillNet {
+            addr: words(&addr),
+            mask: words(&mask),
+        }
+    }
+
+    /// Whether `addr` (16 bytes in the maps' form, as `words` gives them) is in it.
+    #[inline(always)]
+    pub fn contains(&self, addr: &[u64; 2]) -> bool {
+        ((addr[0] ^ self.addr[0]) & self.mask[0]) | ((addr[1] ^ self.addr[1]) & self.mask[1]) == 0
+    }
+}
+
+/// 16 bytes as two native-endian words, in their order.
+pub fn words(bytes: &[u8; 16]) -> [u64; 2] {
+    let (a, b) = bytes.split_at(8);
+    let word = |s: &[u8]| {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(s);
+        u64::from_ne_bytes(w)
+    };
+    [word(a), word(b)]
 }
 
 /// A cgroup a drill narrows its scope to: the connects of tasks in it or below it.
@@ -128,4 +162,38 @@ pub struct DrillMark {
     pub fault: u32,
     /// FAULT_DELAY: 1 once the first SYN was dropped.
     pub dropped: u32,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `addr` (an IPv4 address mapped to IPv6, or an IPv6 one) in the maps' form.
+    fn mapped(addr: &str) -> [u8; 16] {
+        match addr.parse::<core::net::IpAddr>().unwrap() {
+            core::net::IpAddr::V4(a) => a.to_ipv6_mapped().octets(),
+            core::net::IpAddr::V6(a) => a.octets(),
+        }
+    }
+
+    fn contains(net: &DrillNet, addr: &str) -> bool {
+        net.contains(&words(&mapped(addr)))
+    }
+
+    #[test]
+    fn a_prefix_holds_the_addresses_that_share_its_bits() {
+        // 10.0.0.0/8: 96 bits of the mapped prefix and 8.
+        let ten = DrillNet::new(mapped("10.0.0.0"), 104);
+        assert!(contains(&ten, "10.255.1.2"));
+        assert!(!contains(&ten, "11.0.0.1"));
+        assert!(!contains(&ten, "::a00:1"), "not mapped: another address");
+        // 127.0.0.0/31: the boundary inside a byte.
+        let pair = DrillNet::new(mapped("127.0.0.0"), 127);
+        assert!(contains(&pair, "127.0.0.0") && contains(&pair, "127.0.0.1"));
+        assert!(!contains(&pair, "127.0.0.2"));
+        let one = DrillNet::new(mapped("::1"), 128);
+        assert!(contains(&one, "::1") && !contains(&one, "::2"));
+        let every = DrillNet::new(mapped("::"), 0);
+        assert!(contains(&every, "192.0.2.1") && contains(&every, "2001:db8::1"));
+    }
 }

@@ -18,8 +18,8 @@ use aya_ebpf::{
 use guard_common::{
     SockState,
     drill::{
-        DrillConf, DrillCounts, DrillMark, DrillNet, FAULT_DELAY, FAULT_REFUSE, FAULT_RESET,
-        MAX_DRILL_CGROUPS, MAX_DRILL_NETS,
+        DrillConf, DrillCounts, DrillMark, FAULT_DELAY, FAULT_REFUSE, FAULT_RESET,
+        MAX_DRILL_CGROUPS, MAX_DRILL_NETS, words,
     },
     linux::TCP_SYN_SENT,
 };
@@ -219,12 +219,13 @@ fn in_cgroups(conf: &DrillConf) -> bool {
 /// Whether the drill targets `addr` and `port`.
 #[inline(always)]
 fn targets(conf: &DrillConf, addr: &[u8; 16], port: u16) -> bool {
+    let addr = words(addr);
     let mut net_ok = conf.n_nets == 0;
     for i in 0..MAX_DRILL_NETS {
         if net_ok || i as u32 >= conf.n_nets {
             break;
         }
-        net_ok = in_net(&conf.nets[i], addr);
+        net_ok = conf.nets[i].contains(&addr);
     }
     if !net_ok {
         return false;
@@ -241,26 +242,6 @@ fn targets(conf: &DrillConf, addr: &[u8; 16], port: u16) -> bool {
         }
     }
     false
-}
-
-#[inline(always)]
-fn in_net(net: &DrillNet, addr: &[u8; 16]) -> bool {
-    let bits = net.prefix_len;
-    for i in 0..16u32 {
-        let first = i * 8;
-        if first >= bits {
-            break;
-        }
-        let mask: u8 = if bits - first >= 8 {
-            0xff
-        } else {
-            0xffu8 << (8 - (bits - first))
-        };
-        if (addr[i as usize] ^ net.addr[i as usize]) & mask != 0 {
-            return false;
-        }
-    }
-    true
 }
 
 /// Marks the socket `sk` with the blackhole or delay fault `decide` packed. Without

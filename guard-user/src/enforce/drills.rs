@@ -493,10 +493,10 @@ fn conf(spec: &DrillSpec, serial: u32, now_ns: u64) -> Result<DrillConf, String>
     for (i, d) in spec.dst.iter().enumerate() {
         let net: IpNet = d.parse().map_err(|_| format!("dst {d:?} is not a CIDR"))?;
         let net = policy::compile::mapped(&net);
-        c.nets[i] = DrillNet {
-            addr: mapped(std::net::IpAddr::V6(net.addr())),
-            prefix_len: net.prefix_len() as u32,
-        };
+        c.nets[i] = DrillNet::new(
+            mapped(std::net::IpAddr::V6(net.addr())),
+            net.prefix_len() as u32,
+        );
     }
     c.n_nets = spec.dst.len() as u32;
     for (i, p) in spec.ports.iter().enumerate() {
