@@ -793,7 +793,6 @@ impl Netns {
         format!("/run/netns/{}", self.name)
     }
 
-    /// Runs `cmd args` inside the namespace; panics on failure.
     /// A namespace with `lo` up, and a veth pair that swallows whatever is sent to
     /// 192.0.2.2: bh0 has the address and a static neighbour entry, its peer bh1 has
     /// no address and forwarding is off, so SYNs there are dropped and never answered
@@ -840,6 +839,7 @@ impl Netns {
             .expect("a number")
     }
 
+    /// Runs `cmd args` inside the namespace; panics on failure.
     pub fn exec(&self, cmd: &str, args: &[&str]) {
         let mut all = vec!["netns", "exec", &self.name, cmd];
         all.extend_from_slice(args);
@@ -980,15 +980,6 @@ pub fn churn_length() -> Duration {
         s.parse()
             .unwrap_or_else(|_| panic!("{CHURN_SECONDS_VAR}={s}: not a number of seconds"))
     }))
-}
-
-/// The variable the kernel matrix's runner sets in its guests, whose CPUs qemu emulates
-/// (TCG): a test whose bound is a latency allows for a CPU many times slower.
-pub const EMULATED_CPU_VAR: &str = "CONNGUARD_EMULATED_CPU";
-
-/// True in the kernel matrix's guests (EMULATED_CPU_VAR set).
-pub fn emulated_cpu() -> bool {
-    std::env::var_os(EMULATED_CPU_VAR).is_some()
 }
 
 /// A free TCP port on 127.0.0.1 (bound, then released for a server to take).

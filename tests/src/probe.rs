@@ -230,11 +230,15 @@ pub enum Probe {
     /// `port_client_closed`, which `addr_taken` connects to too; `port_refused`).
     Mixed { netns: String, count: u64 },
     /// COUNT connects to ADDR from one thread, spread over SPREAD_MS; `categories`:
-    /// elapsed_us, from the first connect() to the last.
+    /// refill_us, the time from the first connect() to the last, each pause between two
+    /// counted up to FILL_MS: what a token bucket that fills in FILL_MS, drained by the
+    /// connects, gets back over them (a longer pause, the process descheduled, fills it
+    /// no more).
     Paced {
         addr: SocketAddr,
         count: u64,
         spread_ms: u64,
+        fill_ms: u64,
     },
     /// COUNT raw TCP segments to ADDR, SYNs (with --rst, RSTs) with sequence number SEQ,
     /// sent with IP_HDRINCL from the addresses of FROM (`a.b.c.d/len`: the i-th segment
@@ -491,7 +495,8 @@ impl Probe {
                 addr,
                 count,
                 spread_ms,
-            } => vec!["paced".into(), s(addr), s(count), s(spread_ms)],
+                fill_ms,
+            } => vec!["paced".into(), s(addr), s(count), s(spread_ms), s(fill_ms)],
             Probe::Handshakes {
                 netns,
                 addr,
@@ -690,6 +695,7 @@ mod tests {
                 addr,
                 count: 1000,
                 spread_ms: 10_000,
+                fill_ms: 100,
             },
             Probe::Handshakes {
                 netns: ns(),

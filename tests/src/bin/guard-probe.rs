@@ -269,7 +269,8 @@ fn main() -> anyhow::Result<()> {
             addr,
             count,
             spread_ms,
-        } => paced(addr, count, spread_ms),
+            fill_ms,
+        } => paced(addr, count, spread_ms, fill_ms),
         Probe::Handshakes {
             netns,
             addr,
@@ -427,28 +428,33 @@ fn burst(
 }
 
 /// COUNT connects to ADDR from one thread, the i-th started SPREAD_MS × i / COUNT after
-/// the first; each connection is closed at once. `categories`: elapsed_us, from the
-/// start of the first connect() to the start of the last.
-fn paced(addr: SocketAddr, count: u64, spread_ms: u64) -> Outcome {
+/// the first; each connection is closed at once. `categories`: refill_us, the time from
+/// the start of the first connect() to the start of the last, each pause between two
+/// counted up to FILL_MS.
+fn paced(addr: SocketAddr, count: u64, spread_ms: u64, fill_ms: u64) -> Outcome {
     let out = Mutex::new(Outcome::default());
     let start = Instant::now();
+    let fill = Duration::from_millis(fill_ms);
     // From the first connect() on, not from the start: a first attempt in a slow guest
     // can come milliseconds late (the first socket of a new process and cgroup).
-    let (mut first, mut last) = (None, start);
+    let mut last: Option<Instant> = None;
+    let mut refill = Duration::ZERO;
     for i in 0..count {
         let due = start + Duration::from_micros(spread_ms * 1000 * i / count);
         while Instant::now() < due {
             std::hint::spin_loop();
         }
         let s = tcp_socket(&addr);
-        last = Instant::now();
-        first.get_or_insert(last);
-        record(&out, &s.connect(&addr.into()), last);
+        let now = Instant::now();
+        if let Some(last) = last {
+            refill += (now - last).min(fill);
+        }
+        last = Some(now);
+        record(&out, &s.connect(&addr.into()), now);
     }
     let mut out = out.into_inner().unwrap();
-    let elapsed = last - first.unwrap_or(last);
     out.categories
-        .insert("elapsed_us".into(), elapsed.as_micros() as u64);
+        .insert("refill_us".into(), refill.as_micros() as u64);
     out
 }
 
