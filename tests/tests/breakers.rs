@@ -122,7 +122,9 @@ fn a_breaker_opens_on_refusals_sheds_without_a_syn_and_recovers_through_its_ramp
     let tripping = Breaker::new()
         .min_samples(20)
         .failure_ratio(0.5)
-        .open_for("1s")
+        // Long enough for the shed attempts and the reload to come while it is open,
+        // in a TCG guest too.
+        .open_for("5s")
         .ramp([10, 50, 100])
         .step_successes(3);
     let d = Daemon::builder(policy(
@@ -177,7 +179,7 @@ fn a_breaker_opens_on_refusals_sheds_without_a_syn_and_recovers_through_its_ramp
     assert_eq!(state(&d, &addr).as_deref(), Some("open"));
 
     // Half-open at 10 %: of 10 attempts the 10th goes, is refused, and opens it again.
-    thread::sleep(Duration::from_millis(1100));
+    thread::sleep(Duration::from_millis(5100));
     let before = ns.active_opens();
     until_half_open(&d, &cg, &ns, &addr);
     let out = connects(&cg, &ns, &addr, 9, None);
@@ -189,17 +191,17 @@ fn a_breaker_opens_on_refusals_sheds_without_a_syn_and_recovers_through_its_ramp
     let b = breaker(&d, &addr).expect("a breaker");
     let since_ms = reopening.elapsed().as_millis() as u64;
     assert_eq!(b.state, "open", "{b:?}");
-    // Open for 2 s this time: what is left of it, and what has passed since the attempt
-    // that reopened it, make more than the first 1 s.
+    // Open for 10 s this time: what is left of it, and what has passed since the
+    // attempt that reopened it, make more than the first 5 s.
     assert!(
-        b.open_remaining_ms.is_some_and(|ms| ms + since_ms > 1000),
+        b.open_remaining_ms.is_some_and(|ms| ms + since_ms > 5000),
         "{since_ms} ms since the attempt: {b:?}"
     );
 
     // With a server there, the ramp climbs: 3 successes at 10 % (30 attempts), 3 at
     // 50 % (6), then closed.
     let _server = serve(&ns, port);
-    thread::sleep(Duration::from_millis(2100));
+    thread::sleep(Duration::from_millis(10_100));
     // A deadline with room for a TCG guest, where each attempt and stats call is slow.
     let until = Instant::now() + Duration::from_secs(60);
     until_half_open(&d, &cg, &ns, &addr);
@@ -241,7 +243,7 @@ fn a_breaker_opens_on_refusals_sheds_without_a_syn_and_recovers_through_its_ramp
             opened.open_ms,
             opened.dst.as_deref()
         ),
-        (Some(20), Some(20), Some(1000), Some(addr.as_str())),
+        (Some(20), Some(20), Some(5000), Some(addr.as_str())),
         "{opened:?}"
     );
 }
