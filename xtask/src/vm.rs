@@ -212,9 +212,9 @@ pub fn run(
 
 /// Runs the `guests` one after another and returns the series that failed. Each guest's
 /// output is printed whole, under its name, when it ends. One at a time: two guests on
-/// a 2-core machine each lose their host CPU for a quarter of a second at times, and the
-/// tests whose subject is time (rates, breakers' open windows) then see the kernel's
-/// clock run on while the guest stands still.
+/// a 2-core machine each lose their host CPU at times, and the tests whose subject is
+/// time (rates, breakers' open windows) then see the kernel's clock run on while the
+/// guest stands still.
 fn run_each(guests: Vec<Guest>, args: &[String]) -> Vec<&'static str> {
     let mut failed = Vec::new();
     for guest in guests {
@@ -350,7 +350,6 @@ impl Guest {
         let started = std::time::Instant::now();
         let status = boot(vmlinux, initrd, &script, &out, work)?;
         let output = std::fs::read_to_string(&out).unwrap_or_default();
-        // One write, so that a guest's output is not split by another's.
         print!("vm: {release}: the guest's output\n{output}");
         let seconds = started.elapsed().as_secs();
         let console = work.join("console.log");
