@@ -24,11 +24,6 @@ fn policy(cg: &Cgroup, mode: Mode, dst: &str, port: u16, breaker: Breaker) -> Po
     )
 }
 
-/// The daemon's first breaker_opened event.
-fn first_opened(d: &Daemon) -> EventRecord {
-    opened(d, 0)
-}
-
 /// The `n`-th breaker_opened event (from 0), once the daemon has read it from the
 /// kernel.
 fn opened(d: &Daemon, n: usize) -> EventRecord {
@@ -245,7 +240,7 @@ fn a_breaker_opens_on_refusals_sheds_without_a_syn_and_recovers_through_its_ramp
             "breaker_closed"
         ]
     );
-    let opened = first_opened(&d);
+    let opened = opened(&d, 0);
     assert_eq!(
         (
             opened.ended,
@@ -523,7 +518,7 @@ fn a_breaker_opens_on_slow_handshakes() {
     assert_eq!((out.ok, out.errors("ECONNREFUSED")), (5, 5), "{out:?}");
     let b = breaker(&d, "127.0.0.1:9303");
     assert_eq!(b.as_ref().map(|b| b.state.as_str()), Some("open"), "{b:?}");
-    let opened = first_opened(&d);
+    let opened = opened(&d, 0);
     assert_eq!(
         (opened.ended, opened.slow, opened.failures),
         (Some(5), Some(5), Some(0)),

@@ -167,10 +167,13 @@ pub fn series_names() -> Vec<&'static str> {
 const FEATURE_PATHS: &[&str] = &["kernel", "listeners", "listeners_per_source", "ports"];
 
 /// Runs the integration test `binaries` (with `args`) in a guest booted on the newest
-/// kernel of each of `series`, one after another (see `shares` and `run_each`), and
-/// fails naming each kernel where a test failed, a probe answered otherwise than `absent`
-/// says, or the guest gave no result. Each guest has 2 vCPUs (with 1, tests timed for 2
-/// miss their deadlines), which take turns on one host thread (`boot`).
+/// kernel of each of `series`, one after another (see `shares`), and fails naming each
+/// kernel where a test failed, a probe answered otherwise than `absent` says, or the
+/// guest gave no result. Each guest has 2 vCPUs (with 1, tests timed for 2 miss their
+/// deadlines), which take turns on one host thread (`boot`). One guest at a time: two on
+/// a 2-core machine each lose their host CPU at times, and the tests whose subject is
+/// time (rates, breakers' open windows) then see the kernel's clock run on while the
+/// guest stands still.
 pub fn run(
     root: &Path,
     series: &[&str],
@@ -192,38 +195,17 @@ pub fn run(
             .all(|f| binaries.iter().any(|b| binary_name(b) == *f)),
         "a binary of FEATURE_PATHS {FEATURE_PATHS:?} is not among the integration tests"
     );
-    let mut guests = Vec::new();
     for (series, share) in shares(&known, binaries) {
-        match prepare(root, series, &share, args) {
-            Ok(guest) => guests.push(guest),
-            Err(e) => {
-                eprintln!("{e:#}");
-                failed.push(series.name);
-            }
+        if let Err(e) = prepare(root, series, &share, args).and_then(|g| g.run(args)) {
+            eprintln!("{e:#}");
+            failed.push(series.name);
         }
     }
-    failed.extend(run_each(guests, args));
     ensure!(
         failed.is_empty(),
         "the integration tests failed in the guests on {failed:?} (see above)"
     );
     Ok(())
-}
-
-/// Runs the `guests` one after another and returns the series that failed. Each guest's
-/// output is printed whole, under its name, when it ends. One at a time: two guests on
-/// a 2-core machine each lose their host CPU at times, and the tests whose subject is
-/// time (rates, breakers' open windows) then see the kernel's clock run on while the
-/// guest stands still.
-fn run_each(guests: Vec<Guest>, args: &[String]) -> Vec<&'static str> {
-    let mut failed = Vec::new();
-    for guest in guests {
-        if let Err(e) = guest.run(args) {
-            eprintln!("{e:#}");
-            failed.push(guest.series.name);
-        }
-    }
-    failed
 }
 
 /// Which binaries each guest runs, so that the matrix fits CI's time (a whole suite
