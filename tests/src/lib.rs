@@ -817,11 +817,7 @@ impl Netns {
 
     /// `Tcp: ActiveOpens` of the namespace (/proc/net/snmp): connections that sent a SYN.
     pub fn active_opens(&self) -> u64 {
-        let out = Command::new("ip")
-            .args(["netns", "exec", &self.name, "cat", "/proc/net/snmp"])
-            .output()
-            .expect("ip netns exec cat /proc/net/snmp");
-        let text = String::from_utf8_lossy(&out.stdout);
+        let text = self.output("cat", &["/proc/net/snmp"]);
         let mut tcp = text.lines().filter(|l| l.starts_with("Tcp:"));
         let (names, values) = (
             tcp.next().expect("Tcp: names"),
@@ -841,9 +837,24 @@ impl Netns {
 
     /// Runs `cmd args` inside the namespace; panics on failure.
     pub fn exec(&self, cmd: &str, args: &[&str]) {
+        run("ip", &self.exec_args(cmd, args));
+    }
+
+    /// The standard output of `cmd args` run inside the namespace, whatever its exit.
+    pub fn output(&self, cmd: &str, args: &[&str]) -> String {
+        let all = self.exec_args(cmd, args);
+        let out = Command::new("ip")
+            .args(&all)
+            .output()
+            .unwrap_or_else(|e| panic!("ip {}: {e}", all.join(" ")));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// `ip` arguments that run `cmd args` inside the namespace.
+    fn exec_args<'a>(&'a self, cmd: &'a str, args: &[&'a str]) -> Vec<&'a str> {
         let mut all = vec!["netns", "exec", &self.name, cmd];
         all.extend_from_slice(args);
-        run("ip", &all);
+        all
     }
 
     /// A server netns and a client netns joined by a veth pair: 192.0.2.1 (server, dev
@@ -1279,11 +1290,7 @@ pub fn pinned_map_memory(name: &str) -> (u64, u64) {
 /// `nstat -asz NAME` in the namespace `ns`: the counter's absolute value (its TcpExt,
 /// Tcp, Ip... counters, as nstat names them).
 pub fn nstat(ns: &Netns, name: &str) -> u64 {
-    let out = Command::new("ip")
-        .args(["netns", "exec", &ns.name, "nstat", "-asz", name])
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
+    let text = ns.output("nstat", &["-asz", name]);
     text.lines()
         .find(|l| l.starts_with(name))
         .and_then(|l| l.split_whitespace().nth(1))
