@@ -679,19 +679,50 @@ pub fn remove_pinned_state() {
     remove_state(None)
 }
 
+/// `remove_pinned_state` when dropped, a test's panic included: for the state of a
+/// daemon that exited keeping it (`Daemon::exit_keeping_state`).
+pub struct PinnedState(());
+
+impl PinnedState {
+    /// The guard: the state is removed when it drops.
+    pub fn removed_on_drop() -> PinnedState {
+        PinnedState(())
+    }
+}
+
+impl Drop for PinnedState {
+    fn drop(&mut self) {
+        match stop_without_daemon(None) {
+            Err(e) if thread::panicking() => eprintln!("{e}"),
+            r => r.unwrap_or_else(|e| panic!("{e}")),
+        }
+    }
+}
+
 /// `remove_pinned_state` for the state directory `dir` (None: the default one).
 fn remove_state(dir: Option<&Path>) {
+    stop_without_daemon(dir).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Runs `connguard stop` with no daemon to ask, on the state directory `dir` (None: the
+/// default one).
+fn stop_without_daemon(dir: Option<&Path>) -> Result<(), String> {
     let mut stop = Command::new(connguard_bin());
     stop.args(["stop", "--socket", "/nonexistent/connguard.sock"]);
     if let Some(dir) = dir {
         stop.arg("--state-dir").arg(dir);
     }
-    let out = stop.output().expect("run connguard stop");
-    assert!(
-        out.status.success(),
-        "connguard stop: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let out = stop
+        .output()
+        .map_err(|e| format!("run connguard stop: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "connguard stop: {}",
+            String::from_utf8_lossy(&out.stderr)
+        ))
+    }
 }
 
 /// A TCP server in the test process (outside every test cgroup) that accepts, holds each

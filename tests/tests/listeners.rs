@@ -554,9 +554,10 @@ fn decisions_expire_when_the_daemon_stops_renewing_them() {
     // Starts the client, waits until it is being refused, then signals the daemon:
     // returns the client's outcome and how long after the daemon could renew no more
     // (stopped, or dead and reaped) it connected (ms). The killed daemon's state is
-    // removed once the client is through: `connguard stop` empties the map and removes
-    // the filters, which would let the client in with no decision expiring, and takes
-    // CPU from it meanwhile (a TCG guest's two vCPUs share one host thread).
+    // removed once the client is through, or has failed: `connguard stop` empties the
+    // map and removes the filters, which would let the client in with no decision
+    // expiring, and takes CPU from it meanwhile (a TCG guest's two vCPUs share one host
+    // thread).
     let signal_while_refused = |d: Daemon, signal: i32| -> (Outcome, u64, Option<Daemon>) {
         let (path, probe) = (client.path(), cg.command(connguard_tests::probe_bin()));
         // The probe prints its outcome, then holds its connection until killed.
@@ -600,10 +601,11 @@ fn decisions_expire_when_the_daemon_stops_renewing_them() {
             Some(d)
         };
         let stopped = monotonic_ms();
+        let state = d
+            .is_none()
+            .then(connguard_tests::PinnedState::removed_on_drop);
         let o = trying.join().unwrap();
-        if d.is_none() {
-            connguard_tests::remove_pinned_state();
-        }
+        drop(state);
         let ok_at = o.categories.get("ok_at_ms").copied().unwrap_or(u64::MAX);
         assert!(ok_at >= signalled, "admitted before the signal: {o:?}");
         let after = ok_at.saturating_sub(stopped);
