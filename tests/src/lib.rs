@@ -666,7 +666,7 @@ impl Drop for Daemon {
         self.kill();
         let _ = std::fs::remove_dir_all(&self.dir);
         if !self.keep_state {
-            remove_state(self.state_dir.as_deref());
+            remove_state_unless_panicking(self.state_dir.as_deref());
         }
         if let Some(e) = audit {
             panic!("{e}");
@@ -679,12 +679,15 @@ pub fn remove_pinned_state() {
     remove_state(None)
 }
 
-/// `remove_pinned_state` when dropped, a test's panic included: for the state of a
-/// daemon that exited keeping it (`Daemon::exit_keeping_state`).
+/// `remove_pinned_state` when dropped, a test's panic included: for the state a daemon
+/// left in the default state directory when it exited keeping it
+/// (`Daemon::exit_keeping_state`). While a daemon still holds the state, `connguard stop`
+/// refuses, and the drop panics (or, during a panic, prints why).
 pub struct PinnedState(());
 
 impl PinnedState {
     /// The guard: the state is removed when it drops.
+    #[must_use = "the state is removed when the guard drops"]
     pub fn removed_on_drop() -> PinnedState {
         PinnedState(())
     }
@@ -692,10 +695,16 @@ impl PinnedState {
 
 impl Drop for PinnedState {
     fn drop(&mut self) {
-        match stop_without_daemon(None) {
-            Err(e) if thread::panicking() => eprintln!("{e}"),
-            r => r.unwrap_or_else(|e| panic!("{e}")),
-        }
+        remove_state_unless_panicking(None);
+    }
+}
+
+/// `remove_state`, which prints why it failed instead of panicking while the thread
+/// panics (a panic in a drop during a panic aborts the test binary).
+fn remove_state_unless_panicking(dir: Option<&Path>) {
+    match stop_without_daemon(dir) {
+        Err(e) if thread::panicking() => eprintln!("{e}"),
+        r => r.unwrap_or_else(|e| panic!("{e}")),
     }
 }
 
@@ -871,13 +880,19 @@ impl Netns {
         run("ip", &self.exec_args(cmd, args));
     }
 
-    /// The standard output of `cmd args` run inside the namespace, whatever its exit.
+    /// The standard output of `cmd args` run inside the namespace; its standard error
+    /// goes to the test's, and a failure is printed there, not raised (the output may
+    /// be a failure's message).
     pub fn output(&self, cmd: &str, args: &[&str]) -> String {
         let all = self.exec_args(cmd, args);
         let out = Command::new("ip")
             .args(&all)
+            .stderr(std::process::Stdio::inherit())
             .output()
             .unwrap_or_else(|e| panic!("ip {}: {e}", all.join(" ")));
+        if !out.status.success() {
+            eprintln!("ip {}: {}", all.join(" "), out.status);
+        }
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 

@@ -593,6 +593,7 @@ fn decisions_expire_when_the_daemon_stops_renewing_them() {
             std::thread::sleep(Duration::from_millis(10));
         }
         let signalled = monotonic_ms();
+        let state = (signal == libc::SIGKILL).then(connguard_tests::PinnedState::removed_on_drop);
         let d = if signal == libc::SIGKILL {
             d.exit_keeping_state(libc::SIGKILL);
             None
@@ -601,9 +602,6 @@ fn decisions_expire_when_the_daemon_stops_renewing_them() {
             Some(d)
         };
         let stopped = monotonic_ms();
-        let state = d
-            .is_none()
-            .then(connguard_tests::PinnedState::removed_on_drop);
         let o = trying.join().unwrap();
         drop(state);
         let ok_at = o.categories.get("ok_at_ms").copied().unwrap_or(u64::MAX);

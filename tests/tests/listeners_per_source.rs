@@ -7,7 +7,6 @@
 //! and B (198.51.100.2, through vsb to 198.51.100.1).
 use std::{
     net::SocketAddr,
-    process::Command,
     time::{Duration, Instant},
 };
 
@@ -460,19 +459,7 @@ fn connections_never_accepted_are_released_when_the_listener_closes() {
 
 /// The client ports of A's established connections to the server.
 fn established_ports(a: &Netns) -> Vec<u16> {
-    let out = Command::new("ip")
-        .args([
-            "netns",
-            "exec",
-            &a.name,
-            "ss",
-            "-Htn",
-            "state",
-            "established",
-        ])
-        .output()
-        .unwrap();
-    String::from_utf8_lossy(&out.stdout)
+    a.output("ss", &["-Htn", "state", "established"])
         .lines()
         .filter_map(|l| {
             let local: SocketAddr = l.split_whitespace().nth(2)?.parse().ok()?;

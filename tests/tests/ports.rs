@@ -17,11 +17,11 @@ const TO_8081: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 808
 
 /// A netns with a 100-port ephemeral range, tcp_tw_reuse 0 and tcp_rfc1337 1.
 ///
-/// With tcp_rfc1337 0 a RST ends a TIME_WAIT (tcp_timewait_state_process in
-/// net/ipv4/tcp_minisocks.c), and a loaded machine sends such RSTs: a late segment
-/// from the server that fails PAWS makes the TIME_WAIT answer with an ACK, and the
-/// server, its socket closed, answers that ACK with a RST. The port is then free
-/// before its time, and a count of TIME_WAIT entries is one short.
+/// With tcp_rfc1337 0 a RST at the expected sequence ends a TIME_WAIT
+/// (tcp_timewait_state_process in net/ipv4/tcp_minisocks.c), and a loaded machine sends
+/// such RSTs: a late segment from the server that fails PAWS makes the TIME_WAIT answer
+/// with an ACK, and the server, its socket closed, answers that ACK with a RST. The port
+/// is then free before its time, and a count of TIME_WAIT entries is one short.
 fn small_range_netns() -> Netns {
     let ns = Netns::new("cgports");
     ns.exec("ip", &["link", "set", "lo", "up"]);
@@ -94,9 +94,8 @@ fn serve(cg: &Cgroup, ns: &Netns) -> connguard_tests::Holder {
 }
 
 /// A namespace whose range holds 100 ports, without the daemon: EADDRNOTAVAIL at
-/// connection 101 toward :8080, the
-/// destination shown at 100 of 100 ports with exactly the TIME_WAIT entries `ss` sees,
-/// and :8081 still healthy.
+/// connection 101 toward :8080, the destination shown at 100 of 100 ports with exactly
+/// the TIME_WAIT entries `ss` sees, and :8081 still healthy.
 #[test]
 fn exhausted_destination_is_named_with_exact_counts() {
     let ns = small_range_netns();
