@@ -666,7 +666,7 @@ impl Drop for Daemon {
         self.kill();
         let _ = std::fs::remove_dir_all(&self.dir);
         if !self.keep_state {
-            remove_state_unless_panicking(self.state_dir.as_deref());
+            remove_state(self.state_dir.as_deref());
         }
         if let Some(e) = audit {
             panic!("{e}");
@@ -695,22 +695,18 @@ impl PinnedState {
 
 impl Drop for PinnedState {
     fn drop(&mut self) {
-        remove_state_unless_panicking(None);
+        remove_state(None);
     }
 }
 
-/// `remove_state`, which prints why it failed instead of panicking while the thread
-/// panics (a panic in a drop during a panic aborts the test binary).
-fn remove_state_unless_panicking(dir: Option<&Path>) {
+/// `remove_pinned_state` for the state directory `dir` (None: the default one). A
+/// failure panics, or is printed while the thread already panics (a panic in a drop
+/// during a panic aborts the test binary).
+fn remove_state(dir: Option<&Path>) {
     match stop_without_daemon(dir) {
         Err(e) if thread::panicking() => eprintln!("{e}"),
         r => r.unwrap_or_else(|e| panic!("{e}")),
     }
-}
-
-/// `remove_pinned_state` for the state directory `dir` (None: the default one).
-fn remove_state(dir: Option<&Path>) {
-    stop_without_daemon(dir).unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// Runs `connguard stop` with no daemon to ask, on the state directory `dir` (None: the

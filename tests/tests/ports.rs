@@ -62,10 +62,14 @@ fn ports_json_with(ns: &Netns, socket: &str) -> PortsReport {
     serde_json::from_slice(&out.stdout).unwrap()
 }
 
-/// The row of `dst` in a ports report.
-fn destination<'a>(r: &'a PortsReport, dst: &str) -> &'a DestinationPorts {
-    r.destination(dst)
-        .unwrap_or_else(|| panic!("no destination {dst} in {r:#?}"))
+/// The row of `dst` in a ports report of `ns`.
+fn destination<'a>(r: &'a PortsReport, ns: &Netns, dst: &str) -> &'a DestinationPorts {
+    r.destination(dst).unwrap_or_else(|| {
+        panic!(
+            "no destination {dst} in {r:#?}\nTCP counters:\n{}",
+            tcp_counters(ns)
+        )
+    })
 }
 
 /// `ss -Htan` in the namespace: (src addr, dst addr:port, state, local port) per socket.
@@ -134,7 +138,7 @@ fn exhausted_destination_is_named_with_exact_counts() {
         (r.ephemeral_range, r.ephemeral_ports, r.tcp_tw_reuse),
         ([40000, 40099], 100, 0)
     );
-    let d = destination(&r, "127.0.0.1:8080");
+    let d = destination(&r, &ns, "127.0.0.1:8080");
     let ss = ss(&ns);
     let ss_tw = ss
         .iter()
@@ -146,9 +150,7 @@ fn exhausted_destination_is_named_with_exact_counts() {
         (100, 100, 0, 1.0),
         "{d:?}"
     );
-    let other = r
-        .destination("127.0.0.1:8081")
-        .unwrap_or_else(|| panic!("no 127.0.0.1:8081 in {r:#?}\n{}", tcp_counters(&ns)));
+    let other = destination(&r, &ns, "127.0.0.1:8081");
     assert_eq!((other.in_use, other.time_wait), (1, 1), "{other:?}");
     let warnings = &r.warnings;
     assert!(
@@ -264,7 +266,7 @@ fn a_source_pool_spent_by_bind_before_connect_is_warned_about() {
 
     let r = ports_json(&ns);
     for dst in ["127.0.0.1:8080", "127.0.0.1:8081"] {
-        let d = destination(&r, dst);
+        let d = destination(&r, &ns, dst);
         assert_eq!(
             (d.src.as_str(), d.in_use, d.available),
             ("127.0.0.6", 50, 50),
@@ -350,7 +352,7 @@ fn an_answer_it_cannot_read_leaves_the_daemon_free_report_and_one_warning() {
     assert!(out.status.success(), "{stderr}");
     let r: PortsReport = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(r, ports_json(&ns));
-    assert_eq!(destination(&r, "127.0.0.1:8080").time_wait, 3, "{r:?}");
+    assert_eq!(destination(&r, &ns, "127.0.0.1:8080").time_wait, 3, "{r:?}");
     let lines: Vec<&str> = stderr.lines().collect();
     assert_eq!(lines.len(), 1, "{stderr}");
     let head = format!(
@@ -386,7 +388,7 @@ fn with_the_daemon_rates_scopes_and_eaddrnotavail_are_attributed() {
     // Rates come from samples every 0.5 s.
     std::thread::sleep(std::time::Duration::from_millis(1200));
     let r = ports_json_with(&ns, &d.socket.display().to_string());
-    let d8080 = destination(&r, "127.0.0.1:8080");
+    let d8080 = destination(&r, &ns, "127.0.0.1:8080");
     assert_eq!(d8080.scopes, ["client"], "{d8080:?}");
     assert!(
         d8080.time_wait_per_s.is_some_and(|rate| rate > 0.0),
@@ -532,7 +534,7 @@ fn port_watermark_sheds_one_scope_and_keeps_headroom_for_others() {
     );
     assert_eq!(out.ok + out.errors("ECONNREFUSED"), 120, "{out:?}");
     let r = ports_json(&ns);
-    let held = u64::from(destination(&r, "127.0.0.1:8080").in_use);
+    let held = u64::from(destination(&r, &ns, "127.0.0.1:8080").in_use);
     // One TIME_WAIT entry per admitted connection, the rest is headroom.
     assert_eq!(
         held,
