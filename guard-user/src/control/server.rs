@@ -191,9 +191,9 @@ async fn read_request(stream: &mut tokio::net::UnixStream) -> io::Result<Result<
         .and_then(Request::parse))
 }
 
-/// Gives the memory freed after a request back to the kernel: a snapshot of many
-/// destinations takes tens of MiB while it is built, and glibc keeps freed memory in
-/// its arena, so without this the daemon would rest near its largest snapshot.
+/// Gives the memory freed after a request or an audit back to the kernel: a snapshot of
+/// many destinations takes tens of MiB while it is built, and glibc keeps freed memory
+/// in its arena, so without this the daemon would rest near its largest snapshot.
 pub fn release_freed_memory() {
     // SAFETY: malloc_trim only walks and shrinks glibc's own heaps.
     unsafe { libc::malloc_trim(0) };

@@ -1,10 +1,17 @@
 //! Field offsets in kernel structs, from the running kernel's BTF
 //! (/sys/kernel/btf/vmlinux): Rust eBPF programs have no CO-RE relocations, so the
 //! listener program gets them as read-only globals.
-use std::sync::OnceLock;
+use std::{
+    cell::RefCell,
+    collections::HashMap,
+    fs::File,
+    io::Write,
+    os::fd::{AsRawFd, FromRawFd},
+    sync::OnceLock,
+};
 
 use anyhow::{Context, bail};
-use btf_rs::{Btf, Type};
+use btf_rs::{Backend, Btf, Type};
 use guard_common::SockOffsets;
 
 const VMLINUX: &str = "/sys/kernel/btf/vmlinux";
@@ -21,13 +28,16 @@ pub fn sock_offsets() -> anyhow::Result<SockOffsets> {
 }
 
 fn find_sock_offsets() -> anyhow::Result<SockOffsets> {
-    // Read whole, then parsed from memory: btf-rs's file reader seeks once per type, a
-    // syscall for each of the kernel's many thousands of types.
-    let bytes = std::fs::read(VMLINUX).with_context(|| format!("reading {VMLINUX}"))?;
-    let btf = Btf::from_bytes(&bytes).with_context(|| format!("parsing {VMLINUX}"))?;
+    offsets_in(kernel_btf()?)
+}
+
+/// The offsets in `btf`.
+fn offsets_in(btf: Btf) -> anyhow::Result<SockOffsets> {
+    let btf = Structs::new(btf);
     let sock = ["inet_conn", "icsk_inet", "sk"];
     let field = |root: &str, path: &[&str], size: usize| -> anyhow::Result<u32> {
-        let (offset, found) = offset_of(&btf, root, path)
+        let (offset, found) = btf
+            .offset_of(root, path)
             .with_context(|| format!("struct {root}: {}", path.join(".")))?;
         if found != size {
             bail!(
@@ -66,21 +76,75 @@ fn find_sock_offsets() -> anyhow::Result<SockOffsets> {
     })
 }
 
-/// The byte offset and size of the member at `path` in struct `root`. A member inside
-/// an anonymous struct or union is found by its own name.
-fn offset_of(btf: &Btf, root: &str, path: &[&str]) -> anyhow::Result<(u32, usize)> {
-    let mut ty = btf
-        .resolve_types_by_name(root)?
-        .into_iter()
-        .find(|t| matches!(t, Type::Struct(_)))
-        .with_context(|| format!("no struct {root}"))?;
-    let mut offset = 0;
-    for name in path {
-        let (bits, member_ty) = member(btf, &ty, name)?.with_context(|| format!("no {name}"))?;
-        offset += bits / 8;
-        ty = member_ty;
+/// The kernel's BTF, mapped rather than parsed whole (btf-rs's Mmap backend: an index
+/// of where each type starts, each read when asked), which takes a fraction of the time
+/// and memory of a whole parse for the few structs read here. Where sysfs cannot map the
+/// file (older kernels have no mmap for it), a copy in a memfd is mapped.
+fn kernel_btf() -> anyhow::Result<Btf> {
+    if let Ok(btf) = Btf::from_file_with_backend(VMLINUX, Backend::Mmap) {
+        return Ok(btf);
     }
-    Ok((offset, size_of(btf, &ty)?))
+    mapped_copy(&std::fs::read(VMLINUX).with_context(|| format!("reading {VMLINUX}"))?)
+}
+
+/// BTF `bytes`, copied to a memfd and mapped from there.
+fn mapped_copy(bytes: &[u8]) -> anyhow::Result<Btf> {
+    // SAFETY: a NUL-terminated name; the descriptor returned is checked and owned below.
+    let fd = unsafe { libc::memfd_create(c"connguard-btf".as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error()).context("memfd_create for kernel BTF");
+    }
+    // SAFETY: `fd` is a new descriptor that nothing else owns.
+    let mut copy = unsafe { File::from_raw_fd(fd) };
+    copy.write_all(bytes)
+        .context("copying kernel BTF to a memfd")?;
+    let path = format!("/proc/self/fd/{}", copy.as_raw_fd());
+    Btf::from_file_with_backend(&path, Backend::Mmap)
+        .with_context(|| format!("parsing {VMLINUX} (a copy in a memfd)"))
+}
+
+/// Kernel BTF with each root struct found once: a lookup by name reads every type's name.
+struct Structs {
+    btf: Btf,
+    found: RefCell<HashMap<String, Type>>,
+}
+
+impl Structs {
+    fn new(btf: Btf) -> Structs {
+        Structs {
+            btf,
+            found: RefCell::new(HashMap::new()),
+        }
+    }
+
+    /// struct `name`.
+    fn root(&self, name: &str) -> anyhow::Result<Type> {
+        if let Some(ty) = self.found.borrow().get(name) {
+            return Ok(ty.clone());
+        }
+        let ty = self
+            .btf
+            .resolve_types_by_name(name)?
+            .into_iter()
+            .find(|t| matches!(t, Type::Struct(_)))
+            .with_context(|| format!("no struct {name}"))?;
+        self.found.borrow_mut().insert(name.to_string(), ty.clone());
+        Ok(ty)
+    }
+
+    /// The byte offset and size of the member at `path` in struct `root`. A member
+    /// inside an anonymous struct or union is found by its own name.
+    fn offset_of(&self, root: &str, path: &[&str]) -> anyhow::Result<(u32, usize)> {
+        let mut ty = self.root(root)?;
+        let mut offset = 0;
+        for name in path {
+            let (bits, member_ty) =
+                member(&self.btf, &ty, name)?.with_context(|| format!("no {name}"))?;
+            offset += bits / 8;
+            ty = member_ty;
+        }
+        Ok((offset, size_of(&self.btf, &ty)?))
+    }
 }
 
 /// The bit offset and type of the member `name` of struct or union `ty`.
@@ -89,13 +153,16 @@ fn member(btf: &Btf, ty: &Type, name: &str) -> anyhow::Result<Option<(u32, Type)
         bail!("{name} is looked up in a {}", ty.name());
     };
     for m in &s.members {
-        let member_ty = concrete(btf, btf.resolve_chained_type(m)?)?;
+        // Only the member asked for and anonymous ones have their type read.
         let member_name = btf.resolve_name(m).unwrap_or_default();
+        if !member_name.is_empty() && member_name != name {
+            continue;
+        }
+        let member_ty = concrete(btf, btf.resolve_chained_type(m)?)?;
         if member_name == name {
             return Ok(Some((m.bit_offset(), member_ty)));
         }
-        if member_name.is_empty()
-            && matches!(member_ty, Type::Struct(_) | Type::Union(_))
+        if matches!(member_ty, Type::Struct(_) | Type::Union(_))
             && let Some((bits, found)) = member(btf, &member_ty, name)?
         {
             return Ok(Some((m.bit_offset() + bits, found)));
@@ -145,5 +212,15 @@ mod tests {
             o.v6_daddr > o.family && o.v6_rcv_saddr == o.v6_daddr + 16,
             "{o:?}"
         );
+    }
+
+    /// A copy of the kernel's BTF in a memfd (how kernels that cannot map the sysfs
+    /// file are read) gives the same offsets as the file mapped.
+    #[test]
+    fn a_copy_of_kernel_btf_gives_the_same_offsets() {
+        let bytes = std::fs::read(super::VMLINUX).expect("reading kernel BTF");
+        let copy = super::mapped_copy(&bytes).expect("kernel BTF in a memfd");
+        let from_copy = super::offsets_in(copy).expect("offsets from the copy");
+        assert_eq!(from_copy, super::sock_offsets().expect("offsets"));
     }
 }

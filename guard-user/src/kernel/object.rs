@@ -74,7 +74,13 @@ pub fn load(
         None
     };
     let tick_clock = super::clock::tick_clock().context("measuring the kernel tick")?;
+    // EbpfLoader::new() parses the kernel's BTF and keeps it private, and the tracepoints'
+    // load needs a parse too: the loader's is dropped before the one that serves both
+    // is made, so that the daemon's peak memory holds one.
     let mut loader = EbpfLoader::new();
+    loader.btf(None);
+    let btf = Btf::from_sys_fs().context("reading kernel BTF from /sys/kernel/btf/vmlinux")?;
+    loader.btf(Some(&btf));
     loader.override_global("TICK_CLOCK", &tick_clock, true);
     loader.override_global("HAS_SET_RETVAL", &has_set_retval, true);
     let sock_ops_comm = super::features::sock_ops_comm_loads()
@@ -91,6 +97,7 @@ pub fn load(
         loader.map_pin_path(name, state.map_path(name));
     }
     let mut ebpf = loader.load(OBJECT).context("loading the eBPF object")?;
+    drop(loader);
     if state.adopted {
         warn_pinned_size(state, destinations);
     }
@@ -100,7 +107,7 @@ pub fn load(
     // on some kernels): connect4 is verified on a thread of its own, beside the others.
     let per_syn = std::thread::scope(|s| {
         let connect4 = s.spawn(|| load_connect(program::CONNECT4, connect4));
-        let rest = load_others(&mut programs, offsets.is_some());
+        let rest = load_others(&mut programs, offsets.is_some(), &btf);
         connect4
             .join()
             .unwrap_or_else(|panic| std::panic::resume_unwind(panic))?;
@@ -141,12 +148,13 @@ fn load_connect(name: &str, prog: &mut Program) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Loads every program but connect4; returns whether the per-SYN listener program
-/// loaded (`per_syn_offsets`: the kernel's BTF gave its socket offsets), else the polled
-/// one did.
+/// Loads every program but connect4 (the tracepoints against `btf`, the kernel's);
+/// returns whether the per-SYN listener program loaded (`per_syn_offsets`: the kernel's
+/// BTF gave its socket offsets), else the polled one did.
 fn load_others(
     programs: &mut BTreeMap<&str, &mut Program>,
     per_syn_offsets: bool,
+    btf: &Btf,
 ) -> anyhow::Result<bool> {
     load_connect(program::CONNECT6, take(programs, program::CONNECT6)?)?;
     for name in CGROUP_SOCK {
@@ -178,10 +186,9 @@ fn load_others(
     let name = program::SEED;
     let prog: &mut CgroupSockopt = take(programs, name)?.try_into()?;
     prog.load().with_context(|| format!("loading {name}"))?;
-    let btf = Btf::from_sys_fs().context("reading kernel BTF from /sys/kernel/btf/vmlinux")?;
     for (name, tracepoint) in TP_BTF {
         let prog: &mut BtfTracePoint = take(programs, name)?.try_into()?;
-        prog.load(tracepoint, &btf)
+        prog.load(tracepoint, btf)
             .with_context(|| format!("loading {name}"))?;
     }
     Ok(per_syn)
