@@ -18,7 +18,7 @@ use axum::{
 
 use tokio::sync::Semaphore;
 
-use super::server::release_freed_memory;
+use crate::host::memory::release_freed_memory;
 
 /// Scrapes rendered at once; more wait their turn.
 const MAX_SCRAPES: usize = 2;

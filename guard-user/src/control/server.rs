@@ -143,7 +143,7 @@ async fn connection(
         // Closes the socket: the client has its whole answer before the memory is freed.
         drop(out);
         drop(reply);
-        release_freed_memory();
+        crate::host::memory::release_freed_memory();
         written
     })
     .await;
@@ -189,12 +189,4 @@ async fn read_request(stream: &mut tokio::net::UnixStream) -> io::Result<Result<
     Ok(std::str::from_utf8(&line)
         .map_err(|_| "the request is not UTF-8".to_string())
         .and_then(Request::parse))
-}
-
-/// Gives the memory freed after a request or an audit back to the kernel: a snapshot of
-/// many destinations takes tens of MiB while it is built, and glibc keeps freed memory
-/// in its arena, so without this the daemon would rest near its largest snapshot.
-pub fn release_freed_memory() {
-    // SAFETY: malloc_trim only walks and shrinks glibc's own heaps.
-    unsafe { libc::malloc_trim(0) };
 }

@@ -223,9 +223,10 @@ impl Daemon {
         let live = self.audit.recount(&before)?;
         let after = audit::reading(lock(&self.counts).counters.dump(ids.counts()));
         let made = self.audit.compare(&before, &live, &after);
-        // The readings take tens of MiB with many destinations, which glibc would keep.
+        // The readings grow with the destinations, and glibc keeps freed memory unless
+        // trimmed.
         drop((before, live, after));
-        crate::control::server::release_freed_memory();
+        crate::host::memory::release_freed_memory();
         let rules = ids.rule_names();
         let scope = |id| ids.scope_name(id).unwrap_or("?").to_string();
         let rule = |id| rules.get(&id).copied().unwrap_or("(no rule)").to_string();

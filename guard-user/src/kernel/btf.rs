@@ -5,7 +5,7 @@ use std::{
     cell::RefCell,
     collections::HashMap,
     fs::File,
-    io::Write,
+    io::Read,
     os::fd::{AsRawFd, FromRawFd},
     sync::OnceLock,
 };
@@ -18,7 +18,7 @@ const VMLINUX: &str = "/sys/kernel/btf/vmlinux";
 
 /// What the per-SYN listener program and the state tracepoint read, each field checked
 /// for its size. Found once per process (the feature probe and the loader both ask): a
-/// distribution kernel's BTF is megabytes of types, not to be parsed twice.
+/// distribution kernel's BTF is megabytes of types, not to be read twice.
 pub fn sock_offsets() -> anyhow::Result<SockOffsets> {
     static FOUND: OnceLock<Result<SockOffsets, String>> = OnceLock::new();
     FOUND
@@ -79,16 +79,17 @@ fn offsets_in(btf: Btf) -> anyhow::Result<SockOffsets> {
 /// The kernel's BTF, mapped rather than parsed whole (btf-rs's Mmap backend: an index
 /// of where each type starts, each read when asked), which takes a fraction of the time
 /// and memory of a whole parse for the few structs read here. Where sysfs cannot map the
-/// file (older kernels have no mmap for it), a copy in a memfd is mapped.
+/// file (it has no mmap on older kernels), a copy in a memfd is mapped.
 fn kernel_btf() -> anyhow::Result<Btf> {
     if let Ok(btf) = Btf::from_file_with_backend(VMLINUX, Backend::Mmap) {
         return Ok(btf);
     }
-    mapped_copy(&std::fs::read(VMLINUX).with_context(|| format!("reading {VMLINUX}"))?)
+    let mut file = File::open(VMLINUX).with_context(|| format!("opening {VMLINUX}"))?;
+    mapped_copy(&mut file)
 }
 
-/// BTF `bytes`, copied to a memfd and mapped from there.
-fn mapped_copy(bytes: &[u8]) -> anyhow::Result<Btf> {
+/// The BTF that `from` reads, copied to a memfd and mapped from there.
+fn mapped_copy(from: &mut impl Read) -> anyhow::Result<Btf> {
     // SAFETY: a NUL-terminated name; the descriptor returned is checked and owned below.
     let fd = unsafe { libc::memfd_create(c"connguard-btf".as_ptr(), libc::MFD_CLOEXEC) };
     if fd < 0 {
@@ -96,8 +97,8 @@ fn mapped_copy(bytes: &[u8]) -> anyhow::Result<Btf> {
     }
     // SAFETY: `fd` is a new descriptor that nothing else owns.
     let mut copy = unsafe { File::from_raw_fd(fd) };
-    copy.write_all(bytes)
-        .context("copying kernel BTF to a memfd")?;
+    std::io::copy(from, &mut copy).context("copying kernel BTF to a memfd")?;
+    // The mapping keeps the memfd's pages after `copy` closes it.
     let path = format!("/proc/self/fd/{}", copy.as_raw_fd());
     Btf::from_file_with_backend(&path, Backend::Mmap)
         .with_context(|| format!("parsing {VMLINUX} (a copy in a memfd)"))
@@ -140,6 +141,9 @@ impl Structs {
         for name in path {
             let (bits, member_ty) =
                 member(&self.btf, &ty, name)?.with_context(|| format!("no {name}"))?;
+            if bits % 8 != 0 {
+                bail!("{name} is a bitfield");
+            }
             offset += bits / 8;
             ty = member_ty;
         }
@@ -153,13 +157,17 @@ fn member(btf: &Btf, ty: &Type, name: &str) -> anyhow::Result<Option<(u32, Type)
         bail!("{name} is looked up in a {}", ty.name());
     };
     for m in &s.members {
-        // Only the member asked for and anonymous ones have their type read.
+        // Only the member asked for and anonymous ones have their type read: each read
+        // decodes the type from the mapped file.
         let member_name = btf.resolve_name(m).unwrap_or_default();
         if !member_name.is_empty() && member_name != name {
             continue;
         }
         let member_ty = concrete(btf, btf.resolve_chained_type(m)?)?;
         if member_name == name {
+            if m.bitfield_size().is_some_and(|bits| bits != 0) {
+                bail!("{name} is a bitfield");
+            }
             return Ok(Some((m.bit_offset(), member_ty)));
         }
         if matches!(member_ty, Type::Struct(_) | Type::Union(_))
@@ -215,12 +223,19 @@ mod tests {
     }
 
     /// A copy of the kernel's BTF in a memfd (how kernels that cannot map the sysfs
-    /// file are read) gives the same offsets as the file mapped.
+    /// file are read) and the file as the loader finds it give the offsets of a whole
+    /// parse (btf-rs's Cache backend).
     #[test]
-    fn a_copy_of_kernel_btf_gives_the_same_offsets() {
+    fn mapped_and_copied_kernel_btf_give_the_offsets_of_a_whole_parse() {
         let bytes = std::fs::read(super::VMLINUX).expect("reading kernel BTF");
-        let copy = super::mapped_copy(&bytes).expect("kernel BTF in a memfd");
-        let from_copy = super::offsets_in(copy).expect("offsets from the copy");
-        assert_eq!(from_copy, super::sock_offsets().expect("offsets"));
+        let whole = btf_rs::Btf::from_bytes(&bytes).expect("parsing kernel BTF");
+        let want = super::offsets_in(whole).expect("offsets from a whole parse");
+        let mut file = std::fs::File::open(super::VMLINUX).expect("opening kernel BTF");
+        let copy = super::mapped_copy(&mut file).expect("kernel BTF in a memfd");
+        assert_eq!(
+            super::offsets_in(copy).expect("offsets from the copy"),
+            want
+        );
+        assert_eq!(super::sock_offsets().expect("offsets"), want);
     }
 }

@@ -74,9 +74,10 @@ pub fn load(
         None
     };
     let tick_clock = super::clock::tick_clock().context("measuring the kernel tick")?;
-    // EbpfLoader::new() parses the kernel's BTF and keeps it private, and the tracepoints'
-    // load needs a parse too: the loader's is dropped before the one that serves both
-    // is made, so that the daemon's peak memory holds one.
+    // EbpfLoader::new() parses the kernel's BTF and keeps it private; the tracepoints'
+    // load needs a parse of its own to find their types. The loader's is dropped before
+    // that one is made, so that one is held at a time, and the loader is given it for
+    // CO-RE relocations (the object has none; without BTF any would be skipped).
     let mut loader = EbpfLoader::new();
     loader.btf(None);
     let btf = Btf::from_sys_fs().context("reading kernel BTF from /sys/kernel/btf/vmlinux")?;
@@ -97,7 +98,6 @@ pub fn load(
         loader.map_pin_path(name, state.map_path(name));
     }
     let mut ebpf = loader.load(OBJECT).context("loading the eBPF object")?;
-    drop(loader);
     if state.adopted {
         warn_pinned_size(state, destinations);
     }
