@@ -2,8 +2,6 @@
 //! (/sys/kernel/btf/vmlinux): Rust eBPF programs have no CO-RE relocations, so the
 //! listener program gets them as read-only globals.
 use std::{
-    cell::RefCell,
-    collections::HashMap,
     fs::File,
     io::Read,
     os::fd::{AsRawFd, FromRawFd},
@@ -28,20 +26,22 @@ pub fn sock_offsets() -> anyhow::Result<SockOffsets> {
 }
 
 fn find_sock_offsets() -> anyhow::Result<SockOffsets> {
-    offsets_in(kernel_btf()?)
+    offsets_in(&kernel_btf()?)
 }
 
 /// The offsets in `btf`.
-fn offsets_in(btf: Btf) -> anyhow::Result<SockOffsets> {
-    let btf = Structs::new(btf);
+fn offsets_in(btf: &Btf) -> anyhow::Result<SockOffsets> {
+    // Each root struct is found once: a lookup by name reads every type's name.
+    let root = |name: &'static str| struct_named(btf, name).map(|ty| (name, ty));
+    let tcp_sock = root("tcp_sock")?;
+    let (net, socket, file, inode) = (root("net")?, root("socket")?, root("file")?, root("inode")?);
     let sock = ["inet_conn", "icsk_inet", "sk"];
-    let field = |root: &str, path: &[&str], size: usize| -> anyhow::Result<u32> {
-        let (offset, found) = btf
-            .offset_of(root, path)
-            .with_context(|| format!("struct {root}: {}", path.join(".")))?;
+    let field = |(name, ty): &(&str, Type), path: &[&str], size: usize| -> anyhow::Result<u32> {
+        let (offset, found) = offset_of(btf, ty, path)
+            .with_context(|| format!("struct {name}: {}", path.join(".")))?;
         if found != size {
             bail!(
-                "struct {root}: {} is {found} bytes, not {size}",
+                "struct {name}: {} is {found} bytes, not {size}",
                 path.join(".")
             );
         }
@@ -51,22 +51,22 @@ fn offsets_in(btf: Btf) -> anyhow::Result<SockOffsets> {
     // struct sock starts struct tcp_sock: its offsets are the socket's.
     let common = |name: &'static str, size: usize| {
         field(
-            "tcp_sock",
+            &tcp_sock,
             &[&sock[..], &["__sk_common", name]].concat(),
             size,
         )
     };
     Ok(SockOffsets {
-        ack_backlog: field("tcp_sock", &in_sock("sk_ack_backlog"), 4)?,
-        max_ack_backlog: field("tcp_sock", &in_sock("sk_max_ack_backlog"), 4)?,
-        syn_queue: field("tcp_sock", &["inet_conn", "icsk_accept_queue", "qlen"], 4)?,
-        young: field("tcp_sock", &["inet_conn", "icsk_accept_queue", "young"], 4)?,
+        ack_backlog: field(&tcp_sock, &in_sock("sk_ack_backlog"), 4)?,
+        max_ack_backlog: field(&tcp_sock, &in_sock("sk_max_ack_backlog"), 4)?,
+        syn_queue: field(&tcp_sock, &["inet_conn", "icsk_accept_queue", "qlen"], 4)?,
+        young: field(&tcp_sock, &["inet_conn", "icsk_accept_queue", "young"], 4)?,
         net: common("skc_net", 8)?,
-        net_inum: field("net", &["ns", "inum"], 4)?,
-        sk_socket: field("tcp_sock", &in_sock("sk_socket"), 8)?,
-        socket_file: field("socket", &["file"], 8)?,
-        file_inode: field("file", &["f_inode"], 8)?,
-        inode_ino: field("inode", &["i_ino"], 8)?,
+        net_inum: field(&net, &["ns", "inum"], 4)?,
+        sk_socket: field(&tcp_sock, &in_sock("sk_socket"), 8)?,
+        socket_file: field(&socket, &["file"], 8)?,
+        file_inode: field(&file, &["f_inode"], 8)?,
+        inode_ino: field(&inode, &["i_ino"], 8)?,
         family: common("skc_family", 2)?,
         num: common("skc_num", 2)?,
         daddr: common("skc_daddr", 4)?,
@@ -104,51 +104,25 @@ fn mapped_copy(from: &mut impl Read) -> anyhow::Result<Btf> {
         .with_context(|| format!("parsing {VMLINUX} (a copy in a memfd)"))
 }
 
-/// Kernel BTF with each root struct found once: a lookup by name reads every type's name.
-struct Structs {
-    btf: Btf,
-    found: RefCell<HashMap<String, Type>>,
+/// struct `name`.
+fn struct_named(btf: &Btf, name: &str) -> anyhow::Result<Type> {
+    btf.resolve_types_by_name(name)?
+        .into_iter()
+        .find(|t| matches!(t, Type::Struct(_)))
+        .with_context(|| format!("no struct {name}"))
 }
 
-impl Structs {
-    fn new(btf: Btf) -> Structs {
-        Structs {
-            btf,
-            found: RefCell::new(HashMap::new()),
-        }
+/// The byte offset and size of the member at `path` in struct `root`. A member inside
+/// an anonymous struct or union is found by its own name.
+fn offset_of(btf: &Btf, root: &Type, path: &[&str]) -> anyhow::Result<(u32, usize)> {
+    let mut ty = root.clone();
+    let mut offset = 0;
+    for name in path {
+        let (bits, member_ty) = member(btf, &ty, name)?.with_context(|| format!("no {name}"))?;
+        offset += bits / 8;
+        ty = member_ty;
     }
-
-    /// struct `name`.
-    fn root(&self, name: &str) -> anyhow::Result<Type> {
-        if let Some(ty) = self.found.borrow().get(name) {
-            return Ok(ty.clone());
-        }
-        let ty = self
-            .btf
-            .resolve_types_by_name(name)?
-            .into_iter()
-            .find(|t| matches!(t, Type::Struct(_)))
-            .with_context(|| format!("no struct {name}"))?;
-        self.found.borrow_mut().insert(name.to_string(), ty.clone());
-        Ok(ty)
-    }
-
-    /// The byte offset and size of the member at `path` in struct `root`. A member
-    /// inside an anonymous struct or union is found by its own name.
-    fn offset_of(&self, root: &str, path: &[&str]) -> anyhow::Result<(u32, usize)> {
-        let mut ty = self.root(root)?;
-        let mut offset = 0;
-        for name in path {
-            let (bits, member_ty) =
-                member(&self.btf, &ty, name)?.with_context(|| format!("no {name}"))?;
-            if bits % 8 != 0 {
-                bail!("{name} is a bitfield");
-            }
-            offset += bits / 8;
-            ty = member_ty;
-        }
-        Ok((offset, size_of(&self.btf, &ty)?))
-    }
+    Ok((offset, size_of(btf, &ty)?))
 }
 
 /// The bit offset and type of the member `name` of struct or union `ty`.
@@ -165,7 +139,7 @@ fn member(btf: &Btf, ty: &Type, name: &str) -> anyhow::Result<Option<(u32, Type)
         }
         let member_ty = concrete(btf, btf.resolve_chained_type(m)?)?;
         if member_name == name {
-            if m.bitfield_size().is_some_and(|bits| bits != 0) {
+            if m.bitfield_size().is_some_and(|bits| bits != 0) || m.bit_offset() % 8 != 0 {
                 bail!("{name} is a bitfield");
             }
             return Ok(Some((m.bit_offset(), member_ty)));
@@ -229,11 +203,11 @@ mod tests {
     fn mapped_and_copied_kernel_btf_give_the_offsets_of_a_whole_parse() {
         let bytes = std::fs::read(super::VMLINUX).expect("reading kernel BTF");
         let whole = btf_rs::Btf::from_bytes(&bytes).expect("parsing kernel BTF");
-        let want = super::offsets_in(whole).expect("offsets from a whole parse");
+        let want = super::offsets_in(&whole).expect("offsets from a whole parse");
         let mut file = std::fs::File::open(super::VMLINUX).expect("opening kernel BTF");
         let copy = super::mapped_copy(&mut file).expect("kernel BTF in a memfd");
         assert_eq!(
-            super::offsets_in(copy).expect("offsets from the copy"),
+            super::offsets_in(&copy).expect("offsets from the copy"),
             want
         );
         assert_eq!(super::sock_offsets().expect("offsets"), want);
