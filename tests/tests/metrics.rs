@@ -163,8 +163,11 @@ fn full_maps_lose_diagnostic_events_apart_from_fail_open_admissions() {
     // Two servers: the second one's destination has no counter yet when COUNTERS is full.
     let (first, second) = (Server::start("127.0.0.1:0"), Server::start("127.0.0.1:0"));
     let cg = Cgroup::new("lost");
+    // A destination map of 4,096 entries, full after as many inserts where the default
+    // size takes 262,144 system calls.
     let d = Daemon::builder(Policy::new().scope(Scope::new("lost", &cg.rel).max_connections(100)))
         .metrics()
+        .args(&["--max-destinations", "4096"])
         .start();
     let entries = fill(&mut pinned::<TimeWaitKey, u64>("TIME_WAITS"), |i| {
         TimeWaitKey {

@@ -111,6 +111,22 @@ const DAEMONLESS: &[&str] = &[
     "top_shows_the_exhausted_destination_in_a_terminal_and_quits_on_q",
 ];
 
+/// The integration tests that do not run in the guests: their subject is the daemon's
+/// user space (a policy's files and their scale, the control socket, the unit file and
+/// readiness, the metric names the packaging uses, a drill's validation), which takes
+/// the same path on every kernel, and the host runs them whole. Each must be a test of
+/// tests/tests (a unit test checks), so that a renamed one cannot linger here.
+const HOST_ONLY: &[&str] = &[
+    "the_whole_host_with_50000_cgroups_applies_and_reloads",
+    "stalled_and_flooding_clients_delay_nobody",
+    "concurrent_stats_clients_each_get_a_whole_document",
+    "control_socket_is_private_and_never_replaces_a_file",
+    "the_unit_passes_systemd_analyze_verify",
+    "readiness_is_sent_once_the_policy_is_applied",
+    "shipped_alerts_and_dashboard_use_the_exported_metrics",
+    "bad_drills_are_refused",
+];
+
 /// What one guest found and ran, kept in target/vm/run-SERIES/result.json for the
 /// kernel table of docs/kernels.md.
 #[derive(Debug, Serialize, Deserialize)]
@@ -280,22 +296,26 @@ fn prepare(
     let initrd = initramfs(&vm, &kernel, &release)?;
     let work = vm.join(format!("run-{}", series.name));
     std::fs::create_dir_all(&work)?;
-    // The guest asks `connguard kernel` whether the daemon can run there; if not, only
-    // DAEMONLESS run (or what `args` name).
-    let filters = if args.is_empty() {
-        format!("--exact {}", DAEMONLESS.join(" "))
+    // The guest asks `connguard kernel` whether the daemon can run there; if so, every
+    // test but HOST_ONLY runs, else only DAEMONLESS (or, either way, what `args` name).
+    let (capable, below) = if args.is_empty() {
+        (
+            HOST_ONLY
+                .iter()
+                .fold("--exact".to_string(), |f, t| f + " --skip " + t),
+            format!("--exact {}", DAEMONLESS.join(" ")),
+        )
     } else {
-        args.join(" ")
+        (args.join(" "), args.join(" "))
     };
     // The restart churn runs 2 minutes on the host and 1 in each guest: the same
     // kernel paths, in less of a guest's time.
     let connguard = root.join("target/release/connguard");
     let mut text = format!(
-        "cd {}\nK=$({} kernel --json) && FILTER='{}' || {{ FILTER='{filters}'; echo BELOW_MINIMUM; }}\n\
+        "cd {}\nK=$({} kernel --json) && FILTER='{capable}' || {{ FILTER='{below}'; echo BELOW_MINIMUM; }}\n\
          echo \"FEATURES $K\"\nstatus=0\nexport {CHURN_SECONDS_VAR}={GUEST_CHURN_SECONDS}\n",
         root.display(),
         connguard.display(),
-        args.join(" "),
     );
     for b in binaries {
         let run = format!("{b} --test-threads=1 $FILTER");
@@ -913,6 +933,22 @@ mod tests {
         // Where no guest runs the daemon, that guest's share alone.
         let below = super::shares(&series[..1], &binaries);
         assert_eq!((below.len(), below[0].1.len()), (1, 6));
+    }
+
+    #[test]
+    fn host_only_and_daemonless_tests_are_tests_of_the_suite() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/tests");
+        let mut suite = String::new();
+        for file in std::fs::read_dir(&dir).unwrap() {
+            suite += &std::fs::read_to_string(file.unwrap().path()).unwrap();
+        }
+        for name in super::HOST_ONLY.iter().chain(super::DAEMONLESS) {
+            assert!(
+                suite.contains(&format!("#[test]\nfn {name}()")),
+                "{name} is no test of {}",
+                dir.display()
+            );
+        }
     }
 
     #[test]
