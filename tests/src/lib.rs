@@ -1035,6 +1035,18 @@ pub fn churn_length() -> Duration {
     }))
 }
 
+/// The variable that sets how many cgroups the whole-host policy test makes (default
+/// 50,000), which the kernel matrix's runner sets in each guest.
+pub const WHOLE_HOST_CGROUPS_VAR: &str = "CONNGUARD_WHOLE_HOST_CGROUPS";
+
+/// How many cgroups the whole-host policy test makes: WHOLE_HOST_CGROUPS_VAR, else 50,000.
+pub fn whole_host_cgroups() -> usize {
+    std::env::var(WHOLE_HOST_CGROUPS_VAR).map_or(50_000, |s| {
+        s.parse()
+            .unwrap_or_else(|_| panic!("{WHOLE_HOST_CGROUPS_VAR}={s}: not a number of cgroups"))
+    })
+}
+
 /// A free TCP port on 127.0.0.1 (bound, then released for a server to take).
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
