@@ -1029,10 +1029,7 @@ pub const CHURN_SECONDS_VAR: &str = "CONNGUARD_CHURN_SECONDS";
 
 /// The restart churn test's length: CHURN_SECONDS_VAR, else 2 minutes.
 pub fn churn_length() -> Duration {
-    Duration::from_secs(std::env::var(CHURN_SECONDS_VAR).map_or(120, |s| {
-        s.parse()
-            .unwrap_or_else(|_| panic!("{CHURN_SECONDS_VAR}={s}: not a number of seconds"))
-    }))
+    Duration::from_secs(number_from_env(CHURN_SECONDS_VAR, 120))
 }
 
 /// The variable that sets how many cgroups the whole-host policy test makes (default
@@ -1040,10 +1037,16 @@ pub fn churn_length() -> Duration {
 pub const WHOLE_HOST_CGROUPS_VAR: &str = "CONNGUARD_WHOLE_HOST_CGROUPS";
 
 /// How many cgroups the whole-host policy test makes: WHOLE_HOST_CGROUPS_VAR, else 50,000.
-pub fn whole_host_cgroups() -> usize {
-    std::env::var(WHOLE_HOST_CGROUPS_VAR).map_or(50_000, |s| {
+pub fn whole_host_cgroups() -> u64 {
+    number_from_env(WHOLE_HOST_CGROUPS_VAR, 50_000)
+}
+
+/// The number in the environment variable `var`, else `default`; a test's setting, so
+/// anything else in it ends the test.
+fn number_from_env(var: &str, default: u64) -> u64 {
+    std::env::var(var).map_or(default, |s| {
         s.parse()
-            .unwrap_or_else(|_| panic!("{WHOLE_HOST_CGROUPS_VAR}={s}: not a number of cgroups"))
+            .unwrap_or_else(|_| panic!("{var}={s}: not a whole number"))
     })
 }
 

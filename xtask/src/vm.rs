@@ -309,8 +309,9 @@ fn prepare(
     } else {
         (args.join(" ") + &skips, args.join(" "))
     };
-    // The restart churn runs 2 minutes on the host and 1 in each guest: the same
-    // kernel paths, in less of a guest's time.
+    // The restart churn runs 2 minutes on the host and 1 in each guest, the whole-host
+    // policy 50,000 cgroups on the host and 2,000 in each guest: the same kernel paths,
+    // in less of a guest's time.
     let connguard = root.join("target/release/connguard");
     let mut text = format!(
         "cd {}\nK=$({} kernel --json) && FILTER='{capable}' || {{ FILTER='{below}'; echo BELOW_MINIMUM; }}\n\
@@ -953,7 +954,6 @@ mod tests {
         }
         // A guest's --skip matches a part of a name: each of HOST_ONLY only its own.
         for name in super::HOST_ONLY {
-            assert_eq!(suite.matches(&format!("fn {name}")).count(), 1, "{name}");
             assert_eq!(
                 suite.matches(name).count(),
                 1,
